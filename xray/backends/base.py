@@ -1,0 +1,126 @@
+"""The two contracts every backend meets: a training engine and a generation engine.
+
+An engine is the per-device object a Workhorse holds: one shard of one model. It lives in a
+process whose `torch.distributed` default group is already initialised by the Workhorse over
+exactly that model's shards (gloo on CPU, NCCL on GPU); the engine builds its own sub-groups
+(Megatron's tensor / pipeline / data groups, DeepSpeed's ZeRO group) inside it.
+
+Backends never import Ray, and nothing imports a backend at `import xray` time: the registry in
+`xray.backends` loads them lazily by name.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+
+from xray.config.parallel import ParallelDims
+from xray.data.batch import Batch
+
+# A loss function for `TrainEngine.train_step`: given the model outputs of one micro-batch
+# (keys from xray.data.columns: LOGPROBS and ENTROPY for a policy head, VALUES for a value head;
+# each [b, T-1]) and that micro-batch, return the scalar loss and float metrics to report.
+LossFn = Callable[[dict[str, torch.Tensor], Batch], "tuple[torch.Tensor, dict[str, float]]"]
+
+# Full tensors with Hugging Face names, in buckets of bounded size.
+WeightBucket = list[tuple[str, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """What a shard reports about itself, so its WholeModel knows who collects."""
+
+    rank: int
+    world_size: int
+    tp_rank: int
+    tp_size: int
+    pp_rank: int
+    pp_size: int
+    dp_rank: int
+    dp_size: int
+    collects: bool
+    """True for the shard whose answer stands for its data-parallel replica."""
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """Optimizer and schedule settings shared by the training backends."""
+
+    lr: float = 1e-5
+    """Peak learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW betas."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value (0 disables clipping)."""
+    warmup_steps: int = 0
+    """Linear warm-up from 0 to `lr` over this many optimizer steps, then constant."""
+
+
+class TrainEngine(ABC):
+    """One shard of a trainable model (actor, critic or reference)."""
+
+    @abstractmethod
+    def shard_info(self) -> ShardInfo:
+        """This shard's ranks and whether it collects for its replica."""
+
+    @abstractmethod
+    def forward(self, batch: Batch) -> dict[str, torch.Tensor] | None:
+        """Outputs for `batch` (INPUT_IDS, ATTENTION_MASK): LOGPROBS [B, T-1] (and ENTROPY) for a
+        policy head, VALUES [B, T-1] for a value head. Returns None on non-collecting shards."""
+
+    @abstractmethod
+    def train_step(self, batch: Batch, loss_fn: LossFn, micro_batch_size: int) -> dict[str, float]:
+        """One optimizer step over `batch` (this replica's slice), in micro-batches; gradients
+        all-reduced over data parallel, clipped, stepped. Returns metrics averaged over the
+        micro-batches and replicas (loss, grad_norm, lr, and the loss function's metrics)."""
+
+    @abstractmethod
+    def export_weights(self, bucket_bytes: int = 64 << 20) -> Iterator[WeightBucket]:
+        """Yield the full weights with Hugging Face names, in buckets of at most `bucket_bytes`
+        (a single larger tensor is its own bucket). Every shard must iterate (gathers are
+        collective); only shards where `exports()` is true yield tensors."""
+
+    @abstractmethod
+    def exports(self) -> bool:
+        """True on the one shard that yields the exported weights (global rank 0)."""
+
+    @abstractmethod
+    def save(self, directory: str) -> None:
+        """Save this shard's full training state (weights, optimizer, scheduler, RNG)."""
+
+    @abstractmethod
+    def load(self, directory: str) -> None:
+        """Load what `save` wrote, into a freshly built engine of the same layout."""
+
+
+class GenerationEngine(ABC):
+    """One data-parallel replica of a rollout engine (vLLM, DeepSpeed-Inference)."""
+
+    @abstractmethod
+    def generate(self, prompts: list[list[int]], sampling: dict[str, Any]) -> Batch:
+        """Sample responses. `sampling` holds temperature, top_p, top_k, max_new_tokens, n,
+        stop_token_ids, seed. Returns a Batch with list columns PROMPT_IDS, RESPONSE_IDS,
+        "response_logprobs" (list of lists of float) and "finish_reason", n rows per prompt."""
+
+    @abstractmethod
+    def load_weights(self, bucket: WeightBucket) -> None:
+        """Load full tensors with Hugging Face names in place."""
+
+    @abstractmethod
+    def logprobs(self, sequences: list[list[int]], prompt_lens: list[int]) -> list[list[float]]:
+        """Log-probabilities of each sequence's tokens after its prompt, as the engine computes
+        them (used to verify a weight sync)."""
+
+
+def layout_of(parallel: ParallelDims, rank: int) -> ShardInfo:
+    """The ShardInfo of `rank` in Megatron's default rank order."""
+    c = parallel.coords(rank)
+    return ShardInfo(rank=rank, world_size=parallel.world_size, tp_rank=c.tp_rank, tp_size=parallel.tp,
+                     pp_rank=c.pp_rank, pp_size=parallel.pp, dp_rank=c.dp_rank, dp_size=parallel.dp,
+                     collects=parallel.is_collector(rank))

@@ -1,0 +1,83 @@
+"""Tiny random Hugging Face models built locally: what tests, checks and benchmarks run on.
+
+There is no model hub on our machines, so every test builds its model here: a real
+`transformers` Llama or Qwen2 directory (config.json + safetensors), seeded, small enough for CPU.
+vLLM's CPU attention needs head_dim >= 32, so the defaults keep head_dim = 32.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+
+@dataclass(frozen=True)
+class TinySpec:
+    """Sizes of a tiny decoder-only model."""
+
+    arch: str = "llama"
+    """`llama` or `qwen2` (Qwen2 adds biases on q/k/v)."""
+    vocab_size: int = 256
+    """Token ids are 0..vocab_size-1."""
+    hidden_size: int = 128
+    """Model width; head_dim = hidden_size / num_heads."""
+    intermediate_size: int = 256
+    """SwiGLU inner width."""
+    num_layers: int = 2
+    """Decoder layers."""
+    num_heads: int = 4
+    """Attention heads."""
+    num_kv_heads: int = 2
+    """Key/value heads (grouped-query attention when fewer than num_heads)."""
+    max_position_embeddings: int = 512
+    """Longest sequence."""
+    rope_theta: float = 10000.0
+    """RoPE base."""
+    tie_word_embeddings: bool = False
+    """Share the input embedding with the output layer."""
+
+
+# The benchmark model of the issues: a 19M-parameter Llama, 6 layers, hidden 512.
+BENCH_19M = TinySpec(vocab_size=8192, hidden_size=512, intermediate_size=1376, num_layers=6,
+                     num_heads=8, num_kv_heads=8, max_position_embeddings=1024)
+
+
+def hf_config(spec: TinySpec):
+    """The `transformers` config object for `spec`."""
+    from transformers import LlamaConfig, Qwen2Config
+
+    common = dict(vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
+                  intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_layers,
+                  num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
+                  max_position_embeddings=spec.max_position_embeddings, rope_theta=spec.rope_theta,
+                  tie_word_embeddings=spec.tie_word_embeddings, rms_norm_eps=1e-6,
+                  bos_token_id=1, eos_token_id=2, pad_token_id=0, dtype="float32")
+    if spec.arch == "llama":
+        return LlamaConfig(**common)
+    if spec.arch == "qwen2":
+        return Qwen2Config(**common, use_sliding_window=False)
+    raise ValueError(f"unknown tiny architecture {spec.arch!r}; use 'llama' or 'qwen2'")
+
+
+def build_tiny_model(directory: str | Path, spec: TinySpec = TinySpec(), seed: int = 0,
+                     init_std: float = 0.02) -> Path:
+    """Write a seeded random model of `spec` to `directory` and return its path."""
+    from transformers import AutoModelForCausalLM
+
+    directory = Path(directory)
+    config = hf_config(spec)
+    config.initializer_range = init_std
+    gen_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        if spec.arch == "qwen2":  # give the q/k/v biases non-zero values so they are exercised
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    torch.nn.init.normal_(proj.bias, std=init_std)
+    finally:
+        torch.random.set_rng_state(gen_state)
+    directory.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(directory, safe_serialization=True)
+    return directory
