@@ -1,0 +1,67 @@
+"""`python -m xray.train`: dry run prints the plan; user errors are one line, no traceback."""
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytestmark = pytest.mark.unit
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run(*args, timeout=60):
+    t0 = time.perf_counter()
+    p = subprocess.run([sys.executable, "-m", "xray.train", *args], cwd=ROOT, capture_output=True,
+                       text=True, timeout=timeout)
+    return p, time.perf_counter() - t0
+
+
+def test_dry_run_prints_config_and_plan():
+    p, seconds = run("ppo", "--dry-run")
+    assert p.returncode == 0, p.stderr
+    assert seconds < 20
+    assert "placement plan (backend megatron-vllm" in p.stdout
+    assert "actor     megatron  group=train_group" in p.stdout
+    assert "workhorses=1 tp=1 pp=1 dp=1" in p.stdout
+    assert yaml.safe_load(p.stdout.split("placement plan")[0])["ppo"]["kl_coef"] == 0.05
+
+
+def test_unknown_override_fails_fast_naming_the_key():
+    p, seconds = run("ppo", "--dry-run", "--no_such_section.no_such_key=1")
+    assert p.returncode != 0 and seconds < 10
+    assert "no_such_section.no_such_key" in p.stderr
+    assert "Traceback" not in p.stderr and "Traceback" not in p.stdout
+
+
+def write(tmp_path, name, groups):
+    cfg = yaml.safe_load((ROOT / "configs/ppo_tiny_cpu.yaml").read_text())
+    cfg["device_groups"] = groups
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+@pytest.mark.parametrize("name, groups, needle", [
+    ("shared.yaml", {"nproc_per_node": 2,
+                     "train_group": {"device": "CPU", "ranks": [0, 1], "workers": ["actor", "critic", "reference"]},
+                     "rollout_group": {"device": "CPU", "ranks": [1], "workers": ["rollout"]}},
+     "groups 'train_group' and 'rollout_group' share ranks [1]"),
+    ("beyond.yaml", {"nproc_per_node": 2,
+                     "train_group": {"device": "CPU", "ranks": [0], "workers": ["actor", "critic", "reference"]},
+                     "rollout_group": {"device": "CPU", "ranks": "list(range(1, 4))", "workers": ["rollout"]}},
+     "ranks [2, 3] are beyond the 2 devices"),
+])
+def test_bad_device_groups_fail_naming_the_groups(tmp_path, name, groups, needle):
+    p, _ = run("ppo", "--dry-run", "--config", str(write(tmp_path, name, groups)))
+    assert p.returncode == 2
+    assert needle in p.stderr and "rollout_group" in p.stderr
+    assert "Traceback" not in p.stderr
+
+
+def test_bad_backend_and_missing_config():
+    p, _ = run("ppo", "--dry-run", "--backend", "megatron-foo")
+    assert p.returncode == 2 and "choose one of megatron-vllm" in p.stderr
+    p, _ = run("ppo", "--dry-run", "--config", "nope.yaml")
+    assert p.returncode == 2 and "'nope.yaml' does not exist" in p.stderr

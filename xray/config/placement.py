@@ -1,0 +1,178 @@
+"""The `device_groups` section: named sets of devices and the roles placed on each.
+
+Format (DESIGN.md), as in ms-swift's Ray support:
+
+    device_groups:
+      nproc_per_node: 4          # devices per node the cluster must offer
+      nnodes: 1                  # nodes (optional, default 1)
+      train_group:               # any name
+        device: GPU              # GPU or CPU
+        ranks: list(range(0, 2)) # device indices: a list, an int count, or list(range(a, b))
+        workers: [actor, critic, reference]
+
+Ranks are global device indices in [0, nnodes * nproc_per_node); rank r lives on node
+r // nproc_per_node, so a group may span nodes. An int count `n` takes the next `n` indices after
+the groups written before it. On CPU a "device" is one Workhorse process with a fixed number of
+torch threads. `list(range(...))` is parsed with a pattern, never evaluated.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from xray.config.typed import ConfigError
+
+ROLES = ("actor", "critic", "reference", "reward", "rollout")
+_RANGE = re.compile(r"^\s*(?:list\(\s*)?range\(\s*(-?\d+)\s*(?:,\s*(-?\d+)\s*)?\)\s*(?:\))?\s*$")
+_LIST = re.compile(r"^\s*\[\s*(-?\d+\s*(?:,\s*-?\d+\s*)*)?,?\s*\]\s*$")
+
+
+@dataclass(frozen=True)
+class DeviceGroup:
+    """One named set of devices and the roles placed on it."""
+
+    name: str
+    """The group's key in the YAML."""
+    device: str
+    """`GPU` or `CPU`."""
+    ranks: tuple[int, ...]
+    """Global device indices."""
+    workers: tuple[str, ...]
+    """Roles placed on these devices (they share them: colocation)."""
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+
+@dataclass(frozen=True)
+class DeviceGroups:
+    """All device groups of a run, checked against each other."""
+
+    nproc_per_node: int = 2
+    """Devices per node the cluster must offer."""
+    nnodes: int = 1
+    """Nodes in the cluster."""
+    groups: tuple[DeviceGroup, ...] = field(default_factory=tuple)
+    """The named groups, in YAML order."""
+
+    @classmethod
+    def from_config(cls, data: Any, path: str = "device_groups") -> "DeviceGroups":
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: expected a mapping with nproc_per_node and named groups")
+        nproc = _positive_int(data.get("nproc_per_node", 2), f"{path}.nproc_per_node")
+        nnodes = _positive_int(data.get("nnodes", 1), f"{path}.nnodes")
+        groups, offset = [], 0
+        for name, body in data.items():
+            if name in ("nproc_per_node", "nnodes"):
+                continue
+            group = _parse_group(str(name), body, offset, f"{path}.{name}")
+            offset = max(offset, max(group.ranks) + 1) if group.ranks else offset
+            groups.append(group)
+        result = cls(nproc_per_node=nproc, nnodes=nnodes, groups=tuple(groups))
+        result.check(path)
+        return result
+
+    def check(self, path: str = "device_groups") -> None:
+        """Overlapping ranks, ranks past the cluster, and a role in two groups are errors."""
+        total = self.nproc_per_node * self.nnodes
+        owner: dict[int, str] = {}
+        for g in self.groups:
+            beyond = [r for r in g.ranks if r >= total]
+            if beyond:
+                raise ConfigError(
+                    f"{path}.{g.name}.ranks: ranks {beyond} are beyond the {total} devices of "
+                    f"nproc_per_node={self.nproc_per_node} x nnodes={self.nnodes}; lower the ranks "
+                    f"of group {g.name!r} or raise {path}.nproc_per_node (or nnodes)")
+            for r in g.ranks:
+                if r in owner:
+                    shared = sorted(set(g.ranks) & {k for k, v in owner.items() if v == owner[r]})
+                    raise ConfigError(
+                        f"{path}: groups {owner[r]!r} and {g.name!r} share ranks {shared}; give each "
+                        "group its own ranks, or place both groups' workers in one group to colocate them")
+                owner[r] = g.name
+        seen: dict[str, str] = {}
+        for g in self.groups:
+            for w in g.workers:
+                if w in seen:
+                    raise ConfigError(
+                        f"{path}: role {w!r} is placed in two groups, {seen[w]!r} and {g.name!r}; "
+                        "list each role in exactly one group's workers")
+                seen[w] = g.name
+
+    def group_of(self, role: str) -> DeviceGroup | None:
+        for g in self.groups:
+            if role in g.workers:
+                return g
+        return None
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.nproc_per_node
+
+    def to_plain(self) -> dict:
+        out: dict[str, Any] = {"nproc_per_node": self.nproc_per_node, "nnodes": self.nnodes}
+        for g in self.groups:
+            out[g.name] = {"device": g.device, "ranks": list(g.ranks), "workers": list(g.workers)}
+        return out
+
+
+def _positive_int(value: Any, path: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"{path}: expected a positive integer, got {value!r}")
+    return value
+
+
+def parse_ranks(value: Any, offset: int, path: str) -> tuple[int, ...]:
+    """A list of ints, an int count (the next `count` indices after `offset`), or
+    `list(range(a, b))` / `range(a, b)` / `"[0, 1]"` as a string."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{path}: expected a list of device indices or a count, got {value!r}")
+    if isinstance(value, int):
+        if value < 1:
+            raise ConfigError(f"{path}: a device count must be at least 1, got {value}")
+        return tuple(range(offset, offset + value))
+    if isinstance(value, str):
+        m = _RANGE.match(value)
+        if m:
+            a, b = (int(m.group(1)), int(m.group(2))) if m.group(2) else (0, int(m.group(1)))
+            value = list(range(a, b))
+        elif _LIST.match(value):
+            inner = value.strip()[1:-1].strip().rstrip(",")
+            value = [int(x) for x in inner.split(",")] if inner else []
+        else:
+            raise ConfigError(f"{path}: cannot read ranks {value!r}; write a list like [0, 1], "
+                              "a count like 2, or list(range(0, 2))")
+    if not isinstance(value, (list, tuple)) or not all(isinstance(r, int) and not isinstance(r, bool)
+                                                       for r in value):
+        raise ConfigError(f"{path}: expected a list of device indices, got {value!r}")
+    if not value:
+        raise ConfigError(f"{path}: a group needs at least one rank")
+    if any(r < 0 for r in value) or len(set(value)) != len(value):
+        raise ConfigError(f"{path}: ranks must be distinct non-negative indices, got {list(value)}")
+    return tuple(value)
+
+
+def _parse_group(name: str, body: Any, offset: int, path: str) -> DeviceGroup:
+    if not isinstance(body, dict):
+        raise ConfigError(f"{path}: a device group is a mapping with device, ranks and workers")
+    unknown = set(body) - {"device", "ranks", "workers"}
+    if unknown:
+        raise ConfigError(f"unknown key {path}.{sorted(unknown)[0]!r}; a device group has device, ranks, workers")
+    device = str(body.get("device", "CPU")).upper()
+    if device not in ("GPU", "CPU"):
+        raise ConfigError(f"{path}.device: must be GPU or CPU, got {body.get('device')!r}")
+    if "ranks" not in body:
+        raise ConfigError(f"{path}.ranks: missing; give device indices, a count, or list(range(a, b))")
+    ranks = parse_ranks(body["ranks"], offset, f"{path}.ranks")
+    workers = body.get("workers", [])
+    if isinstance(workers, str):
+        workers = [workers]
+    if not isinstance(workers, list) or not workers:
+        raise ConfigError(f"{path}.workers: list the roles placed here, from {', '.join(ROLES)}")
+    bad = [w for w in workers if w not in ROLES]
+    if bad:
+        raise ConfigError(f"{path}.workers: unknown roles {bad}; roles are {', '.join(ROLES)}")
+    if len(set(workers)) != len(workers):
+        raise ConfigError(f"{path}.workers: a role is listed twice in {workers}")
+    return DeviceGroup(name=name, device=device, ranks=ranks, workers=tuple(workers))

@@ -1,0 +1,150 @@
+"""Cross-field checks of a run config, and the placement plan they produce.
+
+`plan_run(cfg, backend)` checks everything that can be known before Ray starts (each role placed
+once, layouts matching their group's size, batch sizes dividing what they must) and returns the
+`Plan`: which role runs on which device group, how many Workhorses, with what tp/pp/dp, on which
+nodes. The runtime applies exactly this plan; `--dry-run` prints it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from xray.backends import split_pair
+from xray.config.parallel import LayoutError, ParallelDims
+from xray.config.schema import RunConfig
+from xray.config.typed import ConfigError
+
+TRAINED_ROLES = ("actor", "critic", "reference")
+
+
+@dataclass(frozen=True)
+class RolePlan:
+    """How one role is laid out."""
+
+    role: str
+    """actor, critic, reference, reward or rollout."""
+    backend: str
+    """megatron, deepspeed, vllm, dsinfer, or hf (the reward model)."""
+    group: str
+    """Device group name."""
+    device: str
+    """GPU or CPU."""
+    ranks: tuple[int, ...]
+    """Global device indices, one Workhorse each."""
+    nodes: tuple[int, ...]
+    """Node of each Workhorse."""
+    parallel: ParallelDims
+    """tp / pp / dp of the role."""
+
+    @property
+    def num_workhorses(self) -> int:
+        return len(self.ranks)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The placement of every role of a run."""
+
+    backend: str
+    roles: tuple[RolePlan, ...]
+    nproc_per_node: int
+    nnodes: int
+
+    def role(self, name: str) -> RolePlan:
+        for r in self.roles:
+            if r.role == name:
+                return r
+        raise KeyError(f"role {name!r} is not in this plan")
+
+    def describe(self) -> str:
+        lines = [f"placement plan (backend {self.backend}; {self.nnodes} node(s) x "
+                 f"{self.nproc_per_node} devices):"]
+        for r in self.roles:
+            p = r.parallel
+            lines.append(
+                f"  {r.role:<9} {r.backend:<9} group={r.group:<14} {r.device} ranks={list(r.ranks)} "
+                f"nodes={sorted(set(r.nodes))} workhorses={r.num_workhorses} tp={p.tp} pp={p.pp} dp={p.dp}")
+        return "\n".join(lines)
+
+
+def needed_roles(cfg: RunConfig) -> tuple[str, ...]:
+    roles = ["rollout", "actor", "critic", "reference"]
+    if cfg.reward.model:
+        roles.append("reward")
+    return tuple(roles)
+
+
+def _role_dims(cfg: RunConfig, role: str, train_backend: str, size: int) -> ParallelDims:
+    if role in TRAINED_ROLES:
+        rc = getattr(cfg, role)
+        if train_backend == "deepspeed" and (rc.tp != 1 or rc.pp != 1):
+            raise ConfigError(f"{role}.tp/{role}.pp: the deepspeed backend has no tensor or pipeline "
+                              f"parallelism; set --{role}.tp=1 --{role}.pp=1, or use --backend megatron-*")
+        dims = ParallelDims(rc.tp, rc.pp, rc.dp)
+        what = f"{role}.tp * {role}.pp * {role}.dp = {rc.tp}*{rc.pp}*{rc.dp}"
+    elif role == "rollout":
+        dims = ParallelDims(tp=cfg.rollout.tp, pp=1, dp=cfg.rollout.dp)
+        what = f"rollout.tp * rollout.dp = {cfg.rollout.tp}*{cfg.rollout.dp}"
+    else:  # reward: one replica per device
+        return ParallelDims(dp=size)
+    if dims.world_size != size:
+        raise ConfigError(f"{what} = {dims.world_size}, but its device group has {size} devices; "
+                          f"make the product {size}, or change the group's ranks")
+    return dims
+
+
+def _check_batches(cfg: RunConfig, plan: Plan) -> None:
+    ppo = cfg.ppo
+    samples = ppo.rollout_batch_size * cfg.rollout.n_samples
+    rollout_dp = plan.role("rollout").parallel.dp
+    if ppo.rollout_batch_size % rollout_dp:
+        raise ConfigError(f"ppo.rollout_batch_size={ppo.rollout_batch_size} is not divisible by the "
+                          f"{rollout_dp} rollout replicas (rollout.dp); use a multiple of {rollout_dp}")
+    if samples % ppo.mini_batch_size:
+        raise ConfigError(f"ppo.mini_batch_size={ppo.mini_batch_size} does not divide the "
+                          f"{samples} samples of a step (rollout_batch_size x rollout.n_samples); "
+                          "choose a divisor")
+    for role in TRAINED_ROLES:
+        rc, dp = getattr(cfg, role), plan.role(role).parallel.dp
+        unit = dp * rc.micro_batch_size
+        batch, name = (samples, "rollout_batch_size x n_samples") if role == "reference" else \
+            (ppo.mini_batch_size, "ppo.mini_batch_size")
+        if batch % unit:
+            raise ConfigError(f"{name}={batch} is not divisible by {role}.dp x {role}.micro_batch_size = "
+                              f"{dp}x{rc.micro_batch_size}; make it a multiple of {unit} or lower "
+                              f"{role}.micro_batch_size")
+
+
+def plan_run(cfg: RunConfig, backend: str) -> Plan:
+    """Check `cfg` for a run with `backend` (e.g. `megatron-vllm`) and return its placement."""
+    train_backend, gen_backend = split_pair(backend)
+    groups = cfg.device_groups
+    if not groups.groups:
+        raise ConfigError("device_groups: no groups; add one with device, ranks and workers")
+    needed = needed_roles(cfg)
+    for role in needed:
+        if groups.group_of(role) is None:
+            raise ConfigError(f"device_groups: role {role!r} is placed in no group; add it to one "
+                              "group's workers")
+    if not cfg.reward.model and groups.group_of("reward") is not None:
+        raise ConfigError("device_groups: role 'reward' is placed but reward.model is not set; "
+                          "set reward.model to a sequence-classification directory or remove 'reward'")
+    if cfg.reward.model and cfg.reward.function:
+        raise ConfigError("reward: both function and model are set; set reward.function=null to use "
+                          "the model, or drop reward.model")
+    roles = []
+    for role in needed:
+        g = groups.group_of(role)
+        assert g is not None
+        backend_of = {"rollout": gen_backend, "reward": "hf"}.get(role, train_backend)
+        try:
+            dims = _role_dims(cfg, role, train_backend, g.size)
+        except LayoutError as exc:
+            raise ConfigError(f"{role}: {exc}") from None
+        roles.append(RolePlan(role=role, backend=backend_of, group=g.name, device=g.device,
+                              ranks=g.ranks, nodes=tuple(groups.node_of(r) for r in g.ranks),
+                              parallel=dims))
+    plan = Plan(backend=backend, roles=tuple(roles), nproc_per_node=groups.nproc_per_node,
+                nnodes=groups.nnodes)
+    _check_batches(cfg, plan)
+    return plan

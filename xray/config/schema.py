@@ -1,0 +1,186 @@
+"""The typed sections of an xray run config; `configs/*.yaml` are instances of `RunConfig`.
+
+Each component receives its own section (a WholeModel its `RoleConfig`, PPO its `PPOConfig`),
+never the whole tree. Every field says what it means; defaults belong to the component. The
+cross-field checks (devices, batch divisibility) live in `xray.config.validate`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+from xray.backends.base import OptimConfig
+from xray.config.placement import DeviceGroups
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Where the starting weights come from."""
+
+    path: str = "builtin:tiny-llama"
+    """A local Hugging Face model directory, or `builtin:tiny-llama` (a seeded tiny Llama built
+    into the run's output directory on first use)."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Parameter dtype of the training backends."""
+
+
+@dataclass(frozen=True)
+class RoleConfig:
+    """Layout and training settings of one model role (actor, critic or reference)."""
+
+    tp: int = 1
+    """Tensor-parallel size (megatron)."""
+    pp: int = 1
+    """Pipeline-parallel size (megatron)."""
+    dp: int = 1
+    """Data-parallel size; tp * pp * dp must equal the role's device group size."""
+    zero_stage: int = 3
+    """DeepSpeed ZeRO stage (1, 2 or 3); used by the deepspeed backend only."""
+    micro_batch_size: int = 4
+    """Rows per micro-batch in forward and train steps, per data-parallel replica."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer and warm-up (ignored for the reference, which never trains)."""
+    model_path: Optional[str] = None
+    """Weights for this role, if not the run's `model.path` (a critic from a reward model, say)."""
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """The generation engine (`rollout` role) and its sampling settings."""
+
+    tp: int = 1
+    """Tensor-parallel size inside one replica (vLLM on GPU)."""
+    dp: int = 1
+    """Number of engine replicas; tp * dp must equal the role's device group size."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Generation dtype."""
+    max_new_tokens: int = 16
+    """Longest response."""
+    temperature: float = 1.0
+    """Sampling temperature (0 for greedy)."""
+    top_p: float = 1.0
+    """Nucleus sampling mass."""
+    top_k: int = -1
+    """Top-k sampling (-1 for all tokens)."""
+    n_samples: int = 1
+    """Responses sampled per prompt."""
+    kv_cache_gib: float = 1.0
+    """KV-cache size per replica on CPU (VLLM_CPU_KVCACHE_SPACE)."""
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    """Where the score of a response comes from: a Python function or a reward model."""
+
+    function: Optional[str] = "xray.rewards.builtin:exact_answer"
+    """`module:function` following TRL's reward-function convention; null when `model` is set."""
+    model: Optional[str] = None
+    """A Hugging Face sequence-classification directory run by the `reward` WholeModel."""
+    scale: float = 1.0
+    """Multiply scores by this."""
+    clip: Optional[float] = None
+    """Clip scores to [-clip, clip] after scaling (null: no clipping)."""
+    on_nonfinite: Literal["error", "skip"] = "error"
+    """What a NaN or infinite score does: stop the run, or drop that sample."""
+
+
+@dataclass(frozen=True)
+class PPOConfig:
+    """trlX-style PPO hyper-parameters."""
+
+    rollout_batch_size: int = 16
+    """Prompts per PPO step."""
+    mini_batch_size: int = 8
+    """Samples per optimizer step inside a PPO epoch."""
+    ppo_epochs: int = 1
+    """Passes over each step's rollouts."""
+    gamma: float = 1.0
+    """GAE discount."""
+    lam: float = 0.95
+    """GAE lambda."""
+    cliprange: float = 0.2
+    """Policy ratio clip."""
+    cliprange_value: float = 0.2
+    """Value clip around the old values."""
+    vf_coef: float = 0.1
+    """Value loss weight."""
+    kl_coef: float = 0.05
+    """Initial KL penalty coefficient."""
+    kl_target: Optional[float] = None
+    """Adaptive KL controller target (null: fixed kl_coef)."""
+    kl_horizon: int = 10000
+    """Adaptive KL controller horizon."""
+    whiten_advantages: bool = True
+    """Normalise advantages to zero mean, unit variance per step."""
+
+
+@dataclass(frozen=True)
+class SyncConfig:
+    """Weight sync from the actor to the rollout engine."""
+
+    verify: bool = True
+    """Check after every sync that both sides give the same log-probs."""
+    tolerance: float = 1e-3
+    """Largest allowed absolute log-prob difference in the check."""
+    bucket_mb: int = 64
+    """Largest bucket of tensors sent at once."""
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Prompts and their extra columns."""
+
+    path: str = "builtin:arith"
+    """A JSONL or Parquet file, a `datasets` directory, or a built-in task (`builtin:arith`)."""
+    prompt_field: str = "prompt"
+    """Column holding the prompt."""
+    max_prompt_tokens: int = 32
+    """Longer prompts are handled per `on_long_prompt`."""
+    on_long_prompt: Literal["truncate", "reject"] = "truncate"
+    """Truncate long prompts from the left, or stop with an error naming the row."""
+    eval_size: int = 200
+    """Held-out prompts evaluated before and after training."""
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    """The run loop."""
+
+    steps: int = 20
+    """PPO steps."""
+    save_every: int = 10
+    """Checkpoint every this many steps (0: only at the end)."""
+    log_every: int = 1
+    """Write metrics every this many steps."""
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """A whole run; `configs/ppo_tiny_cpu.yaml` is the default instance."""
+
+    seed: int = 1
+    """Run seed; each Workhorse seeds from (seed, role, rank)."""
+    threads_per_worker: int = 1
+    """torch threads per CPU Workhorse."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Starting weights."""
+    device_groups: DeviceGroups = field(default_factory=DeviceGroups)
+    """Which roles run on which devices (see DESIGN.md)."""
+    actor: RoleConfig = field(default_factory=RoleConfig)
+    """The policy being trained."""
+    critic: RoleConfig = field(default_factory=RoleConfig)
+    """The value model."""
+    reference: RoleConfig = field(default_factory=RoleConfig)
+    """The frozen starting policy for the KL penalty."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """The generation engine."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """The score."""
+    ppo: PPOConfig = field(default_factory=PPOConfig)
+    """PPO hyper-parameters."""
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    """Actor to rollout weight sync."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Prompts."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """Run loop."""

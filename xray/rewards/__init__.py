@@ -1,0 +1,1 @@
+"""Reward functions: Python callables following TRL's convention, named `module:function` in a config."""

@@ -1,0 +1,75 @@
+"""`python -m xray.train ALGO`: the command users run.
+
+    python -m xray.train ppo [--backend megatron-vllm] [--config FILE] [--output-dir DIR]
+                             [--resume [DIR]] [--ray-address ADDR] [--dry-run] [--a.b.c=VALUE ...]
+
+Loads and checks the config (defaults: `configs/<algo>_tiny_cpu.yaml`), builds the placement
+plan, and runs the algorithm. `--dry-run` prints the resolved config and the plan without
+starting Ray. User mistakes end with a one-line message on stderr and exit code 2, no traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from xray.backends import BACKEND_PAIRS, BackendError
+from xray.config import DEFAULT_CONFIGS, ConfigError, load_config, to_dict
+from xray.config.plan import plan_run
+
+ALGOS = ("ppo",)
+log = logging.getLogger("xray.train")
+
+
+class UsageError(ValueError):
+    """A command-line mistake; the message says the fix."""
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m xray.train", allow_abbrev=False,
+                                description="Train a language model with reinforcement learning on Ray.",
+                                epilog="Any config key can be overridden: --ppo.kl_coef=0.05")
+    p.add_argument("algo", choices=ALGOS, help="the algorithm to run")
+    p.add_argument("--backend", default="megatron-vllm", help=f"TRAIN-GENERATION pair: {', '.join(BACKEND_PAIRS)}")
+    p.add_argument("--config", default=None, help="YAML config (default: configs/<algo>_tiny_cpu.yaml)")
+    p.add_argument("--output-dir", default=None, help="where the run writes (default: runs/<algo>-<time>)")
+    p.add_argument("--resume", nargs="?", const="latest", default=None,
+                   help="continue from the latest checkpoint of --output-dir, or of DIR")
+    p.add_argument("--ray-address", default=None, help="join this Ray cluster (default: $RAY_ADDRESS or a local one)")
+    p.add_argument("--dry-run", action="store_true", help="check the config, print it and the placement plan, and stop")
+    return p
+
+
+def resolve(argv: list[str]):
+    args, extra = parser().parse_known_args(argv)
+    config_path = Path(args.config) if args.config else DEFAULT_CONFIGS[args.algo]
+    cfg = load_config(config_path, extra)
+    if args.backend not in BACKEND_PAIRS:
+        raise UsageError(f"unknown --backend {args.backend!r}; choose one of {', '.join(BACKEND_PAIRS)}")
+    plan = plan_run(cfg, args.backend)
+    output_dir = Path(args.output_dir or f"runs/{args.algo}-{time.strftime('%Y%m%d-%H%M%S')}")
+    return args, cfg, plan, config_path, output_dir
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        args, cfg, plan, config_path, output_dir = resolve(sys.argv[1:] if argv is None else argv)
+        if args.dry_run:
+            sys.stdout.write(f"# config: {config_path} (backend {args.backend})\n")
+            sys.stdout.write(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+            sys.stdout.write(plan.describe() + "\n")
+            return 0
+        raise UsageError(f"running {args.algo} is not available yet in this version; "
+                         "use --dry-run to check a config and its placement")
+    except (ConfigError, BackendError, UsageError) as exc:
+        sys.stderr.write(f"error: {exc}\n")
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
