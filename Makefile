@@ -35,7 +35,7 @@ test-all: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 lock:
-	$(BIN)/pip freeze --exclude-editable | sed 's/^torch==\(.*\)+cpu$$/torch==\1/' | sort -f > requirements/cpu.txt.new
+	$(BIN)/pip freeze --all --exclude-editable | grep -v "^pip==" | sed 's/^torch==\(.*\)+cpu$$/torch==\1/' | sort -f > requirements/cpu.txt.new
 	@echo "wrote requirements/cpu.txt.new; review it, keep the header comment, then move it over requirements/cpu.txt"
 
 clean:

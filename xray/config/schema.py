@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
-from xray.backends.base import OptimConfig
+from xray.config.optim import OptimConfig
 from xray.config.placement import DeviceGroups
 
 

@@ -1,0 +1,76 @@
+"""What a call through a WholeModel costs over the same calls made directly on its Workhorses.
+
+Measured side by side in one run, interleaved round by round so machine noise hits both alike:
+  - a no-op method on 2 shards: WholeModel call vs. direct calls on both Workhorses;
+  - a `slice` call carrying a 4 MB batch over 2 shards: WholeModel vs. splitting the batch and
+    calling both Workhorses directly.
+Last line: `overhead_ms=<added ms per no-op call> ratio_4mb=<wholemodel time / direct time>`.
+
+    .venv/bin/python benchmarks/wholemodel_overhead.py [--rounds 200]
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import time
+
+import ray
+import torch
+
+from xray.config.parallel import ParallelDims
+from xray.data.batch import Batch
+from xray.wholemodel import WholeModel
+from xray.wholemodel.protocol import slice_parts
+from xray.workhorse.echo import EchoWorkhorse
+
+
+def timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=200)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    wm = WholeModel(EchoWorkhorse, role="bench", parallel=ParallelDims(dp=2))
+    shards = wm.shard_handles()
+    batch = Batch({"x": torch.randn(1024, 1024)})  # 4 MiB of float32
+    assert batch.nbytes() == 4 << 20
+
+    def wm_noop():
+        wm.noop().get()
+
+    def direct_noop():
+        ray.get([s.call.remote("noop", ((), {})) for s in shards])
+
+    def wm_4mb():
+        assert sum(wm.consume(batch).get()) == batch.nbytes()
+
+    def direct_4mb():
+        parts = [ray.put(p) for p in slice_parts(2, (batch,), {})]
+        assert sum(ray.get([s.call.remote("consume", p) for s, p in zip(shards, parts)])) == batch.nbytes()
+
+    for fn in (wm_noop, direct_noop, wm_4mb, direct_4mb):  # warm-up
+        for _ in range(10):
+            fn()
+    t = {name: [] for name in ("wm_noop", "direct_noop", "wm_4mb", "direct_4mb")}
+    for _ in range(args.rounds):
+        t["wm_noop"].append(timed(wm_noop))
+        t["direct_noop"].append(timed(direct_noop))
+    for _ in range(max(20, args.rounds // 4)):
+        t["wm_4mb"].append(timed(wm_4mb))
+        t["direct_4mb"].append(timed(direct_4mb))
+    med = {k: statistics.median(v) * 1e3 for k, v in t.items()}
+    for k, v in med.items():
+        print(f"{k:<12} median {v:7.3f} ms over {len(t[k])} calls")
+    wm.shutdown()
+    ray.shutdown()
+    print(f"overhead_ms={med['wm_noop'] - med['direct_noop']:.3f} ratio_4mb={med['wm_4mb'] / med['direct_4mb']:.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,53 @@
+"""Joining or starting the Ray cluster that WholeModels run on.
+
+`--ray-address` (or `RAY_ADDRESS`) joins an existing cluster; otherwise a local one is started,
+bound to 127.0.0.1, with the dashboard off unless asked for. On a CPU machine a "device" is one
+Workhorse process with a fixed number of torch threads, so the local cluster offers at least
+`MIN_LOCAL_CPU_SLOTS` CPU slots: Ray counts slots, the OS shares the cores.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+log = logging.getLogger(__name__)
+MIN_LOCAL_CPU_SLOTS = 16
+
+
+def ensure_ray(address: str | None = None, num_cpus: int | None = None, dashboard: bool = False) -> None:
+    """Connect to `address` / $RAY_ADDRESS, or start a local cluster; no-op if already connected."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    env = {"env_vars": {"PYTHONUNBUFFERED": "1"}}
+    if address:
+        log.info("joining Ray cluster at %s", address)
+        ray.init(address=address, runtime_env=env, log_to_driver=True)
+        return
+    bind_loopback()
+    slots = max(num_cpus or 0, os.cpu_count() or 1, MIN_LOCAL_CPU_SLOTS)
+    log.info("starting a local Ray cluster on 127.0.0.1 with %d CPU slots", slots)
+    ray.init(num_cpus=slots, include_dashboard=dashboard, runtime_env=env, log_to_driver=True,
+             configure_logging=False)
+
+
+def bind_loopback() -> None:
+    """Make a cluster started from this process use 127.0.0.1 for every node and worker.
+
+    Ray turns a `_node_ip_address` of 127.0.0.1 into the machine's reachable address; its
+    single-machine mode (the switch below, read when Ray resolves addresses and inherited by the
+    processes it starts) keeps everything on loopback instead.
+    """
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    from ray._private import ray_constants
+
+    ray_constants.ENABLE_RAY_CLUSTER = False
+
+
+def shutdown_ray() -> None:
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()

@@ -1,0 +1,125 @@
+"""Workhorse: one device's shard of one model. The base class every role's Workhorse extends.
+
+A Workhorse is a plain Python class (testable without Ray); its WholeModel runs it as a Ray
+actor, one per device. Its life: built with its role, rank and the model's parallel layout ->
+`address()` on rank 0 gives the rendezvous point -> `init_dist()` on every shard joins the
+model's `torch.distributed` group (NCCL on GPU, gloo on CPU) -> `setup()` builds the shard (a
+backend engine, in the role Workhorses) -> `shard_info()` tells the WholeModel who collects ->
+marked methods (`@fanout`) serve calls.
+
+Each Workhorse seeds torch, numpy and random from (run seed, role, rank), fixes its torch thread
+count, and logs with its role and ranks in every line.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import random
+import socket
+import zlib
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from xray.backends.base import ShardInfo, layout_of
+from xray.config.parallel import ParallelDims
+from xray.wholemodel.protocol import fanout
+
+log = logging.getLogger(__name__)
+
+
+def shard_seed(seed: int, role: str, rank: int) -> int:
+    """A 31-bit seed from (run seed, role, rank): distinct per shard, the same on every rerun."""
+    return zlib.crc32(f"{seed}:{role}:{rank}".encode()) & 0x7FFFFFFF
+
+
+def node_ip() -> str:
+    """This node's address as Ray knows it (127.0.0.1 for a local cluster bound to loopback)."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except ImportError:
+        pass
+    return "127.0.0.1"
+
+
+class Workhorse:
+    """One shard of one model. Subclasses add `setup()` and `@fanout` methods."""
+
+    def __init__(self, role: str, rank: int, parallel: ParallelDims, seed: int = 0,
+                 device: str = "cpu", threads: int = 1, **config: Any):
+        self.role, self.rank, self.parallel = role, rank, parallel
+        self.device = device.lower()
+        self.threads = threads
+        self.config = config
+        self.seed = shard_seed(seed, role, rank)
+        self.log = logging.LoggerAdapter(log, {"role": role, "rank": rank})
+        torch.set_num_threads(threads)
+        random.seed(self.seed)
+        torch.manual_seed(self.seed)
+        try:
+            import numpy as np
+
+            np.random.seed(self.seed)
+        except ImportError:
+            pass
+
+    # -- life cycle, called by the WholeModel in this order ------------------------------------
+    def address(self) -> tuple[str, int]:
+        """Rendezvous address of this shard's node and a free port on it (asked of rank 0)."""
+        ip = node_ip()
+        with socket.socket() as s:
+            s.bind((ip, 0))
+            return ip, s.getsockname()[1]
+
+    def init_dist(self, master_addr: str, master_port: int, timeout_s: float = 300.0) -> None:
+        """Join this model's process group: NCCL on GPU, gloo on CPU."""
+        import torch.distributed as dist
+
+        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(self.rank),
+                          WORLD_SIZE=str(self.parallel.world_size), LOCAL_RANK="0")
+        backend = "nccl" if self.device == "gpu" else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(0)  # Ray exposes this Workhorse's GPU as device 0
+        if not dist.is_initialized():
+            dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}",
+                                    rank=self.rank, world_size=self.parallel.world_size,
+                                    timeout=timedelta(seconds=timeout_s))
+        self.log.info("%s joined %s group of %d at %s:%d", self.role, backend,
+                      self.parallel.world_size, master_addr, master_port)
+
+    def setup(self) -> None:
+        """Build this shard (subclasses: the backend engine). Runs after `init_dist`."""
+
+    def shard_info(self) -> ShardInfo:
+        """This shard's ranks; engine-backed subclasses report what their engine built."""
+        return layout_of(self.parallel, self.rank)
+
+    # -- service ------------------------------------------------------------------------------
+    def call(self, method: str, packed: tuple[tuple, dict]) -> Any:
+        """Run marked method `method` with `packed = (args, kwargs)` (the WholeModel's entry)."""
+        args, kwargs = packed
+        return getattr(self, method)(*args, **kwargs)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def node_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+    def shutdown(self) -> None:
+        """Leave the process group (best effort) before the process ends."""
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    @fanout(dispatch="all", execute="all", collect=lambda layout, results: results, deadline_s=30.0)
+    def ping(self) -> dict:
+        """Liveness and identity of every shard, in rank order."""
+        return {"rank": self.rank, "pid": os.getpid(), "role": self.role}

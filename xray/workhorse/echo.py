@@ -1,0 +1,62 @@
+"""EchoWorkhorse: a Workhorse with no model, for checking a cluster and measuring the runtime.
+
+Its methods exercise each part of the fan-out protocol and the process group: echo a batch slice
+back, fail on chosen ranks, sleep, all-reduce across the group, report the node. The runtime tests
+and `benchmarks/wholemodel_overhead.py` use it; users can use it to check a new cluster.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+from xray.data.batch import Batch
+from xray.wholemodel.protocol import fanout
+from xray.workhorse.base import Workhorse
+
+
+class EchoWorkhorse(Workhorse):
+    """Protocol and transport checks without a model."""
+
+    @fanout(dispatch="slice", collect="flatten")
+    def echo(self, batch: Batch) -> Batch:
+        """This shard's slice, tagged with the shard's dp_rank and rank."""
+        out = Batch(dict(batch.tensors), dict(batch.lists), dict(batch.meta))
+        out["dp_rank"] = torch.full((len(batch),), self.shard_info().dp_rank)
+        out["rank"] = torch.full((len(batch),), self.rank)
+        return out
+
+    @fanout(dispatch="all", collect=lambda layout, results: results)
+    def noop(self) -> None:
+        return None
+
+    @fanout(dispatch="slice", collect=lambda layout, results: results)
+    def consume(self, batch: Batch) -> int:
+        """Receive a slice, return its size in bytes (the transport benchmark)."""
+        return batch.nbytes()
+
+    @fanout(dispatch="all", collect=lambda layout, results: results)
+    def fail_on(self, ranks: list[int], message: str = "boom") -> int:
+        if self.rank in ranks:
+            raise ValueError(f"{message} on purpose")
+        return self.rank
+
+    @fanout(dispatch="all", collect=lambda layout, results: results, deadline_s=60.0)
+    def sleep(self, seconds: float, ranks: list[int] | None = None) -> int:
+        if ranks is None or self.rank in ranks:
+            time.sleep(seconds)
+        return self.rank
+
+    @fanout(dispatch="all", collect=lambda layout, results: results)
+    def all_reduce(self, value: float) -> dict:
+        """Sum `value + rank` over the group; report where this shard runs."""
+        import torch.distributed as dist
+
+        t = torch.tensor([value + self.rank], dtype=torch.float64)
+        dist.all_reduce(t)
+        return {"rank": self.rank, "sum": float(t.item()), "node": self.node_id(), "pid": os.getpid()}
+
+    @fanout(dispatch="all", execute="first")
+    def hello(self) -> str:
+        return f"{self.role} rank {self.rank}"
