@@ -9,6 +9,10 @@ import importlib
 _TABLE = {
     "hf": "xray.workhorse.hf:HFWorkhorse",
     "echo": "xray.workhorse.echo:EchoWorkhorse",
+    "megatron": "xray.workhorse.train:TrainWorkhorse",
+    "deepspeed": "xray.workhorse.train:TrainWorkhorse",
+    "vllm": "xray.workhorse.rollout:RolloutWorkhorse",
+    "dsinfer": "xray.workhorse.rollout:RolloutWorkhorse",
 }
 
 

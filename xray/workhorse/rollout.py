@@ -1,0 +1,78 @@
+"""RolloutWorkhorse: one replica of the rollout engine (vLLM or DeepSpeed-Inference).
+
+Each Workhorse holds one in-process generation engine (`xray.backends.vllm` / `.dsinfer`). On CPU a
+replica is one process, so replicas join no process group (vLLM sets up its own); on GPU, vLLM's
+tensor parallelism lives inside the replica. Weight sync arrives as buckets of full Hugging Face
+tensors sent by the actor's exporting shard (`load_bucket`), then `finish_sync` bumps the weight
+version that every generation result carries in `meta["weight_version"]`.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from xray.backends import load_backend
+from xray.backends.base import GenerationEngine, ShardInfo, WeightBucket
+from xray.data.batch import Batch
+from xray.wholemodel.protocol import fanout
+from xray.workhorse.base import Workhorse
+
+
+class RolloutWorkhorse(Workhorse):
+    """A replica of a generation engine."""
+
+    engine: GenerationEngine
+
+    def __init__(self, role: str, rank: int, parallel, seed: int = 0, **kwargs: Any):
+        super().__init__(role, rank, parallel, seed=seed, **kwargs)
+        self.version = 0
+        self._sync_started = 0.0
+        self._received = 0
+
+    def init_dist(self, master_addr: str, master_port: int, timeout_s: float = 300.0) -> None:
+        """Replicas share no collective; the engine builds its own groups (vLLM TP on GPU)."""
+
+    def shard_info(self) -> ShardInfo:
+        return ShardInfo(rank=self.rank, world_size=self.parallel.world_size, tp_rank=0,
+                         tp_size=self.parallel.tp, pp_rank=0, pp_size=1, dp_rank=self.rank,
+                         dp_size=self.parallel.dp, collects=True)
+
+    def setup(self) -> None:
+        cfg = dict(self.config)
+        backend = cfg.pop("backend")
+        model_dir = cfg.pop("model_dir")
+        self.engine = load_backend(backend).build_engine(
+            model_dir, seed=self.seed, tp=self.parallel.tp, device="cuda" if self.device == "gpu" else "cpu",
+            **cfg)
+        self.log.info("%s replica %d ready", backend, self.rank)
+
+    @fanout(dispatch="slice", collect="flatten")
+    def generate(self, prompts: list[list[int]], sampling: dict) -> Batch:
+        """Responses for this replica's prompts; rows carry the weight version."""
+        out = self.engine.generate(prompts, sampling)
+        out.meta["weight_version"] = self.version
+        return out
+
+    @fanout(dispatch="slice", collect="flatten")
+    def logprobs(self, sequences: list[list[int]], prompt_lens: list[int]) -> list[list[float]]:
+        """The engine's own log-probs of each sequence's tokens after its prompt."""
+        return self.engine.logprobs(sequences, prompt_lens)
+
+    @fanout(dispatch="all", collect=lambda layout, results: results)
+    def weight_version(self) -> int:
+        return self.version
+
+    # -- weight sync: called directly by the actor's exporting shard, bucket by bucket ----------
+    def load_bucket(self, bucket: WeightBucket) -> int:
+        if not self._sync_started:
+            self._sync_started = time.perf_counter()
+        self.engine.load_weights(bucket)
+        self._received += sum(t.numel() * t.element_size() for _, t in bucket)
+        return len(bucket)
+
+    def finish_sync(self, version: int) -> dict:
+        """Mark the sync complete at `version`; returns what this replica received."""
+        report = {"rank": self.rank, "bytes": self._received, "version": version,
+                  "load_s": time.perf_counter() - self._sync_started if self._sync_started else 0.0}
+        self.version, self._received, self._sync_started = version, 0, 0.0
+        return report

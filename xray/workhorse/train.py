@@ -1,0 +1,116 @@
+"""TrainWorkhorse: the actor, critic and reference Workhorse on a training backend engine.
+
+One class serves every training backend (`megatron`, `deepspeed`) and the three trainable roles:
+`setup()` asks the backend registry for the engine factory and builds this rank's shard; the
+marked methods below are the WholeModel-facing contract (forward, train step, export, save/load).
+The engine decides who collects (tp_rank 0 on the last pipeline stage), and reports it.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from xray.backends import load_backend
+from xray.backends.base import LossFn, ShardInfo, TrainEngine
+from xray.config.optim import OptimConfig
+from xray.data.batch import Batch
+from xray.wholemodel.protocol import fanout
+from xray.workhorse.base import Workhorse
+
+
+def _collector_outputs(layout: list[ShardInfo], results: list) -> Batch:
+    """Join the collectors' output Batches in data-parallel order."""
+    picked = {s.dp_rank: results[s.rank] for s in layout if s.collects}
+    return Batch.concat([picked[d] for d in sorted(picked)])
+
+
+def _replica_metrics(layout: list[ShardInfo], results: list) -> dict[str, float]:
+    """The engines already average metrics over replicas; report the first collector's."""
+    first = min((s for s in layout if s.collects), key=lambda s: s.dp_rank)
+    return results[first.rank]
+
+
+def _exported(layout: list[ShardInfo], results: list) -> Any:
+    """The one non-None answer (the exporting shard's)."""
+    found = [r for r in results if r is not None]
+    return found[0] if found else None
+
+
+class TrainWorkhorse(Workhorse):
+    """A shard of an actor, critic or reference model on `megatron` or `deepspeed`."""
+
+    engine: TrainEngine
+
+    def __init__(self, role: str, rank: int, parallel, seed: int = 0, **kwargs: Any):
+        super().__init__(role, rank, parallel, seed=seed, **kwargs)
+        self.run_seed = seed  # the same on every rank: model init must agree across shards
+
+    def setup(self) -> None:
+        cfg = dict(self.config)
+        backend = cfg.pop("backend")
+        model_dir = cfg.pop("model_dir")
+        optim = cfg.pop("optim", None) or OptimConfig()
+        engine_role = cfg.pop("engine_role", self.role)
+        factory = load_backend(backend).build_engine
+        self.engine = factory(model_dir, self.parallel, engine_role, optim=optim, seed=self.run_seed,
+                              device="cuda" if self.device == "gpu" else "cpu", **cfg)
+        self.log.info("%s shard built on %s", backend, self.device)
+
+    def shard_info(self) -> ShardInfo:
+        return self.engine.shard_info()
+
+    @fanout(dispatch="slice", collect=_collector_outputs)
+    def forward(self, batch: Batch) -> Batch | None:
+        """LOGPROBS (+ENTROPY) for a policy, VALUES for a critic; [b, T-1] per column."""
+        out = self.engine.forward(batch)
+        return None if out is None else Batch(dict(out))
+
+    @fanout(dispatch="slice", collect=_replica_metrics)
+    def train_step(self, batch: Batch, loss_fn: LossFn, micro_batch_size: int) -> dict[str, float]:
+        """One optimizer step over the whole batch (each replica takes its slice)."""
+        return self.engine.train_step(batch, loss_fn, micro_batch_size)
+
+    @fanout(dispatch="all", collect=_exported)
+    def state_dict(self) -> dict | None:
+        """The full weights with Hugging Face names, gathered to the exporting shard."""
+        full: dict = {}
+        for bucket in self.engine.export_weights():
+            full.update(bucket)
+        return full if self.engine.exports() else None
+
+    @fanout(dispatch="all", collect=_exported, deadline_s=1800.0)
+    def push_weights(self, targets: list, version: int, bucket_bytes: int = 64 << 20,
+                     corrupt: str | None = None) -> dict | None:
+        """Stream the full weights, bucket by bucket, to rollout Workhorses (Ray actor handles).
+
+        Every shard takes part in the export (its gathers are collective); the exporting shard
+        puts each bucket in the object store once and waits until every target has loaded it, so
+        at most one bucket is in flight. `corrupt` names a tensor to perturb on the way: a
+        fault-injection knob for testing the verification, never set in a run.
+        """
+        import ray
+
+        sent = count = 0
+        t0 = time.perf_counter()
+        for bucket in self.engine.export_weights(bucket_bytes):
+            if not self.engine.exports() or not bucket:
+                continue
+            if corrupt is not None:
+                bucket = [(n, t + 1e-2 if n == corrupt else t) for n, t in bucket]
+            ref = ray.put(bucket)
+            ray.get([t.load_bucket.remote(ref) for t in targets])
+            sent += sum(t.numel() * t.element_size() for _, t in bucket)
+            count += len(bucket)
+        if not self.engine.exports():
+            return None
+        replicas = ray.get([t.finish_sync.remote(version) for t in targets])
+        return {"version": version, "bytes": sent, "tensors": count, "replicas": len(replicas),
+                "push_s": time.perf_counter() - t0}
+
+    @fanout(dispatch="all", collect=lambda layout, results: None)
+    def save(self, directory: str) -> None:
+        self.engine.save(directory)
+
+    @fanout(dispatch="all", collect=lambda layout, results: None)
+    def load(self, directory: str) -> None:
+        self.engine.load(directory)
