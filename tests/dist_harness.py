@@ -3,7 +3,9 @@
 Backend engines expect an initialised torch.distributed default group (the Workhorse makes one in
 production). Engine-level tests use this to get the same without Ray: real processes, real gloo.
 `fn(rank, world_size, *args)` must be a module-level function; its return values come back in
-rank order, and a failure on any rank raises with that rank's traceback.
+rank order, and a failure on any rank raises with that rank's traceback. Return numpy arrays or
+plain Python, not torch tensors: torch shares tensors between processes by file descriptor, and
+the child has exited by the time the parent reads them.
 """
 from __future__ import annotations
 

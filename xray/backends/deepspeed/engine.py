@@ -1,0 +1,196 @@
+"""DeepSpeedEngine: one data-parallel shard of a Hugging Face model trained with DeepSpeed ZeRO.
+
+Sits in the DeepSpeed training backend (`load_backend("deepspeed")`); a Workhorse holds one per
+device. The process's torch.distributed default group must already span exactly this model's
+shards (the Workhorse makes it; tests use `tests/dist_harness.py`); DeepSpeed reuses it, over gloo
+on CPU and NCCL on GPU. Layout: tp = pp = 1, dp = world size; ZeRO stage 1 shards optimizer
+state, stage 2 also gradients, stage 3 also parameters.
+
+Update arithmetic: xray's torch AdamW and linear warm-up (`xray.backends.optim`) are passed to
+DeepSpeed as its client optimizer and scheduler, so one step matches `xray.check.reference` to
+rounding. A step's gradient is the mean of the loss over all micro-batches of all replicas:
+DeepSpeed divides each micro-batch's loss by the accumulation steps and averages over replicas.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Iterator
+
+import deepspeed
+import torch
+import torch.distributed as dist
+
+from xray.backends.base import LossFn, OptimConfig, ShardInfo, TrainEngine, WeightBucket, layout_of
+from xray.backends.deepspeed.config import ZeroOptions, deepspeed_config
+from xray.backends.deepspeed.export import iter_weight_buckets
+from xray.backends.deepspeed.model import load_model, role_outputs
+from xray.backends.optim import build_optimizer, build_scheduler
+from xray.config.parallel import LayoutError, ParallelDims
+from xray.data.batch import Batch
+
+logger = logging.getLogger(__name__)
+
+_RNG_FILE = "xray_rng_rank{rank}.pt"
+
+
+class EngineSetupError(RuntimeError):
+    """The process is not ready for a DeepSpeed engine; the message says what to do."""
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint directory that cannot be loaded; the message says what to do."""
+
+
+class DeepSpeedEngine(TrainEngine):
+    """Forward, train step, weight export and checkpoints of one ZeRO shard."""
+
+    def __init__(self, model_dir: str, parallel: ParallelDims, role: str, optim: OptimConfig, seed: int,
+                 zero_stage: int, device: str = "cpu", options: ZeroOptions = ZeroOptions()):
+        _check_process(parallel, device)
+        self.role, self.zero_stage, self.device = role, zero_stage, device
+        self.rank = dist.get_rank()
+        self.parallel = parallel
+        self.step_count = 0
+        deepspeed.init_distributed(dist_backend="gloo" if device == "cpu" else "nccl", dist_init_required=False)
+        dtype = torch.bfloat16 if options.dtype == "bfloat16" else torch.float32
+        torch.manual_seed(seed)
+        trains = role != "reference"
+        config = deepspeed_config(zero_stage, optim, parallel.dp, _hidden_size(model_dir), options, trains)
+        module = load_model(model_dir, role, seed, dtype, zero3_config=config if zero_stage == 3 else None)
+        _place(module, device)
+        optimizer = build_optimizer(module.parameters(), optim) if trains else None
+        scheduler = build_scheduler(optimizer, optim) if trains else None
+        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            model=module, optimizer=optimizer, lr_scheduler=scheduler, config=config, dist_init_required=False)
+        torch.manual_seed(seed + self.rank)  # per-rank stream for anything random in training
+        logger.info("role=%s rank=%d dp=%d ZeRO-%d built from %s", role, self.rank, parallel.dp, zero_stage, model_dir)
+
+    # ---- contract ---------------------------------------------------------------------------
+
+    def shard_info(self) -> ShardInfo:
+        return layout_of(self.parallel, self.rank)
+
+    def exports(self) -> bool:
+        return self.rank == 0
+
+    @torch.no_grad()
+    def forward(self, batch: Batch) -> dict[str, torch.Tensor] | None:
+        self.engine.eval()
+        out = role_outputs(self.engine, batch.to(self._device()), self.role)
+        return {k: v.detach().cpu() for k, v in out.items()}
+
+    def train_step(self, batch: Batch, loss_fn: LossFn, micro_batch_size: int) -> dict[str, float]:
+        if self.optimizer is None:
+            raise EngineSetupError(f"the {self.role} engine has no optimizer; build an actor or critic to train")
+        micro = batch.to(self._device()).chunks(micro_batch_size)
+        self._set_accumulation(micro_batch_size, len(micro))
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        self.engine.train()
+        sums: dict[str, float] = {}
+        for i, mb in enumerate(micro):
+            self.engine.set_gradient_accumulation_boundary(i == len(micro) - 1)
+            loss, metrics = loss_fn(role_outputs(self.engine, mb, self.role), mb)
+            self.engine.backward(loss)
+            self.engine.step()
+            for k, v in {"loss": float(loss.detach()), **metrics}.items():
+                sums[k] = sums.get(k, 0.0) + float(v) / len(micro)
+        self.step_count += 1
+        averaged = _mean_over_ranks(sums)
+        norm = self.engine.get_global_grad_norm()
+        averaged.update(grad_norm=float(norm) if norm is not None else float("nan"), lr=lr)
+        return averaged
+
+    def export_weights(self, bucket_bytes: int = 64 << 20) -> Iterator[WeightBucket]:
+        return iter_weight_buckets(self.engine.module, bucket_bytes, self.zero_stage == 3, self.exports())
+
+    def save(self, directory: str) -> None:
+        tag = f"step{self.step_count}"
+        self.engine.save_checkpoint(directory, tag=tag, client_state={"xray_step": self.step_count})
+        rng = {"cpu": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.cuda.get_rng_state()
+        torch.save(rng, os.path.join(directory, tag, _RNG_FILE.format(rank=self.rank)))
+        dist.barrier()
+
+    def load(self, directory: str) -> None:
+        trains = self.optimizer is not None
+        path, client = self.engine.load_checkpoint(directory, tag=None, load_optimizer_states=trains,
+                                                   load_lr_scheduler_states=trains)
+        if path is None:
+            raise CheckpointError(f"no DeepSpeed checkpoint in {directory} (no 'latest' file); "
+                                  "pass the directory given to save()")
+        self.step_count = int(client.get("xray_step", 0))
+        with open(os.path.join(directory, "latest")) as f:
+            tag = f.read().strip()
+        rng_path = os.path.join(directory, tag, _RNG_FILE.format(rank=self.rank))
+        if not os.path.exists(rng_path):
+            raise CheckpointError(f"{rng_path} is missing: the checkpoint was saved by another layout or "
+                                  "not by xray; load it with the same world size it was saved with")
+        rng = torch.load(rng_path, weights_only=True)
+        torch.set_rng_state(rng["cpu"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
+
+    # ---- helpers ----------------------------------------------------------------------------
+
+    def _device(self) -> torch.device:
+        return torch.device("cpu") if self.device == "cpu" else self.engine.device
+
+    def _set_accumulation(self, micro_batch_size: int, micro_batches: int) -> None:
+        """Tell DeepSpeed this step's batch: it scales each micro-batch's loss by 1/micro_batches."""
+        self.engine.set_train_micro_batch_size(micro_batch_size)
+        self.engine.set_train_batch_size(micro_batch_size * micro_batches * self.parallel.dp)
+
+
+def _check_process(parallel: ParallelDims, device: str) -> None:
+    if not dist.is_initialized():
+        raise EngineSetupError("torch.distributed is not initialised; create the default group over this "
+                               "model's shards first (the Workhorse does; tests use tests/dist_harness.py)")
+    if parallel.tp != 1 or parallel.pp != 1:
+        raise LayoutError(f"the DeepSpeed engine is data-parallel only, got tp={parallel.tp} pp={parallel.pp}; "
+                          "use tp=1 pp=1, or the megatron backend for tensor/pipeline parallelism")
+    if parallel.world_size != dist.get_world_size():
+        raise LayoutError(f"dp={parallel.dp} but the default group has {dist.get_world_size()} ranks; "
+                          "set dp to the number of processes in the group")
+    if device not in ("cpu", "cuda"):
+        raise EngineSetupError(f"device={device!r}; use 'cpu' or 'cuda'")
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise EngineSetupError("device='cuda' but CUDA is not available; use device='cpu'")
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count())))
+
+
+def _place(module: torch.nn.Module, device: str) -> None:
+    """Move the parameters ZeRO-3's loading has not placed (all of them on stages 1 and 2) to `device`."""
+    if device == "cpu":
+        return
+    target = torch.device(device, torch.cuda.current_device())
+    for p in module.parameters():
+        if not hasattr(p, "ds_id"):
+            p.data = p.data.to(target)
+    for b in module.buffers():
+        b.data = b.data.to(target)
+
+
+def _hidden_size(model_dir: str) -> int:
+    from transformers import AutoConfig
+
+    return int(AutoConfig.from_pretrained(model_dir).hidden_size)
+
+
+def _mean_over_ranks(values: dict[str, float]) -> dict[str, float]:
+    """Average float metrics over all ranks (every rank must pass the same keys)."""
+    keys = sorted(values)
+    t = torch.tensor([values[k] for k in keys], dtype=torch.float64)
+    if dist.get_backend() == "nccl":
+        t = t.cuda()
+    dist.all_reduce(t)
+    t /= dist.get_world_size()
+    return dict(zip(keys, t.cpu().tolist()))
+
+
+def build_engine(model_dir: str, parallel: ParallelDims, role: str, optim: OptimConfig, seed: int,
+                 zero_stage: int, device: str = "cpu", options: ZeroOptions = ZeroOptions()) -> DeepSpeedEngine:
+    """The DeepSpeed engine of this process's shard (see DeepSpeedEngine)."""
+    return DeepSpeedEngine(model_dir, parallel, role, optim, seed, zero_stage, device, options)

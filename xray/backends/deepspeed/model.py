@@ -1,0 +1,80 @@
+"""The torch modules the DeepSpeed engine wraps, and what their forward pass returns per role.
+
+Sits inside the DeepSpeed training backend. Actor and reference are the Hugging Face causal LM
+as it is; the critic is the same transformer trunk with a seeded scalar value head. Nothing here
+imports DeepSpeed: tests build the same modules to compare against the sharded engine.
+"""
+from __future__ import annotations
+
+import torch
+
+from xray.check.reference import token_logprobs
+from xray.data import columns as C
+from xray.data.batch import Batch
+
+ROLES = ("actor", "reference", "critic")
+
+
+class RoleError(ValueError):
+    """An unknown model role."""
+
+
+class ValueModel(torch.nn.Module):
+    """A transformer trunk and a linear value head: one value per position, [B, T] -> [B, T]."""
+
+    def __init__(self, trunk: torch.nn.Module, hidden_size: int, seed: int):
+        super().__init__()
+        self.model = trunk
+        self.value_head = torch.nn.Linear(hidden_size, 1, bias=True)
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():  # small head, as OpenRLHF: std 1/(hidden+1), so early values are near 0
+            self.value_head.weight.copy_(torch.randn(self.value_head.weight.shape, generator=g) / (hidden_size + 1))
+            self.value_head.bias.zero_()
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        return self.value_head(hidden).squeeze(-1)
+
+
+def load_model(model_dir: str, role: str, seed: int, dtype: torch.dtype = torch.float32,
+               zero3_config: dict | None = None) -> torch.nn.Module:
+    """The module for `role`, its weights read from a Hugging Face directory.
+
+    With `zero3_config` (a ZeRO stage 3 DeepSpeed config), transformers builds the model inside
+    `deepspeed.zero.Init` and loads the checkpoint shard by shard, so no process ever holds the
+    whole model (transformers' `HfDeepSpeedConfig` switch, held only while loading)."""
+    from transformers import AutoModelForCausalLM
+
+    if role not in ROLES:
+        raise RoleError(f"unknown role {role!r}; the DeepSpeed engine builds one of {ROLES}")
+    if zero3_config is not None:
+        from transformers.integrations.deepspeed import HfDeepSpeedConfig, unset_hf_deepspeed_config
+
+        switch = HfDeepSpeedConfig(zero3_config)  # noqa: F841 - transformers reads it through a weakref
+        try:
+            causal = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+        finally:
+            unset_hf_deepspeed_config()
+    else:
+        causal = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    if role != "critic":
+        return causal
+    trunk = causal.get_decoder()
+    return ValueModel(trunk, causal.config.hidden_size, seed).to(dtype)
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of the next-token distribution at each position but the last: [B, T, V] -> [B, T-1]."""
+    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+def role_outputs(module: torch.nn.Module, batch: Batch, role: str) -> dict[str, torch.Tensor]:
+    """The outputs a loss function receives: LOGPROBS and ENTROPY [B, T-1] for actor and
+    reference, VALUES [B, T-1] for the critic (value at position t predicts token t+1)."""
+    ids, mask = batch[C.INPUT_IDS], batch[C.ATTENTION_MASK]
+    if role == "critic":
+        values = module(input_ids=ids, attention_mask=mask)
+        return {C.VALUES: values[:, :-1].float()}
+    logits = module(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    return {C.LOGPROBS: token_logprobs(logits, ids), C.ENTROPY: entropy_from_logits(logits)}

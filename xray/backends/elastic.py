@@ -1,0 +1,138 @@
+"""Elastic batch arithmetic: the train batch as micro-batch x accumulation x world size.
+
+Sits beside the training backends. When the data-parallel size of a model changes (a lost
+Workhorse replaced by none, or new devices joining between `min_gpus` and `max_gpus`), the
+runtime recomputes the batch here, for the new world size, before it rebuilds the engine.
+
+The fields follow DeepSpeed's `elasticity` config block, so a DeepSpeed-style config keeps its
+meaning. DeepSpeed 0.19.8 itself no longer accepts that block (it raises "Elastic training has
+been removed"), so `apply_elasticity` turns the block into the three plain batch keys
+(`train_batch_size`, `train_micro_batch_size_per_gpu`, `gradient_accumulation_steps`) that every
+DeepSpeed version accepts. Pure Python: no torch, no DeepSpeed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, Mapping
+
+BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+
+class ElasticityError(ValueError):
+    """An elasticity block or world size that gives no valid batch; the message says the fix."""
+
+
+@dataclass(frozen=True)
+class ElasticityConfig:
+    """DeepSpeed's `elasticity` block: the bounds within which the batch is recomputed."""
+
+    max_train_batch_size: int
+    """Upper bound of the global train batch (sequences per optimizer step, all replicas)."""
+    micro_batch_sizes: tuple[int, ...]
+    """Micro-batch sizes (per replica, per forward/backward) the model fits in memory."""
+    min_gpus: int = 1
+    """Smallest world size training may continue with."""
+    max_gpus: int = 10000
+    """Largest world size training may grow to."""
+    ignore_non_elastic_batch_info: bool = False
+    """If False, a config that also sets the plain batch keys is an error (they would be
+    overridden silently); if True, the elastic values replace them."""
+    enabled: bool = True
+    """False leaves a config's plain batch keys untouched."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "micro_batch_sizes", tuple(self.micro_batch_sizes))
+        if not self.micro_batch_sizes:
+            raise ElasticityError("elasticity.micro_batch_sizes is empty; list at least one size, e.g. [1, 2, 4]")
+        for m in self.micro_batch_sizes:
+            if not isinstance(m, int) or isinstance(m, bool) or m < 1:
+                raise ElasticityError(f"elasticity.micro_batch_sizes holds {m!r}; use positive integers")
+        for name in ("max_train_batch_size", "min_gpus", "max_gpus"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ElasticityError(f"elasticity.{name} must be a positive integer, got {value!r}")
+        if self.min_gpus > self.max_gpus:
+            raise ElasticityError(f"elasticity.min_gpus={self.min_gpus} exceeds max_gpus={self.max_gpus}; "
+                                  "set min_gpus <= max_gpus")
+
+    @classmethod
+    def from_dict(cls, block: Mapping[str, Any]) -> "ElasticityConfig":
+        """Build from a config block; an unknown key is an error that names it."""
+        known = {f.name for f in fields(cls)}
+        # DeepSpeed's block also carried these; they have no meaning for the arithmetic here.
+        passive = {"version", "prefer_larger_batch", "model_parallel_size", "num_gpus_per_node"}
+        unknown = sorted(set(block) - known - passive)
+        if unknown:
+            raise ElasticityError(f"unknown elasticity keys {unknown}; valid keys are {sorted(known)}")
+        return cls(**{k: v for k, v in block.items() if k in known})
+
+
+@dataclass(frozen=True)
+class ElasticBatch:
+    """The batch for one world size: train_batch_size = micro_batch_size x accumulation x world_size."""
+
+    world_size: int
+    """Data-parallel replicas the batch is spread over."""
+    micro_batch_size: int
+    """Sequences per replica per forward/backward."""
+    gradient_accumulation_steps: int
+    """Micro-batches per replica per optimizer step."""
+
+    @property
+    def train_batch_size(self) -> int:
+        return self.micro_batch_size * self.gradient_accumulation_steps * self.world_size
+
+    def deepspeed_keys(self) -> dict[str, int]:
+        """The three DeepSpeed config keys for this batch."""
+        return {"train_batch_size": self.train_batch_size,
+                "train_micro_batch_size_per_gpu": self.micro_batch_size,
+                "gradient_accumulation_steps": self.gradient_accumulation_steps}
+
+
+def elastic_batch(cfg: ElasticityConfig, world_size: int) -> ElasticBatch:
+    """The largest train batch <= cfg.max_train_batch_size that is micro x accumulation x world_size.
+
+    Among micro-batch sizes reaching that largest batch, the largest micro-batch wins (fewer
+    accumulation steps, same arithmetic). Raises ElasticityError when the world size is outside
+    [min_gpus, max_gpus] or when no micro-batch size fits even once per replica.
+    """
+    if not cfg.min_gpus <= world_size <= cfg.max_gpus:
+        raise ElasticityError(
+            f"world size {world_size} is outside elasticity's [min_gpus={cfg.min_gpus}, "
+            f"max_gpus={cfg.max_gpus}]; run with a world size in that range or widen the range")
+    best: ElasticBatch | None = None
+    for micro in sorted(set(cfg.micro_batch_sizes)):
+        accumulation = cfg.max_train_batch_size // (micro * world_size)
+        if accumulation < 1:
+            continue
+        candidate = ElasticBatch(world_size, micro, accumulation)
+        if best is None or candidate.train_batch_size >= best.train_batch_size:
+            best = candidate
+    if best is None:
+        smallest = min(cfg.micro_batch_sizes)
+        raise ElasticityError(
+            f"no valid batch for world size {world_size}: the smallest micro-batch {smallest} x "
+            f"{world_size} replicas = {smallest * world_size} exceeds max_train_batch_size="
+            f"{cfg.max_train_batch_size}; raise max_train_batch_size to at least "
+            f"{smallest * world_size}, add a smaller micro-batch size, or use at most "
+            f"{cfg.max_train_batch_size // smallest} replicas")
+    return best
+
+
+def apply_elasticity(ds_config: Mapping[str, Any], world_size: int) -> dict[str, Any]:
+    """A copy of a DeepSpeed config whose `elasticity` block is replaced by the plain batch keys
+    for `world_size`. A config without the block, or with it disabled, keeps its batch keys."""
+    out = dict(ds_config)
+    block = out.pop("elasticity", None)
+    if block is None:
+        return out
+    cfg = ElasticityConfig.from_dict(block)
+    if not cfg.enabled:
+        return out
+    given = [k for k in BATCH_KEYS if k in out]
+    if given and not cfg.ignore_non_elastic_batch_info:
+        raise ElasticityError(
+            f"the config sets {given} and an enabled elasticity block, which recomputes them; remove "
+            "those keys or set elasticity.ignore_non_elastic_batch_info: true")
+    out.update(elastic_batch(cfg, world_size).deepspeed_keys())
+    return out
