@@ -105,3 +105,17 @@ def test_batch_divisibility():
     cfg = load_config(DEFAULT, groups() + [("ppo.rollout_batch_size", 31), ("ppo.mini_batch_size", 31)])
     with pytest.raises(ConfigError, match="not divisible by the 2 rollout replicas"):
         plan_run(cfg, "megatron-vllm")
+
+
+def test_elasticity_block_is_accepted_and_checked():
+    block = {"max_train_batch_size": 32, "micro_batch_sizes": [2, 4], "min_gpus": 1, "max_gpus": 4}
+    cfg = load_config(DEFAULT, [("actor.elasticity", block)])
+    assert cfg.actor.elasticity.micro_batch_sizes == (2, 4)
+    plan_run(cfg, "deepspeed-dsinfer")
+    bad = dict(block, min_gpus=2)  # the actor has 1 device: below min_gpus
+    with pytest.raises(ConfigError, match="actor.elasticity"):
+        plan_run(load_config(DEFAULT, [("actor.elasticity", bad)]), "deepspeed-dsinfer")
+    with pytest.raises(ConfigError, match="actor.elasticity.max_batch"):
+        load_config(DEFAULT, [("actor.elasticity", dict(block, max_batch=3))])
+    with pytest.raises(ConfigError, match="actor.elasticity: elasticity.min_gpus=5 exceeds max_gpus=4"):
+        load_config(DEFAULT, [("actor.elasticity", dict(block, min_gpus=5))])

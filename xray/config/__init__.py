@@ -17,7 +17,7 @@ from xray.config.schema import RunConfig
 from xray.config.typed import ConfigError, build, to_dict
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
-DEFAULT_CONFIGS = {"ppo": CONFIG_DIR / "ppo_tiny_cpu.yaml"}
+DEFAULT_CONFIGS = {"ppo": CONFIG_DIR / "ppo_tiny_cpu.yaml", "sft": CONFIG_DIR / "ppo_tiny_cpu.yaml"}
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from xray.backends import split_pair
+from xray.backends.elastic import ElasticityError, elastic_batch
 from xray.config.parallel import LayoutError, ParallelDims
 from xray.config.schema import RunConfig
 from xray.config.typed import ConfigError
@@ -67,7 +68,9 @@ class Plan:
         return "\n".join(lines)
 
 
-def needed_roles(cfg: RunConfig) -> tuple[str, ...]:
+def needed_roles(cfg: RunConfig, algo: str = "ppo") -> tuple[str, ...]:
+    if algo == "sft":
+        return ("actor",)
     roles = ["rollout", "actor", "critic", "reference"]
     if cfg.reward.model:
         roles.append("reward")
@@ -93,19 +96,32 @@ def _role_dims(cfg: RunConfig, role: str, train_backend: str, size: int) -> Para
     return dims
 
 
+def _check_sft_batches(cfg: RunConfig, plan: Plan) -> None:
+    unit = plan.role("actor").parallel.dp * cfg.actor.micro_batch_size
+    if cfg.sft.batch_size % unit:
+        raise ConfigError(f"sft.batch_size={cfg.sft.batch_size} is not divisible by actor.dp x "
+                          f"actor.micro_batch_size = {unit}; make it a multiple of {unit}")
+
+
 def _check_batches(cfg: RunConfig, plan: Plan) -> None:
     ppo = cfg.ppo
     samples = ppo.rollout_batch_size * cfg.rollout.n_samples
     rollout_dp = plan.role("rollout").parallel.dp
-    if ppo.rollout_batch_size % rollout_dp:
-        raise ConfigError(f"ppo.rollout_batch_size={ppo.rollout_batch_size} is not divisible by the "
-                          f"{rollout_dp} rollout replicas (rollout.dp); use a multiple of {rollout_dp}")
+    for key, value in (("ppo.rollout_batch_size", ppo.rollout_batch_size), ("data.eval_size", cfg.data.eval_size)):
+        if value % rollout_dp:
+            raise ConfigError(f"{key}={value} is not divisible by the {rollout_dp} rollout replicas "
+                              f"(rollout.dp); use a multiple of {rollout_dp}")
     if samples % ppo.mini_batch_size:
         raise ConfigError(f"ppo.mini_batch_size={ppo.mini_batch_size} does not divide the "
                           f"{samples} samples of a step (rollout_batch_size x rollout.n_samples); "
                           "choose a divisor")
     for role in TRAINED_ROLES:
         rc, dp = getattr(cfg, role), plan.role(role).parallel.dp
+        if rc.elasticity is not None:
+            try:
+                elastic_batch(rc.elasticity, dp)
+            except ElasticityError as exc:
+                raise ConfigError(f"{role}.elasticity: {exc}") from None
         unit = dp * rc.micro_batch_size
         batch, name = (samples, "rollout_batch_size x n_samples") if role == "reference" else \
             (ppo.mini_batch_size, "ppo.mini_batch_size")
@@ -115,18 +131,18 @@ def _check_batches(cfg: RunConfig, plan: Plan) -> None:
                               f"{role}.micro_batch_size")
 
 
-def plan_run(cfg: RunConfig, backend: str) -> Plan:
-    """Check `cfg` for a run with `backend` (e.g. `megatron-vllm`) and return its placement."""
+def plan_run(cfg: RunConfig, backend: str, algo: str = "ppo") -> Plan:
+    """Check `cfg` for a run of `algo` with `backend` (e.g. `megatron-vllm`); return its placement."""
     train_backend, gen_backend = split_pair(backend)
     groups = cfg.device_groups
     if not groups.groups:
         raise ConfigError("device_groups: no groups; add one with device, ranks and workers")
-    needed = needed_roles(cfg)
+    needed = needed_roles(cfg, algo)
     for role in needed:
         if groups.group_of(role) is None:
             raise ConfigError(f"device_groups: role {role!r} is placed in no group; add it to one "
                               "group's workers")
-    if not cfg.reward.model and groups.group_of("reward") is not None:
+    if algo == "ppo" and not cfg.reward.model and groups.group_of("reward") is not None:
         raise ConfigError("device_groups: role 'reward' is placed but reward.model is not set; "
                           "set reward.model to a sequence-classification directory or remove 'reward'")
     if cfg.reward.model and cfg.reward.function:
@@ -146,5 +162,5 @@ def plan_run(cfg: RunConfig, backend: str) -> Plan:
                               parallel=dims))
     plan = Plan(backend=backend, roles=tuple(roles), nproc_per_node=groups.nproc_per_node,
                 nnodes=groups.nnodes)
-    _check_batches(cfg, plan)
+    (_check_sft_batches if algo == "sft" else _check_batches)(cfg, plan)
     return plan

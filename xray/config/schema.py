@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
+from xray.backends.elastic import ElasticityConfig
 from xray.config.optim import OptimConfig
 from xray.config.placement import DeviceGroups
 
@@ -42,6 +43,9 @@ class RoleConfig:
     """Optimizer and warm-up (ignored for the reference, which never trains)."""
     model_path: Optional[str] = None
     """Weights for this role, if not the run's `model.path` (a critic from a reward model, say)."""
+    elasticity: Optional[ElasticityConfig] = None
+    """DeepSpeed's `elasticity` block (deepspeed backend): the train batch for the role's world size
+    is computed as micro-batch x gradient accumulation x world size within these bounds."""
 
 
 @dataclass(frozen=True)
@@ -143,6 +147,20 @@ class DataConfig:
 
 
 @dataclass(frozen=True)
+class SFTConfig:
+    """Supervised fine-tuning (`python -m xray.train sft`, and the built-in model's warm start)."""
+
+    steps: int = 200
+    """Optimizer steps."""
+    batch_size: int = 32
+    """(prompt, answer) pairs per step."""
+    lr: float = 1e-3
+    """Peak learning rate (replaces actor.optim.lr for SFT)."""
+    warmup_steps: int = 10
+    """Linear warm-up steps."""
+
+
+@dataclass(frozen=True)
 class TrainerConfig:
     """The run loop."""
 
@@ -184,3 +202,5 @@ class RunConfig:
     """Prompts."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """Run loop."""
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    """Supervised warm start."""

@@ -58,8 +58,11 @@ def convert(tp: Any, value: Any, path: str) -> Any:
     if origin is Union:
         if value is None and type(None) in args:
             return None
+        options = [a for a in args if a is not type(None)]
+        if len(options) == 1:  # Optional[X]: X's own error names the key inside it
+            return convert(options[0], value, path)
         errors = []
-        for arg in (a for a in args if a is not type(None)):
+        for arg in options:
             try:
                 return convert(arg, value, path)
             except ConfigError as exc:
@@ -116,7 +119,7 @@ def build(cls: type, data: Any, path: str = "") -> Any:
             raise ConfigError(f"missing key {full!r}: it has no default, set it in the YAML or with --{full}=...")
     try:
         return cls(**kwargs)
-    except ConfigError as exc:
+    except ValueError as exc:  # a section's own checks (ConfigError, LayoutError, ...)
         raise ConfigError(f"{where}: {exc}") from None
 
 
