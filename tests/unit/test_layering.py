@@ -13,8 +13,9 @@ for name in ("vllm", "megatron", "deepspeed"):
     sys.modules[name] = None  # any import of them now raises ImportError
 t0 = time.perf_counter()
 import xray, algorithms
-import xray.config, xray.config.plan, xray.data, xray.backends, xray.train
 elapsed = time.perf_counter() - t0
+import xray.config, xray.config.plan, xray.data, xray.backends, xray.train, xray.wholemodel
+import algorithms.ppo.trainer, algorithms.sft
 started = [m for m in ("ray", "vllm", "megatron.core", "deepspeed") if sys.modules.get(m) is not None]
 print(f"{elapsed:.3f} {','.join(started) or 'none'}")
 """
