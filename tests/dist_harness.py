@@ -10,7 +10,9 @@ the child has exited by the time the parent reads them.
 from __future__ import annotations
 
 import os
+import queue as queue_module
 import socket
+import time
 import traceback
 
 import torch.multiprocessing as mp
@@ -50,11 +52,20 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 600.0) -> list:
         p.start()
     results, errors = {}, {}
     try:
-        for _ in range(world_size):
-            rank, ok, value = queue.get(timeout=timeout)
-            (results if ok else errors)[rank] = value
-            if errors:
-                break
+        deadline = time.monotonic() + timeout
+        while len(results) < world_size and not errors:
+            try:
+                rank, ok, value = queue.get(timeout=1.0)
+                (results if ok else errors)[rank] = value
+                continue
+            except queue_module.Empty:
+                pass
+            dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in results]
+            if dead:
+                errors[dead[0]] = f"process exited with code {procs[dead[0]].exitcode} (killed by a signal if < 0)"
+            elif time.monotonic() > deadline:
+                missing = [r for r in range(world_size) if r not in results]
+                raise TimeoutError(f"ranks {missing} did not finish within {timeout:g} s")
     finally:
         for p in procs:
             p.join(timeout=5 if errors else 60)

@@ -1,0 +1,86 @@
+"""The PPO run: what `python -m xray.train ppo` does after the config is checked.
+
+Reads like the script it is: prepare the model and data, start the WholeModels, evaluate, loop
+PPO steps with progress, metrics and checkpoints, evaluate again, export the actor, and print
+`eval_before=<x> eval_after=<y>`. `--resume` continues from the latest checkpoint of a run.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from algorithms.ppo.trainer import PPOTrainer, PPOState
+from xray.config.plan import Plan
+from xray.config.schema import RunConfig
+from xray.config.typed import to_dict
+from xray.run.models import build_models
+from xray.run.outputs import RunDir, read_trainer_state, save_hf_model
+from xray.run.task import RunData, prepare
+
+log = logging.getLogger(__name__)
+
+
+def save_checkpoint(trainer: PPOTrainer, run: RunDir, data: RunData) -> Path:
+    directory = run.checkpoint_dir(trainer.state.step)
+    directory.mkdir(parents=True, exist_ok=True)
+    trainer.models.actor.save(str(directory / "actor")).get()
+    trainer.models.critic.save(str(directory / "critic")).get()
+    run.write_trainer_state(directory, {"step": trainer.state.step, "kl": trainer.kl.state_dict(),
+                                        "eval_before": trainer.state.eval_before,
+                                        "sampler": data.sampler.state_dict()})
+    log.info("checkpoint step %d -> %s", trainer.state.step, directory)
+    return directory
+
+
+def resume_from(trainer: PPOTrainer, directory: Path, data: RunData) -> None:
+    state = read_trainer_state(directory)
+    trainer.models.actor.load(str(directory / "actor")).get()
+    trainer.models.critic.load(str(directory / "critic")).get()
+    trainer.kl.load_state_dict(state["kl"])
+    data.sampler.load_state_dict(state["sampler"])
+    trainer.state = PPOState(step=state["step"], kl=state["kl"], eval_before=state["eval_before"])
+    # the rollout engine starts from the base weights: bring it to the checkpoint's
+    asyncio.run(trainer.resync(data.eval_rows, trainer.state.step))
+    log.info("resumed at step %d from %s", trainer.state.step, directory)
+
+
+def run_ppo(cfg: RunConfig, plan: Plan, output_dir: Path, resume: str | None,
+            ray_address: str | None) -> tuple[float, float]:
+    t_start = time.perf_counter()
+    run = RunDir(Path(resume) if resume not in (None, "latest") else output_dir)
+    run.write_config(to_dict(cfg))
+    data = prepare(cfg, plan, run, ray_address)
+    models = build_models(cfg, plan, data.model_dir, ray_address)
+    try:
+        trainer = PPOTrainer(cfg, models, data.score, data.pad_id, data.stop_ids)
+        latest = run.latest_checkpoint() if resume else None
+        if resume and latest is None:
+            raise FileNotFoundError(f"--resume: no complete checkpoint under {run.checkpoints}; "
+                                    "start without --resume")
+        if latest is not None:
+            resume_from(trainer, latest, data)
+        if trainer.state.eval_before is None:
+            trainer.state.eval_before = asyncio.run(trainer.evaluate(data.eval_rows))
+        log.info("eval before training: %.3f", trainer.state.eval_before)
+        bar = tqdm(range(trainer.state.step + 1, cfg.trainer.steps + 1), desc="ppo", unit="step",
+                   file=sys.stderr, mininterval=1.0)
+        for step in bar:
+            metrics = asyncio.run(trainer.step(data.next_train_rows()))
+            bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", kl=f"{metrics['kl']:.4f}",
+                            s_per_step=f"{sum(v for k, v in metrics.items() if k.startswith('time/')):.1f}")
+            if step % cfg.trainer.log_every == 0:
+                run.log_metrics(step, metrics)
+            if cfg.trainer.save_every and step % cfg.trainer.save_every == 0:
+                save_checkpoint(trainer, run, data)
+        eval_after = asyncio.run(trainer.evaluate(data.eval_rows))
+        save_hf_model(models.actor.state_dict().get(), data.model_dir, run.path / "final" / "actor")
+    finally:
+        models.shutdown()
+        run.close()
+    log.info("run finished in %.0f s; outputs in %s", time.perf_counter() - t_start, run.path)
+    return trainer.state.eval_before, eval_after

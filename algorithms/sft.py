@@ -1,0 +1,99 @@
+"""Supervised fine-tuning on (prompt, answer) token pairs, on the same engine as PPO.
+
+`python -m xray.train sft` and the built-in model's warm start use it: the actor WholeModel (any
+training backend) takes `sft.steps` optimizer steps of next-token loss on the answer tokens, then
+its full weights are written as a Hugging Face directory that every role (and vLLM) can load.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from xray.config.plan import Plan
+from xray.config.schema import RunConfig
+from xray.data.batch import Batch
+from xray.data.sequences import pack_sequences
+from xray.run.outputs import RunDir, save_hf_model
+from xray.tasks.sft import SFTLoss, target_ids
+
+log = logging.getLogger(__name__)
+
+
+def sft_rows(pairs: list[tuple[list[int], list[int]]], batch_size: int, step: int, seed: int,
+             pad_id: int) -> Batch:
+    """A seeded random batch of (prompt ids, target ids) pairs as training tensors."""
+    g = torch.Generator().manual_seed(seed * 1000003 + step)
+    rows = torch.randint(len(pairs), (batch_size,), generator=g).tolist()
+    return pack_sequences([pairs[i][0] for i in rows], [pairs[i][1] for i in rows], pad_id)
+
+
+def run_sft(cfg: RunConfig, plan: Plan, pairs: list[tuple[list[int], list[int]]], model_dir: str,
+            run: RunDir, pad_id: int, ray_address: str | None = None) -> Path:
+    """Train the actor on `pairs`; return the Hugging Face directory of the result."""
+    from xray.run.models import role_init_kwargs
+    from xray.wholemodel import WholeModel
+    from xray.wholemodel.cluster import ensure_ray
+    from xray.wholemodel.placement import reserve_plan
+    from xray.workhorse.roles import workhorse_class
+
+    role = plan.role("actor")
+    optim = dataclasses.replace(cfg.actor.optim, lr=cfg.sft.lr, warmup_steps=cfg.sft.warmup_steps)
+    sft_cfg = dataclasses.replace(cfg, actor=dataclasses.replace(cfg.actor, optim=optim))
+    ensure_ray(ray_address, num_cpus=plan.nproc_per_node * plan.nnodes)
+    bundles = reserve_plan(plan, cfg.threads_per_worker)["actor"]
+    actor = WholeModel(workhorse_class(role.backend, "actor"), role="actor", parallel=role.parallel,
+                       device=role.device, bundles=bundles, seed=cfg.seed, threads=cfg.threads_per_worker,
+                       init_kwargs=role_init_kwargs(sft_cfg, "actor", role.backend, model_dir))
+    try:
+        bar = tqdm(range(1, cfg.sft.steps + 1), desc="sft", unit="step", mininterval=2.0)
+        for step in bar:
+            t0 = time.perf_counter()
+            batch = sft_rows(pairs, cfg.sft.batch_size, step, cfg.seed, pad_id)
+            metrics = actor.train_step(batch, SFTLoss(), cfg.actor.micro_batch_size).get()
+            metrics["time/step_s"] = time.perf_counter() - t0
+            bar.set_postfix(loss=f"{metrics['sft_loss']:.3f}")
+            if step % cfg.trainer.log_every == 0 or step == cfg.sft.steps:
+                run.log_metrics(step, metrics)
+        state = actor.state_dict().get()
+    finally:
+        actor.shutdown()
+        ray_release(bundles)
+    return save_hf_model(state, model_dir, run.path / "final" / "actor")
+
+
+def ray_release(bundles) -> None:
+    import ray
+
+    ray.util.remove_placement_group(bundles.placement_group)
+
+
+def answer_pairs(prompt_ids: list[list[int]], answers: list, tokenizer) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, answer ids + EOS) pairs: the model learns the answer and to stop after it."""
+    return [(p, target_ids(a, tokenizer)) for p, a in zip(prompt_ids, answers)]
+
+
+def sft_command(cfg: RunConfig, plan: Plan, output_dir: Path, ray_address: str | None) -> Path:
+    """`python -m xray.train sft`: fine-tune `model.path` on the data's (prompt, answer) rows."""
+    from xray.data.prompts import load_prompt_splits
+    from xray.run.task import BUILTIN_MODEL, build_base_model, load_tokenizer
+
+    run = RunDir(output_dir)
+    from xray.config.typed import to_dict
+
+    run.write_config(to_dict(cfg))
+    model_dir = str(build_base_model(cfg, run)) if cfg.model.path == BUILTIN_MODEL else cfg.model.path
+    tokenizer = load_tokenizer(model_dir)
+    train, _ = load_prompt_splits(cfg.data, tokenizer, run.path / "data")
+    if cfg.data.answer_field not in train.extras:
+        raise ValueError(f"the data has no {cfg.data.answer_field!r} column for supervised targets; "
+                         f"set data.answer_field to one of {sorted(train.extras)}")
+    pairs = answer_pairs(train.prompt_ids, train.extras[cfg.data.answer_field], tokenizer)
+    try:
+        return run_sft(cfg, plan, pairs, model_dir, run, tokenizer.pad_token_id or 0, ray_address)
+    finally:
+        run.close()

@@ -1,0 +1,72 @@
+"""Clipped policy and value losses: hand-computed values, gradients, and the picklable LossFns."""
+import math
+import pickle
+
+import pytest
+import torch
+
+from algorithms.ppo.losses import PolicyLoss, ValueLoss, clipped_policy_loss, clipped_value_loss
+from xray.data import columns as C
+from xray.data.batch import Batch
+
+pytestmark = pytest.mark.unit
+
+# four response positions and one masked position holding garbage that must be ignored
+MASK = torch.tensor([[1., 1., 1., 1., 0.]])
+RATIO = [1.5, 0.5, 1.1, 0.7]
+ADV = torch.tensor([[1.0, 1.0, -2.0, -1.0, 100.0]])
+
+
+def _logp():
+    return torch.tensor([[math.log(r) for r in RATIO] + [5.0]], requires_grad=True)
+
+
+def test_policy_loss_hand_computed_with_gradient():
+    logp = _logp()
+    loss, stats = clipped_policy_loss(logp, torch.zeros(1, 5), ADV, MASK, cliprange=0.2)
+    # max(-A r, -A clip(r)): -1.2 (clipped), -0.5, 2.2, 0.8 (clipped) -> mean 0.325
+    assert loss.item() == pytest.approx(0.325, abs=1e-6)
+    assert stats["clipfrac"].item() == pytest.approx(0.5)
+    k3 = [(r - 1) - math.log(r) for r in RATIO]
+    assert stats["approx_kl"].item() == pytest.approx(sum(k3) / 4, abs=1e-6)
+    assert stats["ratio"].item() == pytest.approx(sum(RATIO) / 4, abs=1e-6)
+    loss.backward()
+    # clipped positions get no gradient; others -A * r / 4
+    torch.testing.assert_close(logp.grad, torch.tensor([[0.0, -0.125, 0.55, 0.0, 0.0]]), rtol=0, atol=1e-6)
+
+
+def test_value_loss_hand_computed():
+    values = torch.tensor([[0.5, -0.1, 0.3, 1.0, 7.0]])
+    returns = torch.tensor([[1.0, 1.0, 0.0, 0.0, -7.0]])
+    loss, stats = clipped_value_loss(values, torch.zeros(1, 5), returns, MASK, cliprange_value=0.2)
+    # max sq errors: 0.64 (clipped), 1.21, 0.09, 1.0 -> 0.5 * 2.94 / 4
+    assert loss.item() == pytest.approx(0.3675, abs=1e-6)
+    assert stats["clipfrac"].item() == pytest.approx(0.25)
+    assert stats["values"].item() == pytest.approx(0.425, abs=1e-6)
+
+
+def _batch():
+    return Batch({C.OLD_LOGPROBS: torch.zeros(1, 5), C.ADVANTAGES: ADV, C.LOSS_MASK: MASK,
+                  C.OLD_VALUES: torch.zeros(1, 5), C.RETURNS: torch.tensor([[1.0, 1.0, 0.0, 0.0, -7.0]])})
+
+
+def test_loss_fns_read_columns_report_floats_and_pickle():
+    policy = pickle.loads(pickle.dumps(PolicyLoss(cliprange=0.2)))
+    value = pickle.loads(pickle.dumps(ValueLoss(0.2, 0.1)))
+    assert policy == PolicyLoss(0.2) and value == ValueLoss(cliprange_value=0.2, vf_coef=0.1)
+    entropy = torch.tensor([[1.0, 2.0, 3.0, 4.0, 50.0]])
+    loss, metrics = policy({C.LOGPROBS: _logp(), C.ENTROPY: entropy}, _batch())
+    assert loss.item() == pytest.approx(0.325, abs=1e-6)
+    assert metrics["policy_loss"] == pytest.approx(0.325, abs=1e-6) and metrics["policy_clipfrac"] == 0.5
+    assert metrics["entropy"] == pytest.approx(2.5)
+    assert all(isinstance(v, float) for v in metrics.values())
+    vloss, vmetrics = value({C.VALUES: torch.tensor([[0.5, -0.1, 0.3, 1.0, 7.0]])}, _batch())
+    assert vloss.item() == pytest.approx(0.03675, abs=1e-7)  # vf_coef * value_loss
+    assert vmetrics["value_loss"] == pytest.approx(0.3675, abs=1e-6) and vmetrics["value_clipfrac"] == 0.25
+
+
+def test_wide_cliprange_is_plain_policy_gradient():
+    logp = _logp()
+    loss, stats = clipped_policy_loss(logp, torch.zeros(1, 5), ADV, MASK, cliprange=10.0)
+    assert stats["clipfrac"].item() == 0.0
+    assert loss.item() == pytest.approx((-1.5 - 0.5 + 2.2 + 0.7) / 4, abs=1e-6)

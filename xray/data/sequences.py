@@ -1,0 +1,35 @@
+"""Prompt + response token lists laid out as model inputs: the one place that does it.
+
+Row i holds its prompt, then its response, then right padding. Position t of the `[B, T-1]`
+tensors scores token t+1, so a response occupying tokens `p .. p+r-1` is marked in LOSS_MASK at
+positions `p-1 .. p+r-2`. PPO's experience and the supervised warm start both use this layout.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from xray.data import columns as C
+from xray.data.batch import Batch
+
+
+def pack_sequences(prompt_ids: Sequence[list[int]], response_ids: Sequence[list[int]], pad_id: int = 0) -> Batch:
+    """INPUT_IDS / ATTENTION_MASK `[B, T]` and LOSS_MASK `[B, T-1]` (1 where token t+1 belongs to
+    the response), plus list columns PROMPT_IDS and RESPONSE_IDS."""
+    if len(prompt_ids) != len(response_ids):
+        raise ValueError(f"{len(prompt_ids)} prompts but {len(response_ids)} responses; pair each prompt "
+                         "with exactly one response (repeat prompts for several samples)")
+    seqs = [list(p) + list(r) for p, r in zip(prompt_ids, response_ids)]
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    attn = torch.zeros(len(seqs), width, dtype=torch.long)
+    loss_mask = torch.zeros(len(seqs), width - 1, dtype=torch.float32)
+    for i, (p, s) in enumerate(zip(prompt_ids, seqs)):
+        if not p:
+            raise ValueError(f"row {i} has an empty prompt; every prompt needs at least one token (BOS)")
+        ids[i, :len(s)] = torch.tensor(s, dtype=torch.long)
+        attn[i, :len(s)] = 1
+        loss_mask[i, len(p) - 1:len(s) - 1] = 1.0
+    return Batch({C.INPUT_IDS: ids, C.ATTENTION_MASK: attn, C.LOSS_MASK: loss_mask},
+                 {C.PROMPT_IDS: [list(p) for p in prompt_ids], C.RESPONSE_IDS: [list(r) for r in response_ids]})

@@ -1,0 +1,193 @@
+"""Reward functions named `module:function` in a config, called with TRL's convention.
+
+    fn(prompts=[...], completions=[...], completion_ids=[...], **extra_columns) -> list[float]
+
+`prompts` are the prompt fields as in the data; `completions` the decoded responses (for chat
+prompts, TRL's `[{"role": "assistant", "content": text}]`); every other dataset column arrives as a
+keyword argument with one value per sample. A function without `**kwargs` receives only the
+arguments it names. `None` means "no score" and counts as NaN. A function that raises stops the run
+with a `RewardFunctionError` that shows the offending prompt and the original traceback; a NaN or
+infinite score is an error, or (with `on_nonfinite="skip"`) drops that sample via a keep-mask.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import math
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+RewardFn = Callable[..., Sequence[Optional[float]]]
+
+
+class RewardSpecError(ValueError):
+    """A `module:function` name that does not resolve to a callable; says what to fix."""
+
+
+class RewardFunctionError(RuntimeError):
+    """A reward function raised, or returned something unusable; carries the offending sample."""
+
+    def __init__(self, message: str, row: Optional[int] = None, prompt: Any = None, completion: Any = None,
+                 traceback_text: str = ""):
+        super().__init__(message)
+        self.row, self.prompt, self.completion, self.traceback_text = row, prompt, completion, traceback_text
+
+    def __reduce__(self):  # keep the fields when pickled through Ray
+        return (type(self), (self.args[0], self.row, self.prompt, self.completion, self.traceback_text))
+
+
+def load_reward_function(spec: str) -> RewardFn:
+    """The callable named by `spec`: `package.module:function`, or `path/to/file.py:function`."""
+    module_name, sep, attr = spec.rpartition(":")
+    if not sep or not module_name or not attr:
+        raise RewardSpecError(f"reward function {spec!r} is not of the form module:function "
+                              "(for example xray.rewards.builtin:exact_answer)")
+    if module_name.endswith(".py"):
+        module = _module_from_file(Path(module_name), spec)
+    else:
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as e:
+            raise RewardSpecError(f"reward function {spec!r}: cannot import module {module_name!r} ({e}); "
+                                  "put it on PYTHONPATH or name a .py file as path/to/file.py:function") from None
+    fn = getattr(module, attr, None)
+    if fn is None:
+        public = sorted(n for n in vars(module) if not n.startswith("_") and callable(vars(module)[n]))
+        raise RewardSpecError(f"reward function {spec!r}: module {module_name!r} has no attribute {attr!r}; "
+                              f"its callables are {public[:20]}")
+    if not callable(fn):
+        raise RewardSpecError(f"reward function {spec!r}: {attr!r} is a {type(fn).__name__}, not a function")
+    if inspect.iscoroutinefunction(fn):
+        raise RewardSpecError(f"reward function {spec!r} is async; make it a plain function returning floats")
+    return fn
+
+
+def _module_from_file(path: Path, spec: str):
+    if not path.is_file():
+        raise RewardSpecError(f"reward function {spec!r}: no file {path}")
+    module_spec = importlib.util.spec_from_file_location(f"xray_reward_{path.stem}", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module
+
+
+def _conversational(prompts: Sequence[Any], completions: Sequence[str]) -> list:
+    if prompts and isinstance(prompts[0], list):
+        return [[{"role": "assistant", "content": c}] for c in completions]
+    return list(completions)
+
+
+def _accepted(fn: RewardFn, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The keyword arguments `fn` can take (all of them when it has **kwargs)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return kwargs
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return kwargs
+    names = {p.name for p in params}
+    return {k: v for k, v in kwargs.items() if k in names}
+
+
+def call_reward_function(fn: RewardFn, prompts: Sequence[Any], completions: Sequence[str],
+                         extras: dict[str, list], completion_ids: Optional[Sequence[list[int]]] = None) -> list:
+    """Call `fn` TRL-style on the batch; on an exception raise `RewardFunctionError` naming the
+    first row that fails on its own (or the batch's first row) with the original traceback."""
+    kwargs = dict(prompts=list(prompts), completions=_conversational(prompts, completions), **extras)
+    if completion_ids is not None:
+        kwargs["completion_ids"] = [list(c) for c in completion_ids]
+    kwargs = _accepted(fn, kwargs)
+    try:
+        return list(fn(**kwargs))
+    except Exception as e:  # noqa: BLE001 - any user error is reported with its sample
+        tb = "".join(traceback.format_exception(e))
+        row = _first_failing_row(fn, kwargs, len(prompts))
+        raise RewardFunctionError(
+            f"the reward function {getattr(fn, '__qualname__', fn)!r} raised {type(e).__name__}: {e}\n"
+            f"on row {row} of the batch, prompt {prompts[row]!r}, completion {completions[row]!r}\n"
+            f"fix the function (or the data) and resume from the last checkpoint\n{tb}",
+            row=row, prompt=prompts[row], completion=completions[row], traceback_text=tb) from e
+
+
+def _first_failing_row(fn: RewardFn, kwargs: dict[str, Any], n: int) -> int:
+    """The first row on which `fn` raises when called alone; 0 if none does."""
+    for i in range(n):
+        one = {k: (v[i:i + 1] if isinstance(v, list) and len(v) == n else v) for k, v in kwargs.items()}
+        try:
+            fn(**one)
+        except Exception:  # noqa: BLE001
+            return i
+    return 0
+
+
+@dataclass
+class Scores:
+    """The checked scores of one batch."""
+
+    scores: torch.Tensor
+    """[B] float32; 0.0 on dropped rows."""
+    keep: torch.Tensor
+    """[B] bool; False on rows whose score was NaN or infinite and were skipped."""
+
+
+def check_scores(raw: Sequence[Any], prompts: Sequence[Any], completions: Sequence[str],
+                 on_nonfinite: str = "error") -> Scores:
+    """Turn a reward function's answer into `Scores`: one number per sample; NaN, infinity or None
+    raise, or are dropped when `on_nonfinite == "skip"`."""
+    n = len(prompts)
+    if len(raw) != n:
+        raise RewardFunctionError(f"the reward function returned {len(raw)} scores for {n} completions; "
+                                  "it must return exactly one score per completion")
+    values = []
+    for i, s in enumerate(raw):
+        if s is not None and not isinstance(s, (int, float)) and not (torch.is_tensor(s) and s.numel() == 1):
+            raise RewardFunctionError(f"the reward function returned a {type(s).__name__} for row {i} "
+                                      f"(prompt {prompts[i]!r}); scores must be numbers", row=i, prompt=prompts[i])
+        values.append(math.nan if s is None else float(s))
+    scores = torch.tensor(values, dtype=torch.float32)
+    keep = torch.isfinite(scores)
+    if not bool(keep.all()):
+        bad = int((~keep).nonzero()[0])
+        if on_nonfinite != "skip":
+            raise RewardFunctionError(
+                f"the reward function returned {values[bad]} for row {bad} (prompt {prompts[bad]!r}, completion "
+                f"{completions[bad]!r}); fix it, or set reward.on_nonfinite=skip to drop such samples",
+                row=bad, prompt=prompts[bad], completion=completions[bad])
+        if not bool(keep.any()):
+            raise RewardFunctionError(f"every one of the {n} scores in the batch is NaN, infinite or None; "
+                                      "nothing is left to train on: fix the reward function")
+        scores = torch.where(keep, scores, torch.zeros_like(scores))
+    return Scores(scores, keep)
+
+
+def compute_scores(fn: RewardFn, prompts: Sequence[Any], completions: Sequence[str], extras: dict[str, list],
+                   on_nonfinite: str = "error", completion_ids: Optional[Sequence[list[int]]] = None) -> Scores:
+    """Call the reward function on a batch and check its scores."""
+    raw = call_reward_function(fn, prompts, completions, extras, completion_ids)
+    return check_scores(raw, prompts, completions, on_nonfinite)
+
+
+class RewardScorer:
+    """A reward function bound to a tokenizer: `(rows, response_ids) -> (scores [B], keep [B])`,
+    where `rows` are `PromptSet.rows()` dicts (`prompt`, `prompt_ids`, other columns) and the
+    responses are decoded without special tokens before the function sees them."""
+
+    def __init__(self, fn: RewardFn | str, tokenizer, on_nonfinite: str = "error"):
+        self.fn = load_reward_function(fn) if isinstance(fn, str) else fn
+        self.tokenizer, self.on_nonfinite = tokenizer, on_nonfinite
+
+    def __call__(self, rows: Sequence[dict], response_ids: Sequence[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        if len(rows) != len(response_ids):
+            raise ValueError(f"{len(rows)} prompt rows but {len(response_ids)} responses; repeat each row once "
+                             "per sample")
+        completions = [self.tokenizer.decode(list(r), skip_special_tokens=True) for r in response_ids]
+        columns = dict.fromkeys(k for row in rows for k in row if k not in ("prompt", "prompt_ids"))
+        extras = {k: [row.get(k) for row in rows] for k in columns}
+        s = compute_scores(self.fn, [row["prompt"] for row in rows], completions, extras, self.on_nonfinite,
+                           completion_ids=response_ids)
+        return s.scores, s.keep

@@ -1,0 +1,51 @@
+"""Built-in tasks with a verifiable reward, named `builtin:<name>` in `data.path`.
+
+A task writes its train and held-out eval prompts as JSONL files, which the run then reads through
+the same path as a user's data (`xray.data.prompts`), and names the reward function that scores
+them. `arith` (`xray.tasks.arith`) is the default job's task; `xray.tasks.sft` turns a task's
+(prompt, answer) rows into a supervised warm-start batch.
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+# name -> "module:attribute" of the task object, imported on first use
+TASKS = {"arith": "xray.tasks.arith:ARITH"}
+
+
+class TaskError(ValueError):
+    """An unknown built-in task or an impossible split; says what to use instead."""
+
+
+@dataclass(frozen=True)
+class TaskFiles:
+    """The JSONL files a task wrote."""
+
+    train: Path
+    """Training prompts."""
+    eval: Path
+    """Held-out prompts, disjoint from `train`."""
+
+
+class Task(Protocol):
+    name: str
+    reward_function: str
+    """`module:function` that scores this task's completions (TRL convention)."""
+    answer_field: str
+    """The column holding the reference answer (the supervised target for a warm start)."""
+
+    def write(self, directory: Path, eval_size: int) -> TaskFiles:
+        """Write `<directory>/<name>-train.jsonl` and `-eval.jsonl` (eval_size rows) and return them."""
+
+
+def get_task(path: str) -> Task:
+    """The task named by `builtin:<name>` (or a bare name)."""
+    name = path.split(":", 1)[1] if path.startswith("builtin:") else path
+    if name not in TASKS:
+        raise TaskError(f"unknown built-in task {path!r}; built-in tasks are "
+                        f"{', '.join('builtin:' + n for n in TASKS)}, or give a JSONL/Parquet file")
+    module, attr = TASKS[name].split(":")
+    return getattr(importlib.import_module(module), attr)
