@@ -1,0 +1,301 @@
+"""The DeepSpeed-Inference generation backend: a Hugging Face model under `deepspeed.init_inference`.
+
+Sits under a rollout Workhorse (xray/workhorse), behind the `GenerationEngine` contract of
+xray.backends.base; loaded by name through `xray.backends.load_backend("dsinfer")`. Generation is
+Hugging Face `generate` on the module DeepSpeed prepared (AutoTP-sharded when tp > 1, no kernel
+injection); the log-prob of each sampled token is read from the model's raw logits (before
+temperature, top-k, top-p) while it generates, as vLLM's `raw_logprobs` are.
+
+Tensor parallelism: the processes of one replica are consecutive ranks of the default group
+(Megatron order, tp fastest); every rank of the group builds its engine at the same time.
+
+CPU note (why tp=2 died with SIGSEGV): DeepSpeed's `inference_all_reduce` uses its shared-memory
+all-reduce kernel whenever that op is built, but the kernel maps its shared workspace only when
+the environment variable LOCAL_SIZE equals the world size (the `deepspeed` launcher sets it;
+torchrun, Ray and our test harness do not). Without it the kernel dereferences a null workspace.
+The kernel also ignores the process group (it reduces over the whole world). `_guard_cpu_allreduce`
+therefore keeps the kernel only where it is correct, and otherwise sends DeepSpeed to
+`torch.distributed.all_reduce` on the tensor-parallel group.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from xray.backends.base import GenerationEngine, WeightBucket
+from xray.backends.sampling import SamplingSpec, call_seed, rollout_batch
+from xray.data.batch import Batch
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class DsInferError(RuntimeError):
+    """The DeepSpeed-Inference engine was asked for something it cannot do; the text says the fix."""
+
+
+@dataclass(frozen=True)
+class DsInferConfig:
+    """How to build one DeepSpeed-Inference shard."""
+
+    model_dir: str
+    """Local Hugging Face model directory."""
+    dtype: str = "float32"
+    """float32, bfloat16 or float16."""
+    seed: int = 0
+    """Base of the per-call seed when a generate call gives none."""
+    max_model_len: int = 1024
+    """Longest prompt + response in tokens; longer requests are refused."""
+    tp: int = 1
+    """Tensor-parallel size (AutoTP); the default process group must hold a multiple of it."""
+    device: str = "cpu"
+    """cpu or cuda."""
+    generate_batch: int = 32
+    """Rows per Hugging Face `generate` call (prompts x n are cut into chunks of this size)."""
+    init_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Further keyword arguments for `deepspeed.init_inference`."""
+
+
+def build_engine(model_dir: str | Path, *, dtype: str = "float32", seed: int = 0,
+                 max_model_len: int = 1024, tp: int = 1, device: str = "cpu",
+                 generate_batch: int = 32, **init_kwargs: Any) -> "DsInferEngine":
+    """Build this process's DeepSpeed-Inference shard of `model_dir` (collective when tp > 1)."""
+    config = DsInferConfig(model_dir=str(model_dir), dtype=dtype, seed=seed,
+                           max_model_len=max_model_len, tp=tp, device=device,
+                           generate_batch=generate_batch, init_kwargs=dict(init_kwargs))
+    return DsInferEngine(config)
+
+
+class TensorParallelUnit:
+    """The `mpu` DeepSpeed asks for: this replica's tensor-parallel group (consecutive ranks)."""
+
+    def __init__(self, tp: int):
+        world, rank = dist.get_world_size(), dist.get_rank()
+        if world % tp:
+            raise DsInferError(f"tp={tp} does not divide the {world} processes of the default group; "
+                               "make the rollout group's size a multiple of tp")
+        self.tp, self.rank = tp, rank
+        self.group = None
+        for first in range(0, world, tp):  # every rank creates every group (new_group is collective)
+            group = dist.new_group(list(range(first, first + tp)))
+            if first <= rank < first + tp:
+                self.group = group
+
+    def get_model_parallel_group(self):
+        return self.group
+
+    def get_model_parallel_world_size(self) -> int:
+        return self.tp
+
+    def get_model_parallel_rank(self) -> int:
+        return self.rank % self.tp
+
+
+def _guard_cpu_allreduce(tp: int) -> None:
+    """Use DeepSpeed's shared-memory all-reduce only where it works (see the module docstring)."""
+    import deepspeed.comm.comm as ds_comm
+
+    backend = ds_comm.cdb
+    world = dist.get_world_size()
+    shm_ready = os.environ.get("LOCAL_SIZE") == str(world)
+    if backend is not None and not (shm_ready and tp == world):
+        backend.shm_vector_kernel_level = 0  # DeepSpeed then falls back to torch.distributed
+        logger.info("DeepSpeed shm all-reduce off (LOCAL_SIZE=%s, world=%d, tp=%d): using gloo",
+                    os.environ.get("LOCAL_SIZE"), world, tp)
+
+
+class _ChosenTokenLogprobs:
+    """A logits processor that records log p(chosen token) from the raw logits of each step.
+
+    Hugging Face calls it once per step with the sequence so far; the token chosen at step t is
+    the last input id at step t+1, so only one step's log-softmax [B, V] is kept at a time."""
+
+    def __init__(self) -> None:
+        self.previous: torch.Tensor | None = None
+        self.steps: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.previous is not None:
+            self.steps.append(self.previous.gather(-1, input_ids[:, -1:]).squeeze(-1))
+        self.previous = torch.log_softmax(scores.float(), dim=-1)
+        return scores
+
+    def finish(self, generated: torch.Tensor) -> torch.Tensor:
+        """[B, R] log-probs of the generated tokens [B, R]."""
+        if self.previous is not None and len(self.steps) < generated.shape[1]:
+            self.steps.append(self.previous.gather(-1, generated[:, -1:]).squeeze(-1))
+        return torch.stack(self.steps, dim=1) if self.steps else generated.new_zeros(generated.shape, dtype=torch.float)
+
+
+class DsInferEngine(GenerationEngine):
+    """One shard of a DeepSpeed-Inference rollout replica."""
+
+    def __init__(self, config: DsInferConfig):
+        import deepspeed
+        from transformers import AutoModelForCausalLM
+
+        if config.dtype not in DTYPES:
+            raise DsInferError(f"dtype={config.dtype!r}; use one of {sorted(DTYPES)}")
+        self.config = config
+        model = AutoModelForCausalLM.from_pretrained(config.model_dir, dtype=DTYPES[config.dtype])
+        model.eval()
+        full_shapes = {k: tuple(v.shape) for k, v in model.named_parameters()}
+        tp_config: dict[str, Any] = {"tp_size": config.tp}
+        if config.tp > 1:
+            if not dist.is_initialized():
+                raise DsInferError("tp > 1 needs torch.distributed initialised over the rollout "
+                                   "processes (the Workhorse does it; tests use tests/dist_harness)")
+            deepspeed.init_distributed(dist_backend="gloo" if config.device == "cpu" else "nccl")
+            if config.device == "cpu":
+                _guard_cpu_allreduce(config.tp)
+            mpu = TensorParallelUnit(config.tp)
+            # DeepSpeed reads the group from `mpu`, but its AutoTP slicing reads `tp_group`:
+            # without it the layers are swapped yet left whole and never all-reduced.
+            tp_config.update(mpu=mpu, tp_group=mpu.group)
+        kwargs = dict(tensor_parallel=tp_config, dtype=DTYPES[config.dtype],
+                      replace_with_kernel_inject=False)
+        kwargs.update(config.init_kwargs)
+        self.engine = deepspeed.init_inference(model, **kwargs)
+        self.module = self.engine.module
+        self.params = dict(self.module.named_parameters(remove_duplicate=False))
+        self.slices = self._shard_slices(full_shapes, tp_config.get("mpu"))
+        gen = self.module.generation_config
+        eos = gen.eos_token_id if gen.eos_token_id is not None else self.module.config.eos_token_id
+        self.eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+        pad = self.module.config.pad_token_id
+        self.pad_id = pad if pad is not None else (self.eos_ids[0] if self.eos_ids else 0)
+        self._calls = 0
+        logger.info("DeepSpeed-Inference engine ready: %s dtype=%s tp=%d", config.model_dir,
+                    config.dtype, config.tp)
+
+    def _shard_slices(self, full_shapes: dict[str, tuple], mpu: TensorParallelUnit | None
+                      ) -> dict[str, tuple[int, int, int]]:
+        """name -> (dim, start, length) of this rank's shard inside the full tensor (AutoTP
+        splits one dimension into contiguous pieces in rank order)."""
+        local = {}
+        for name, param in self.params.items():
+            full = full_shapes.get(name, tuple(param.shape))
+            dims = [d for d, (a, b) in enumerate(zip(full, param.shape)) if a != b]
+            if len(dims) > 1 or len(full) != param.dim():
+                raise DsInferError(f"{name}: shard {tuple(param.shape)} of {full} is not a 1-d split")
+            if dims:
+                local[name] = (dims[0], param.shape[dims[0]])
+        if mpu is None:
+            return {}
+        everyone: list[dict] = [None] * mpu.tp  # type: ignore[list-item]
+        dist.all_gather_object(everyone, local, group=mpu.group)
+        me = mpu.get_model_parallel_rank()
+        return {name: (dim, sum(everyone[r][name][1] for r in range(me)), size)
+                for name, (dim, size) in local.items()}
+
+    def _check_prompts(self, prompts: list[list[int]], new_tokens: int) -> None:
+        for i, p in enumerate(prompts):
+            if not p:
+                raise DsInferError(f"prompt {i} is empty; give at least one token id")
+            if len(p) + new_tokens > self.config.max_model_len:
+                raise DsInferError(f"prompt {i} ({len(p)} tokens) + max_new_tokens ({new_tokens}) "
+                                   f"exceeds max_model_len={self.config.max_model_len}; shorten it "
+                                   "or build the engine with a larger max_model_len")
+
+    def _generate_kwargs(self, spec: SamplingSpec) -> dict[str, Any]:
+        kwargs: dict[str, Any] = dict(max_new_tokens=spec.max_new_tokens, pad_token_id=self.pad_id,
+                                      eos_token_id=self.eos_ids + list(spec.stop_token_ids),
+                                      return_dict_in_generate=True, use_cache=True)
+        if spec.greedy:
+            kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+        else:
+            kwargs.update(do_sample=True, temperature=spec.temperature, top_p=spec.top_p,
+                          top_k=spec.top_k_or_none or 0)
+        return kwargs
+
+    @torch.no_grad()
+    def _generate_chunk(self, rows: list[list[int]], spec: SamplingSpec, seed: int
+                        ) -> tuple[list[list[int]], list[list[float]], list[str]]:
+        from transformers import LogitsProcessorList
+
+        width = max(len(r) for r in rows)
+        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, r in enumerate(rows):  # left padding: every prompt ends at the same column
+            ids[i, width - len(r):] = torch.tensor(r)
+            mask[i, width - len(r):] = 1
+        device = self.config.device if self.config.device == "cpu" else torch.device("cuda", torch.cuda.current_device())
+        recorder = _ChosenTokenLogprobs()
+        with torch.random.fork_rng(devices=[] if self.config.device == "cpu" else None):
+            torch.manual_seed(seed)
+            out = self.module.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
+                                       logits_processor=LogitsProcessorList([recorder]),
+                                       **self._generate_kwargs(spec))
+        generated = out.sequences[:, width:].cpu()
+        logprobs = recorder.finish(out.sequences[:, width:]).cpu()
+        stops = set(self.eos_ids) | set(spec.stop_token_ids)
+        responses, lps, reasons = [], [], []
+        for row, lp in zip(generated.tolist(), logprobs.tolist()):
+            end = next((t + 1 for t, tok in enumerate(row) if tok in stops), None)
+            responses.append(row[:end] if end else row)
+            lps.append(lp[:end] if end else lp)
+            reasons.append("stop" if end else "length")
+        return responses, lps, reasons
+
+    def generate(self, prompts: list[list[int]], sampling: dict[str, Any]) -> Batch:
+        spec = SamplingSpec.from_dict(sampling)
+        self._check_prompts(prompts, spec.max_new_tokens)
+        seed = call_seed(spec, self.config.seed, self._calls)
+        self._calls += 1
+        rows = [list(map(int, p)) for p in prompts for _ in range(spec.n)]
+        responses, logprobs, reasons = [], [], []
+        step = self.config.generate_batch
+        for c, start in enumerate(range(0, len(rows), step)):
+            r, lp, why = self._generate_chunk(rows[start:start + step], spec, seed + c)
+            responses += r
+            logprobs += lp
+            reasons += why
+        return rollout_batch(prompts, spec.n, responses, logprobs, reasons)
+
+    @torch.no_grad()
+    def load_weights(self, bucket: WeightBucket) -> None:
+        """Copy full Hugging Face tensors into this shard's parameters, in place."""
+        for name, tensor in bucket:
+            param = self.params.get(name)
+            if param is None:
+                raise DsInferError(f"no parameter {name!r} in the model; names look like "
+                                   f"{list(self.params)[:3]} (Hugging Face names of the full model)")
+            if name in self.slices:
+                dim, start, length = self.slices[name]
+                tensor = tensor.narrow(dim, start, length)
+            if tuple(tensor.shape) != tuple(param.shape):
+                raise DsInferError(f"{name}: got shape {tuple(tensor.shape)}, the shard holds "
+                                   f"{tuple(param.shape)}; send the full (unsharded) tensor")
+            param.copy_(tensor.to(param.device))
+
+    @torch.no_grad()
+    def logprobs(self, sequences: list[list[int]], prompt_lens: list[int]) -> list[list[float]]:
+        """log p of each sequence's tokens after its prompt, from one forward pass."""
+        if len(sequences) != len(prompt_lens):
+            raise DsInferError(f"{len(sequences)} sequences but {len(prompt_lens)} prompt lengths")
+        result: list[list[float]] = []
+        step = self.config.generate_batch
+        for start in range(0, len(sequences), step):
+            seqs, lens = sequences[start:start + step], prompt_lens[start:start + step]
+            width = max(len(s) for s in seqs)
+            ids = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for i, s in enumerate(seqs):  # right padding: positions start at 0 in every row
+                ids[i, :len(s)] = torch.tensor(s)
+                mask[i, :len(s)] = 1
+            device = next(iter(self.params.values())).device
+            logits = self.module(input_ids=ids.to(device), attention_mask=mask.to(device)).logits
+            logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+            logp = logp.gather(-1, ids[:, 1:].to(device).unsqueeze(-1)).squeeze(-1).cpu()
+            for i, (s, plen) in enumerate(zip(seqs, lens)):
+                if not 1 <= plen <= len(s):
+                    raise DsInferError(f"prompt length {plen} is outside 1..{len(s)}")
+                result.append(logp[i, plen - 1:len(s) - 1].tolist())
+        return result

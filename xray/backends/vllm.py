@@ -1,0 +1,287 @@
+"""The vLLM generation backend: one in-process `vllm.LLM` per rollout replica.
+
+Sits under a rollout Workhorse (xray/workhorse), behind the `GenerationEngine` contract of
+xray.backends.base; loaded by name through `xray.backends.load_backend("vllm")`. The engine runs
+in the calling process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so weights can be swapped in place
+through vLLM's own `reload_weights` and log-probs come straight from its sampler.
+
+Log-probs are vLLM's `raw_logprobs` (its default `logprobs_mode`): the log-softmax of the model's
+logits before temperature, top-k or top-p, which is what the actor recomputes, so the two can be
+compared token by token.
+
+This module's name equals the library's: `import vllm` below is an absolute import and always
+means the library (this file is `xray.backends.vllm`).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from xray.backends.base import GenerationEngine, WeightBucket
+from xray.backends.sampling import SamplingSpec, call_seed, rollout_batch
+from xray.data.batch import Batch
+
+logger = logging.getLogger(__name__)
+
+# Hugging Face projections that vLLM fuses into one layer: a fused layer may only be reloaded once
+# all its parts are at hand (a partial reload leaves the missing parts uninitialised).
+FUSED_PARTS = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
+               "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
+
+
+class VllmEngineError(RuntimeError):
+    """The vLLM engine was asked for something it cannot do; the text says the fix."""
+
+
+@dataclass(frozen=True)
+class VllmEngineConfig:
+    """How to build one in-process vLLM engine."""
+
+    model_dir: str
+    """Local Hugging Face model directory (config.json + safetensors)."""
+    dtype: str = "float32"
+    """Weights and activations dtype: float32, bfloat16 or float16."""
+    seed: int = 0
+    """Engine seed; also the base of the per-call seed when a call gives none."""
+    max_model_len: int = 1024
+    """Longest prompt + response in tokens."""
+    tp: int = 1
+    """Tensor-parallel size. With tp > 1 every rank of the default torch.distributed group (whose
+    size must equal tp) builds its engine and makes the same calls: vLLM's `external_launcher`."""
+    device: str = "cpu"
+    """cpu or cuda; on cpu the KV cache size comes from `kv_cache_gib`."""
+    kv_cache_gib: int = 1
+    """KV cache size on CPU in whole GiB (VLLM_CPU_KVCACHE_SPACE)."""
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Further keyword arguments for `vllm.LLM` (they override the defaults set here)."""
+
+    def llm_kwargs(self) -> dict[str, Any]:
+        kwargs = dict(model=self.model_dir, dtype=self.dtype, seed=self.seed,
+                      max_model_len=self.max_model_len, tensor_parallel_size=self.tp,
+                      enforce_eager=self.device == "cpu", skip_tokenizer_init=True,
+                      logprobs_mode="raw_logprobs")
+        if self.tp > 1:
+            kwargs["distributed_executor_backend"] = "external_launcher"
+        kwargs.update(self.engine_kwargs)
+        return kwargs
+
+
+def _prepare_environment(config: VllmEngineConfig) -> None:
+    """Environment vLLM reads at start-up: in-process engine core, CPU KV cache size."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if config.device == "cpu":
+        if int(config.kv_cache_gib) != config.kv_cache_gib or config.kv_cache_gib < 1:
+            raise VllmEngineError(f"kv_cache_gib={config.kv_cache_gib}: vLLM's CPU KV cache is sized "
+                                  "in whole GiB; give an integer >= 1")
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(int(config.kv_cache_gib))
+    elif config.device != "cuda":
+        raise VllmEngineError(f"device={config.device!r} is not supported; use 'cpu' or 'cuda'")
+    if config.tp > 1:
+        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        if world != config.tp or "RANK" not in os.environ or "LOCAL_RANK" not in os.environ:
+            raise VllmEngineError(
+                f"tp={config.tp} runs vLLM in-process on every rank (external_launcher): initialise "
+                f"torch.distributed over exactly {config.tp} processes (now {world}) with RANK and "
+                "LOCAL_RANK set, one group per rollout replica")
+
+
+def build_engine(model_dir: str | Path, *, dtype: str = "float32", seed: int = 0,
+                 max_model_len: int = 1024, tp: int = 1, device: str = "cpu",
+                 kv_cache_gib: int = 1, **engine_kwargs: Any) -> "VllmEngine":
+    """Start an in-process vLLM engine on `model_dir` (a script calling this needs the
+    `if __name__ == "__main__":` guard)."""
+    config = VllmEngineConfig(model_dir=str(model_dir), dtype=dtype, seed=seed,
+                              max_model_len=max_model_len, tp=tp, device=device,
+                              kv_cache_gib=kv_cache_gib, engine_kwargs=dict(engine_kwargs))
+    return VllmEngine(config)
+
+
+def checkpoint_names(model_dir: str | Path) -> list[str]:
+    """The tensor names of the safetensors checkpoint in `model_dir`."""
+    from safetensors import safe_open
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise VllmEngineError(f"no *.safetensors in {model_dir}; save the model with "
+                              "`save_pretrained(dir, safe_serialization=True)`")
+    names: list[str] = []
+    for f in files:
+        with safe_open(str(f), framework="pt") as handle:
+            names.extend(handle.keys())
+    return names
+
+
+def fused_layer_of(name: str) -> str:
+    """The vLLM layer a Hugging Face tensor lands in: `...q_proj.weight` -> `...qkv_proj`."""
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if part in FUSED_PARTS:
+            return ".".join(parts[:i] + [FUSED_PARTS[part]])
+    return name.rsplit(".", 1)[0]
+
+
+class FusedLayerStager:
+    """Holds back the parts of a fused layer until the whole layer has arrived.
+
+    Weight buckets are cut by size, so q/k/v (or gate/up) of one layer may arrive in two buckets;
+    `add` returns the tensors that are ready to reload now, in arrival order.
+    """
+
+    def __init__(self, names: list[str]):
+        self.members: dict[str, set[str]] = {}
+        for name in names:
+            self.members.setdefault(fused_layer_of(name), set()).add(name)
+        self.pending: dict[str, dict[str, torch.Tensor]] = {}
+
+    def add(self, bucket: WeightBucket) -> WeightBucket:
+        ready: WeightBucket = []
+        for name, tensor in bucket:
+            layer = fused_layer_of(name)
+            expected = self.members.get(layer)
+            if expected is None or len(expected) == 1:
+                ready.append((name, tensor))
+                continue
+            parts = self.pending.setdefault(layer, {})
+            parts[name] = tensor
+            if expected <= parts.keys():
+                ready.extend(self.pending.pop(layer).items())
+        return ready
+
+    def waiting(self) -> list[str]:
+        """Names received whose fused layer is still incomplete."""
+        return sorted(n for parts in self.pending.values() for n in parts)
+
+
+@contextlib.contextmanager
+def _quiet_partial_reload() -> Iterator[None]:
+    """vLLM warns once per layer that a reload did not touch; with buckets that is every layer
+    outside the bucket, by design. Keep those warnings out of the log during a bucket reload."""
+    noisy = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    level = noisy.level
+    noisy.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        noisy.setLevel(level)
+
+
+@contextlib.contextmanager
+def _caller_state_kept() -> Iterator[None]:
+    """Undo what building a vLLM engine does to the process it runs in: it seeds Python's,
+    NumPy's and torch's global RNGs, and its CPU worker replaces `torch.set_num_threads` with a
+    no-op (meant for its own pinned worker processes, not for a shared one)."""
+    import random
+
+    import numpy as np
+
+    states = random.getstate(), np.random.get_state(), torch.random.get_rng_state()
+    set_num_threads = torch.set_num_threads
+    try:
+        yield
+    finally:
+        random.setstate(states[0])
+        np.random.set_state(states[1])
+        torch.random.set_rng_state(states[2])
+        torch.set_num_threads = set_num_threads
+
+
+class VllmEngine(GenerationEngine):
+    """One rollout replica backed by an in-process `vllm.LLM`."""
+
+    def __init__(self, config: VllmEngineConfig):
+        _prepare_environment(config)
+        import vllm  # the library (absolute import), imported only when an engine is built
+
+        self.config = config
+        self._vllm = vllm
+        with _caller_state_kept():
+            self.llm = vllm.LLM(**config.llm_kwargs())
+        self.stager = FusedLayerStager(checkpoint_names(config.model_dir))
+        self._calls = 0
+        logger.info("vLLM engine ready: %s dtype=%s tp=%d device=%s", config.model_dir,
+                    config.dtype, config.tp, config.device)
+
+    def _prompts(self, prompts: list[list[int]]) -> list[Any]:
+        from vllm.inputs import TokensPrompt
+
+        limit = self.config.max_model_len
+        for i, p in enumerate(prompts):
+            if not p:
+                raise VllmEngineError(f"prompt {i} is empty; give at least one token id")
+            if len(p) >= limit:
+                raise VllmEngineError(f"prompt {i} has {len(p)} tokens, max_model_len is {limit}; "
+                                      "shorten the prompt or build the engine with a larger max_model_len")
+        return [TokensPrompt(prompt_token_ids=[int(t) for t in p]) for p in prompts]
+
+    def _sampling_params(self, spec: SamplingSpec, seed: int) -> Any:
+        return self._vllm.SamplingParams(
+            n=spec.n, temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k_or_none or 0,
+            max_tokens=spec.max_new_tokens, stop_token_ids=list(spec.stop_token_ids), seed=seed,
+            logprobs=0, detokenize=False)
+
+    def generate(self, prompts: list[list[int]], sampling: dict[str, Any]) -> Batch:
+        spec = SamplingSpec.from_dict(sampling)
+        base_seed = call_seed(spec, self.config.seed, self._calls)
+        self._calls += 1
+        # One seed per prompt; vLLM gives sample j of a prompt seed + j, so space them by n.
+        params = [self._sampling_params(spec, base_seed + i * spec.n) for i in range(len(prompts))]
+        outputs = self.llm.generate(self._prompts(prompts), params, use_tqdm=False)
+        responses, logprobs, reasons = [], [], []
+        for request in outputs:
+            for completion in sorted(request.outputs, key=lambda c: c.index):
+                ids = list(completion.token_ids)
+                responses.append(ids)
+                logprobs.append([float(step[tok].logprob) for tok, step in zip(ids, completion.logprobs)])
+                reasons.append("length" if completion.finish_reason == "length" else "stop")
+        return rollout_batch(prompts, spec.n, responses, logprobs, reasons)
+
+    def load_weights(self, bucket: WeightBucket) -> None:
+        """Reload these Hugging Face tensors in place (vLLM's layerwise `reload_weights`).
+
+        The parts of a fused layer (q/k/v, gate/up) are held back until all have arrived, so
+        buckets may cut anywhere. The prefix cache is dropped: it holds keys and values computed
+        with the old weights."""
+        ready = self.stager.add(list(bucket))
+        if not ready:
+            return
+        with _quiet_partial_reload():
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": ready})
+        self.llm.reset_prefix_cache()
+        logger.debug("reloaded %d tensors; %d waiting for their fused layer", len(ready),
+                     len(self.stager.waiting()))
+
+    def pending_weights(self) -> list[str]:
+        """Names loaded but not yet applied because their fused layer is incomplete."""
+        return self.stager.waiting()
+
+    def logprobs(self, sequences: list[list[int]], prompt_lens: list[int]) -> list[list[float]]:
+        """vLLM's log-probs of each sequence's tokens after its prompt (its prompt log-probs)."""
+        if len(sequences) != len(prompt_lens):
+            raise VllmEngineError(f"{len(sequences)} sequences but {len(prompt_lens)} prompt lengths")
+        for i, (seq, plen) in enumerate(zip(sequences, prompt_lens)):
+            if not 1 <= plen <= len(seq):
+                raise VllmEngineError(f"prompt_lens[{i}]={plen} is outside 1..{len(seq)}; a prompt "
+                                      "needs at least one token and cannot exceed its sequence")
+        params = self._vllm.SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0,
+                                           detokenize=False)
+        outputs = self.llm.generate(self._prompts(sequences), params, use_tqdm=False)
+        result = []
+        for seq, plen, request in zip(sequences, prompt_lens, outputs):
+            steps = request.prompt_logprobs
+            result.append([float(steps[t][seq[t]].logprob) for t in range(plen, len(seq))])
+        return result
+
+    def shutdown(self) -> None:
+        """Free the engine (its KV cache and weights). vLLM's shutdown also destroys the default
+        torch.distributed group of this process, even one it did not create: call it last."""
+        engine = getattr(self.llm, "llm_engine", None)
+        core = getattr(engine, "engine_core", None)
+        if core is not None and hasattr(core, "shutdown"):
+            core.shutdown()
+        self.llm = None
