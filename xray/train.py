@@ -21,7 +21,7 @@ from xray.backends import BACKEND_PAIRS, BackendError
 from xray.config import DEFAULT_CONFIGS, ConfigError, load_config, to_dict
 from xray.config.plan import plan_run
 
-ALGOS = ("ppo",)
+ALGOS = ("ppo", "sft")
 log = logging.getLogger("xray.train")
 
 
@@ -50,7 +50,7 @@ def resolve(argv: list[str]):
     cfg = load_config(config_path, extra)
     if args.backend not in BACKEND_PAIRS:
         raise UsageError(f"unknown --backend {args.backend!r}; choose one of {', '.join(BACKEND_PAIRS)}")
-    plan = plan_run(cfg, args.backend)
+    plan = plan_run(cfg, args.backend, args.algo)
     output_dir = Path(args.output_dir or f"runs/{args.algo}-{time.strftime('%Y%m%d-%H%M%S')}")
     return args, cfg, plan, config_path, output_dir
 
@@ -64,8 +64,17 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.write(yaml.safe_dump(to_dict(cfg), sort_keys=False))
             sys.stdout.write(plan.describe() + "\n")
             return 0
-        raise UsageError(f"running {args.algo} is not available yet in this version; "
-                         "use --dry-run to check a config and its placement")
+        if args.algo == "ppo":
+            from algorithms.ppo.run import run_ppo
+
+            before, after = run_ppo(cfg, plan, output_dir, args.resume, args.ray_address)
+            sys.stdout.write(f"eval_before={before:.4f} eval_after={after:.4f}\n")
+        else:
+            from algorithms.sft import sft_command
+
+            final = sft_command(cfg, plan, output_dir, args.ray_address)
+            sys.stdout.write(f"sft_model={final}\n")
+        return 0
     except (ConfigError, BackendError, UsageError) as exc:
         sys.stderr.write(f"error: {exc}\n")
         return 2

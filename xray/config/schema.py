@@ -138,6 +138,8 @@ class DataConfig:
     """A JSONL or Parquet file, a `datasets` directory, or a built-in task (`builtin:arith`)."""
     prompt_field: str = "prompt"
     """Column holding the prompt."""
+    answer_field: str = "answer"
+    """Column holding the supervised target (`xray.train sft`; the built-in tasks use `answer`)."""
     max_prompt_tokens: int = 32
     """Longer prompts are handled per `on_long_prompt`."""
     on_long_prompt: Literal["truncate", "reject"] = "truncate"

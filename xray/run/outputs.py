@@ -1,0 +1,82 @@
+"""A run's output directory: resolved config, metrics, checkpoints, and the final model.
+
+    <output-dir>/
+      config.yaml                 the resolved config the run used
+      metrics.jsonl               one JSON object per logged step
+      tensorboard/                the same metrics as TensorBoard events
+      checkpoints/step-000010/    actor/ critic/ (each Workhorse's shard) + trainer_state.json
+      final/actor/                the trained actor as a Hugging Face directory
+"""
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+log = logging.getLogger(__name__)
+HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                 "special_tokens_map.json")
+
+
+class RunDir:
+    """Paths and writers of one run."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.checkpoints = self.path / "checkpoints"
+        self._tb = None
+
+    def write_config(self, plain: dict) -> None:
+        (self.path / "config.yaml").write_text(yaml.safe_dump(plain, sort_keys=False))
+
+    def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
+        with open(self.path / "metrics.jsonl", "a") as f:
+            f.write(json.dumps({"step": step, **metrics}) + "\n")
+        if self._tb is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(self.path / "tensorboard"))
+        for k, v in metrics.items():
+            if isinstance(v, (int, float)):
+                self._tb.add_scalar(k, v, step)
+        self._tb.flush()
+
+    def checkpoint_dir(self, step: int) -> Path:
+        return self.checkpoints / f"step-{step:06d}"
+
+    def latest_checkpoint(self) -> Path | None:
+        done = sorted(p for p in self.checkpoints.glob("step-*") if (p / "trainer_state.json").is_file())
+        return done[-1] if done else None
+
+    def write_trainer_state(self, directory: Path, state: dict[str, Any]) -> None:
+        tmp = directory / "trainer_state.json.tmp"
+        tmp.write_text(json.dumps(state, indent=1))
+        tmp.replace(directory / "trainer_state.json")  # written last: marks the checkpoint complete
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+
+
+def read_trainer_state(directory: Path) -> dict[str, Any]:
+    return json.loads((directory / "trainer_state.json").read_text())
+
+
+def save_hf_model(state: dict[str, torch.Tensor], source_dir: str | Path, target: str | Path) -> Path:
+    """Write `state` (Hugging Face names) as a model directory, with the source's config and tokenizer."""
+    from safetensors.torch import save_file
+
+    target = Path(target)
+    target.mkdir(parents=True, exist_ok=True)
+    for name in HF_SIDE_FILES:
+        if (Path(source_dir) / name).is_file():
+            shutil.copy(Path(source_dir) / name, target / name)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(target / "model.safetensors"),
+              metadata={"format": "pt"})
+    return target
