@@ -1,0 +1,161 @@
+"""Megatron engine pieces that need no process group: layout checks, weight layout, plans.
+
+Bad layouts and unsupported models must fail in `check_layout` / `build_engine` before anything
+is built; the HF <-> Megatron tensor layout must round-trip bitwise for every tp.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from xray.backends.megatron import UnsupportedModelError, build_engine, check_layout
+from xray.backends.megatron.checkpoint import CheckpointMismatchError, load_shard, save_shard
+from xray.backends.megatron.convert import Kind, from_shards, shard_shape, stage_entries, to_shard
+from xray.backends.megatron.export import plan_buckets
+from xray.backends.megatron.spec import ModelSpec, read_spec, stage_layers
+from xray.config.parallel import LayoutError, ParallelDims
+
+pytestmark = pytest.mark.unit
+
+BASE = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 256,
+        "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-6,
+        "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"}}
+
+
+def _model_dir(tmp_path, **changes) -> str:
+    (tmp_path / "config.json").write_text(json.dumps({**BASE, **changes}))
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize("dims,words", [
+    ((3, 1, 1), "4 attention heads"),
+    ((4, 1, 1), "2 key/value heads"),
+    ((1, 3, 1), "2 layers"),
+])
+def test_bad_layouts_fail_before_building(tmp_path, dims, words):
+    model_dir = _model_dir(tmp_path)
+    with pytest.raises(LayoutError, match=words):
+        check_layout(model_dir, ParallelDims(*dims))
+    # no process group exists here: the layout error must come first
+    with pytest.raises(LayoutError, match=words):
+        build_engine(model_dir, ParallelDims(*dims), "actor")
+
+
+def test_vocab_must_split_over_tp(tmp_path):
+    with pytest.raises(LayoutError, match="vocabulary of 255"):
+        check_layout(_model_dir(tmp_path, vocab_size=255), ParallelDims(tp=2))
+
+
+@pytest.mark.parametrize("changes,words", [
+    ({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}, "GPT2LMHeadModel"),
+    ({"rope_parameters": {"rope_theta": 5e5, "rope_type": "llama3", "factor": 8.0}}, "llama3"),
+    ({"hidden_act": "gelu"}, "hidden_act"),
+])
+def test_unsupported_models_are_named(tmp_path, changes, words):
+    with pytest.raises(UnsupportedModelError, match=words):
+        build_engine(_model_dir(tmp_path, **changes), ParallelDims(), "actor")
+
+
+def test_read_spec(tmp_path):
+    spec = read_spec(_model_dir(tmp_path, architectures=["Qwen2ForCausalLM"], tie_word_embeddings=True,
+                                rope_parameters={"rope_theta": 1e6, "rope_type": "default"}))
+    assert (spec.head_dim, spec.num_kv_heads, spec.rope_theta) == (32, 2, 1e6)
+    assert spec.qkv_bias and spec.tie_word_embeddings
+
+
+def test_stage_layers_uneven():
+    assert [list(r) for r in stage_layers(5, 2)] == [[0, 1, 2], [3, 4]]
+    assert [len(r) for r in stage_layers(6, 4)] == [3, 1, 1, 1]
+    assert [list(r) for r in stage_layers(4, 2)] == [[0, 1], [2, 3]]
+
+
+SPEC = ModelSpec(architecture="Qwen2ForCausalLM", vocab_size=64, hidden_size=32, intermediate_size=48,
+                 num_layers=2, num_heads=8, num_kv_heads=4, head_dim=8, rope_theta=1e4,
+                 rms_norm_eps=1e-6, max_position_embeddings=64, tie_word_embeddings=False, qkv_bias=True)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_shards_round_trip_bitwise(tp):
+    g = torch.Generator().manual_seed(0)
+    for entry in stage_entries(SPEC, 0, 1) + stage_entries(SPEC, 1, 2):
+        full = [torch.randn(_full_shape(name), generator=g) for name in entry.hf_names]
+        shards = [to_shard(entry, full, SPEC, r, tp) for r in range(tp)]
+        assert all(tuple(s.shape) == shard_shape(entry, SPEC, tp) for s in shards), entry
+        back = from_shards(entry, shards, SPEC)
+        assert all(torch.equal(a, b) for a, b in zip(back, full)), entry
+
+
+def _full_shape(name: str) -> tuple[int, ...]:
+    s, h, d = SPEC, SPEC.hidden_size, SPEC.head_dim
+    if "embed_tokens" in name or "lm_head" in name:
+        return (s.vocab_size, h)
+    if "norm" in name:
+        return (h,)
+    for proj, rows in (("q_proj", s.num_heads * d), ("k_proj", s.num_kv_heads * d), ("v_proj", s.num_kv_heads * d)):
+        if proj in name:
+            return (rows,) if name.endswith("bias") else (rows, h)
+    if "o_proj" in name:
+        return (h, s.num_heads * d)
+    if "down_proj" in name:
+        return (h, s.intermediate_size)
+    return (s.intermediate_size, h)  # gate_proj, up_proj
+
+
+def test_qkv_layout_groups_heads_with_their_kv():
+    """Megatron's fused rows for group g: the q heads of g, then k of g, then v of g."""
+    d, per_group = SPEC.head_dim, SPEC.num_heads // SPEC.num_kv_heads
+    entry = next(e for e in stage_entries(SPEC, 0, 1) if e.kind is Kind.QKV and e.megatron_name.endswith("bias"))
+    q = torch.arange(SPEC.num_heads * d, dtype=torch.float32)
+    k = 1000 + torch.arange(SPEC.num_kv_heads * d, dtype=torch.float32)
+    v = 2000 + torch.arange(SPEC.num_kv_heads * d, dtype=torch.float32)
+    shard = to_shard(entry, [q, k, v], SPEC, tp_rank=1, tp=2)  # groups 2 and 3
+    block = shard[: (per_group + 2) * d]
+    assert torch.equal(block[: per_group * d], q[2 * per_group * d: 3 * per_group * d])
+    assert torch.equal(block[per_group * d: (per_group + 1) * d], k[2 * d: 3 * d])
+    assert torch.equal(block[(per_group + 1) * d:], v[2 * d: 3 * d])
+
+
+def test_tied_copy_is_not_exported():
+    tied = ModelSpec(**{**SPEC.__dict__, "tie_word_embeddings": True})
+    last = stage_entries(tied, 1, 2)
+    assert [e.exported for e in last if e.megatron_name == "output_layer.weight"] == [False]
+    assert not any(e.megatron_name == "output_layer.weight" for e in stage_entries(tied, 0, 1))
+    names = [n for b in plan_buckets(tied, ParallelDims(pp=2), False, 1 << 30) for p in b
+             for n in p.entry.hf_names]
+    assert len(names) == len(set(names)) and "lm_head.weight" not in names
+
+
+def test_buckets_respect_the_bound():
+    bound = 20_000
+    buckets = plan_buckets(SPEC, ParallelDims(tp=2), critic=False, bucket_bytes=bound)
+    assert len(buckets) > 1
+    for bucket in buckets:
+        sizes = [sum(_numel(n) for n in p.entry.hf_names) * 4 for p in bucket]
+        assert sum(sizes) <= bound or len(bucket) == 1
+
+
+def _numel(name: str) -> int:
+    return int(torch.Size(_full_shape(name)).numel())
+
+
+def test_checkpoint_from_another_layout_is_refused(tmp_path):
+    save_shard(tmp_path, 0, {"parallel": {"tp": 2}}, {"step": 3})
+    assert load_shard(tmp_path, 0, {"parallel": {"tp": 2}})["step"] == 3
+    with pytest.raises(CheckpointMismatchError, match="same model, role and tp/pp/dp"):
+        load_shard(tmp_path, 0, {"parallel": {"tp": 1}})
+
+
+def test_entropy_is_computed_only_when_read():
+    from xray.backends.megatron.logprobs import PolicyOutputs
+    from xray.data import columns as C
+
+    calls = []
+    outputs = PolicyOutputs(torch.zeros(2, 3), lambda: calls.append(1) or torch.ones(2, 3))
+    assert C.ENTROPY in outputs and C.VALUES not in outputs and not calls
+    assert torch.equal(outputs.get(C.ENTROPY), torch.ones(2, 3)) and outputs[C.ENTROPY] is outputs[C.ENTROPY]
+    assert calls == [1]
+    with pytest.raises(KeyError, match="policy head"):
+        outputs[C.VALUES]

@@ -1,0 +1,177 @@
+"""Megatron engine vs the single-process Hugging Face reference, for every tp/pp/dp layout.
+
+One spawn per world size (real processes, real gloo) goes through every layout of that size,
+rebuilding Megatron's groups in between (imports dominate a spawn's cost on CPU). Per layout:
+export before training (HF -> Megatron -> HF round trip, bitwise), forward (log-probs vs HF), one
+train step (loss and gradient norm vs the reference), export after the step (every weight vs
+`reference_train_step`). The round trip's export is also written as an HF directory and loaded
+back with transformers.
+"""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from tests.dist_harness import run_distributed
+from xray.backends.base import OptimConfig
+from xray.check import reference as R
+from xray.config.parallel import ParallelDims
+from xray.data import columns as C
+from xray.models.tiny import TinySpec, build_tiny_model
+
+pytestmark = pytest.mark.backends
+
+BATCH, SEQ, MICRO = 8, 24, 2
+OPTIM = OptimConfig()  # lr 1e-5, clip 1.0: the defaults a run starts from
+SPECS = {"llama": TinySpec(arch="llama"), "qwen2": TinySpec(arch="qwen2", tie_word_embeddings=True)}
+
+
+def _numpy(tensors):
+    # tensors cross the process boundary as numpy: a torch tensor sent through the harness's
+    # queue needs its sender alive when the parent reads it
+    return {k: v.numpy() for k, v in tensors.items()}
+
+
+def _torch(arrays):
+    return {k: torch.from_numpy(v) for k, v in arrays.items()}
+
+
+def _worker(rank, world_size, layouts):
+    from megatron.core import parallel_state
+
+    results = []
+    for model_dir, dims in layouts:
+        results.append(_one_layout(model_dir, dims))
+        parallel_state.destroy_model_parallel()
+    return results
+
+
+def _one_layout(model_dir, dims):
+    from xray.backends.megatron import EngineUsageError, build_engine
+
+    parallel = ParallelDims(*dims)
+    engine = build_engine(model_dir, parallel, "actor", OPTIM, seed=0)
+    before = {n: t for b in engine.export_weights(bucket_bytes=1 << 16) for n, t in b}
+    batch = R.random_batch(BATCH, SEQ, SPECS["llama"].vocab_size, seed=1)
+    out = engine.forward(batch)
+    info = engine.shard_info()
+    metrics = engine.train_step(batch.split(parallel.dp)[info.dp_rank], R.policy_loss, MICRO)
+    after = {n: t for b in engine.export_weights() for n, t in b}
+    plain, refused = None, False
+    if parallel.world_size == 1:  # the same model with Megatron's own DotProductAttention
+        reference_engine = build_engine(model_dir, parallel, "reference", attention="megatron")
+        plain = reference_engine.forward(batch)
+        try:
+            reference_engine.train_step(batch, R.policy_loss, MICRO)
+        except EngineUsageError:
+            refused = True
+    return {"reference_refuses_training": refused,"exports": engine.exports(), "collects": info.collects, "metrics": metrics,
+            "forward": None if out is None else _numpy(out),
+            "forward_megatron_attention": None if plain is None else _numpy(plain),
+            "before": _numpy(before), "after": _numpy(after)}
+
+
+@functools.lru_cache(maxsize=None)
+def model_dir(arch: str) -> str:
+    import tempfile
+
+    return str(build_tiny_model(tempfile.mkdtemp(prefix=f"xray-mt-{arch}-"), SPECS[arch], seed=0))
+
+
+@functools.lru_cache(maxsize=None)
+def run_world(world_size: int) -> dict:
+    """Results of every layout of LAYOUTS with this world size, from one spawn: {(arch, dims): per rank}."""
+    mine = [(arch, dims) for arch, dims in LAYOUTS if ParallelDims(*dims).world_size == world_size]
+    per_rank = run_distributed(_worker, world_size, [(model_dir(a), d) for a, d in mine])
+    return {key: [r[i] for r in per_rank] for i, key in enumerate(mine)}
+
+
+def run_layout(arch: str, dims: tuple[int, int, int]) -> list[dict]:
+    return run_world(ParallelDims(*dims).world_size)[(arch, dims)]
+
+
+@functools.lru_cache(maxsize=None)
+def reference(arch: str) -> dict:
+    """HF log-probs, grad norm of the step's gradient, and weights after one reference step."""
+    batch = R.random_batch(BATCH, SEQ, SPECS[arch].vocab_size, seed=1)
+    model = R.load_hf(model_dir(arch))
+    with torch.no_grad():
+        logits = model(input_ids=batch[C.INPUT_IDS], attention_mask=batch[C.ATTENTION_MASK]).logits
+        logprobs = R.token_logprobs(logits, batch[C.INPUT_IDS])
+        logp_all = torch.log_softmax(logits[:, :-1], dim=-1)
+        entropy = -(logp_all.exp() * logp_all).sum(-1)
+    micro = batch.chunks(MICRO)
+    for mb in micro:
+        loss, _ = R.policy_loss({C.LOGPROBS: R.hf_logprobs(model, mb)}, mb)
+        (loss / len(micro)).backward()
+    grad_norm = float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]))
+    model.zero_grad(set_to_none=True)
+    losses = R.reference_train_step(model, batch, R.policy_loss, OPTIM, MICRO)
+    return {"logprobs": logprobs, "entropy": entropy, "grad_norm": grad_norm, "loss": losses[0],
+            "weights": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+LAYOUTS = [("llama", (1, 1, 1)), ("llama", (2, 1, 1)), ("llama", (1, 2, 1)), ("llama", (1, 1, 2)),
+           ("llama", (2, 2, 1)), ("qwen2", (2, 1, 1)), ("qwen2", (1, 2, 1))]
+
+
+@pytest.mark.parametrize("arch,dims", LAYOUTS, ids=[f"{a}-tp{d[0]}pp{d[1]}dp{d[2]}" for a, d in LAYOUTS])
+def test_parity(arch, dims):
+    results = run_layout(arch, dims)
+    ref = reference(arch)
+    collectors = [r for r in results if r["collects"]]
+    assert len(collectors) == dims[2]
+    for r in collectors:  # every replica saw the whole batch in forward
+        diff = (_torch(r["forward"])[C.LOGPROBS] - ref["logprobs"]).abs().max().item()
+        assert diff <= 1e-4, f"log-probs differ from HF by {diff}"
+        diff = (_torch(r["forward"])[C.ENTROPY] - ref["entropy"]).abs().max().item()
+        assert diff <= 1e-4, f"entropy differs from HF by {diff}"
+    for r in results:  # metrics agree on every shard and with the reference
+        assert r["metrics"]["loss"] == pytest.approx(ref["loss"], rel=1e-5, abs=1e-6)
+        assert r["metrics"]["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)
+        assert r["metrics"]["lr"] == OPTIM.lr
+    exporter = [r for r in results if r["exports"]]
+    assert len(exporter) == 1 and all(not r["after"] for r in results if not r["exports"])
+    after = _torch(exporter[0]["after"])
+    expected = {k: v for k, v in ref["weights"].items() if k in after}
+    assert R.max_rel_diff(after, expected) <= 1e-5
+    moved = R.max_rel_diff(after, _torch(exporter[0]["before"]))
+    assert moved > 1e-4, "the step did not change the weights"
+
+
+def test_megatron_core_attention_matches_hf():
+    """The engine's default core attention is torch SDPA; Megatron's DotProductAttention agrees.
+    (That engine is a reference: it must refuse to train.)"""
+    result = run_layout("llama", (1, 1, 1))[0]
+    assert result["reference_refuses_training"]
+    plain = result["forward_megatron_attention"]
+    assert (_torch(plain)[C.LOGPROBS] - reference("llama")["logprobs"]).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("arch,dims", [("llama", (2, 2, 1)), ("qwen2", (2, 1, 1)), ("qwen2", (1, 2, 1))])
+def test_round_trip_is_bitwise(arch, dims):
+    from xray.backends.megatron.hf_weights import HFWeights
+
+    exported = _torch([r for r in run_layout(arch, dims) if r["exports"]][0]["before"])
+    original = HFWeights(model_dir(arch))
+    assert sorted(exported) == original.names()
+    for name in original.names():
+        assert torch.equal(exported[name], original.get(name)), name
+
+
+def test_export_loads_in_transformers(tmp_path):
+    import shutil
+
+    from safetensors.torch import save_file
+
+    arch, dims = "qwen2", (2, 1, 1)  # tied embeddings and q/k/v biases
+    exported = _torch([r for r in run_layout(arch, dims) if r["exports"]][0]["before"])
+    save_file({k: v.contiguous() for k, v in exported.items()}, str(tmp_path / "model.safetensors"))
+    shutil.copy(f"{model_dir(arch)}/config.json", tmp_path / "config.json")
+    ids = R.random_batch(2, 12, SPECS[arch].vocab_size, seed=3)[C.INPUT_IDS]
+    with torch.no_grad():
+        reloaded = R.load_hf(str(tmp_path))(input_ids=ids).logits
+        original = R.load_hf(model_dir(arch))(input_ids=ids).logits
+    assert torch.equal(reloaded, original)

@@ -1,0 +1,47 @@
+"""A core-attention module for Megatron's layer spec that runs torch's fused SDPA kernel.
+
+Used by `model.py` in the `core_attention` slot of Megatron's local GPT layer spec (the slot
+Transformer Engine's attention fills on GPUs that have it). Megatron's local `DotProductAttention`
+materialises the scores with `baddbmm`, masks and soft-maxes them, then `bmm`s: on CPU that costs
+about 1.5x torch's `scaled_dot_product_attention`, which has a fused kernel on CPU and on GPU.
+Same inputs and outputs as Megatron's: q [sq, b, heads, d], k/v [sk, b, groups, d] (this rank's
+heads), Megatron's boolean mask (True = blocked) -> [sq, b, heads * d]. No dropout (the engine
+trains with dropout 0).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+class SDPAttention(torch.nn.Module):
+    """Grouped-query attention through `F.scaled_dot_product_attention`."""
+
+    def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
+                 attention_dropout: float | None = None, softmax_scale: float | None = None,
+                 cp_comm_type: str | None = None, pg_collection=None):
+        super().__init__()
+        if config.context_parallel_size != 1:
+            raise ValueError("SDPAttention does not support context parallelism; set cp=1")
+        tp = pg_collection.tp.size() if pg_collection is not None else config.tensor_model_parallel_size
+        self.heads = config.num_attention_heads // tp
+        self.groups = config.num_query_groups // tp
+        self.scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
+        self.attn_mask_type = attn_mask_type
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                attention_mask: torch.Tensor | None, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None) -> torch.Tensor:
+        if attention_bias is not None or packed_seq_params is not None:
+            raise ValueError("SDPAttention takes neither an attention bias nor packed sequences")
+        if self.heads != self.groups:  # each group's k/v serve heads // groups query heads
+            key = key.repeat_interleave(self.heads // self.groups, dim=2)
+            value = value.repeat_interleave(self.heads // self.groups, dim=2)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))   # [b, heads, s, d]
+        allowed = None if attention_mask is None else ~attention_mask
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, is_causal=allowed is None,
+                                             scale=self.scale)           # [b, heads, sq, d]
+        sq, b = out.shape[2], out.shape[0]
+        return out.permute(2, 0, 1, 3).reshape(sq, b, -1)

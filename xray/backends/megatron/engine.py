@@ -1,0 +1,258 @@
+"""MegatronEngine: one shard of an actor, critic or reference model, trained with Megatron-core.
+
+The top of `xray.backends.megatron`: `build_engine` checks the layout against the HF config,
+initialises Megatron's tensor / pipeline / data-parallel groups inside the default process
+group, builds this rank's GPTModel from the HF directory (`model.py`) and wraps it in an engine
+that meets `xray.backends.base.TrainEngine`: forward (log-probs and entropy, or values), a train
+step through Megatron's pipeline schedule with the shared AdamW (`xray/backends/optim.py`),
+export of full HF-named weights (`export.py`), and sharded save / load (`checkpoint.py`).
+On CPU every call into Megatron runs under `cpu_compat`.
+"""
+from __future__ import annotations
+
+import logging
+from functools import partial
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from xray.backends import cpu_compat
+from xray.backends.base import LossFn, OptimConfig, ShardInfo, TrainEngine, WeightBucket, layout_of
+from xray.backends.megatron import checkpoint, grads
+from xray.backends.megatron.convert import Entry, Kind
+from xray.backends.megatron.export import export_full
+from xray.backends.megatron.logprobs import PolicyOutputs, token_logprobs
+from xray.backends.megatron.model import ATTENTIONS, ROLES, build_and_load
+from xray.backends.megatron.spec import ModelSpec, check_layout
+from xray.backends.optim import build_optimizer, build_scheduler
+from xray.config.parallel import LayoutError, ParallelDims
+from xray.data import columns as C
+from xray.data.batch import Batch
+
+logger = logging.getLogger(__name__)
+
+
+class EngineUsageError(RuntimeError):
+    """An engine call that its role or state does not allow; the message says what to do."""
+
+
+def attention_mask(valid: torch.Tensor) -> torch.Tensor:
+    """Megatron's boolean mask [b, 1, T, T], True where attention is blocked: future keys and
+    padding keys (so padded positions see exactly what Hugging Face's masked attention shows)."""
+    T = valid.shape[1]
+    future = torch.ones(T, T, dtype=torch.bool, device=valid.device).triu(1)
+    keys = valid != 0
+    keys[:, 0] |= ~keys.any(dim=1)  # an all-padding row still attends to its first token (no NaN)
+    return future[None, None] | ~keys[:, None, None, :]
+
+
+def _micro_size(batch_size: int, wanted: int | None) -> int:
+    """The largest divisor of batch_size not above `wanted` (all of it when wanted is None)."""
+    if wanted is None or wanted >= batch_size:
+        return batch_size
+    return max(d for d in range(1, wanted + 1) if batch_size % d == 0)
+
+
+class MegatronEngine(TrainEngine):
+    """One rank's shard; build it with `build_engine`."""
+
+    def __init__(self, model: torch.nn.Module, entries: list[Entry], spec: ModelSpec,
+                 parallel: ParallelDims, role: str, optim: OptimConfig, device: torch.device,
+                 forward_micro_batch_size: int | None):
+        self.model, self.spec, self.parallel, self.role = model, spec, parallel, role
+        self._replicated = {e.megatron_name for e in entries if e.kind is Kind.REPLICATED}
+        self.device = device
+        self.forward_micro_batch_size = forward_micro_batch_size
+        self.rank = dist.get_rank()
+        self.step = 0
+        self.optimizer = self.scheduler = None
+        if role != "reference":
+            self.optimizer = build_optimizer(model.parameters(), optim)
+            self.scheduler = build_scheduler(self.optimizer, optim)
+        self.optim = optim
+        self._info = layout_of(parallel, self.rank)
+
+    # ---- calls into Megatron -------------------------------------------------------------
+    def _compat(self):
+        return cpu_compat.device_context(str(self.device))
+
+    def _head_outputs(self, output: torch.Tensor, mb: Batch) -> dict[str, torch.Tensor]:
+        """Model output of the last stage -> LOGPROBS (+ lazy ENTROPY) or VALUES, each [b, T-1]."""
+        if self.role == "critic":
+            return {C.VALUES: output[:, :-1, 0].float()}
+        logprobs, entropy = token_logprobs(output, mb[C.INPUT_IDS])
+        return PolicyOutputs(logprobs, entropy)
+
+    def _run(self, micro: list[Batch], loss_func: Callable, forward_only: bool) -> list[Any]:
+        """All micro-batches through Megatron's schedule; the last stage gets loss_func's dicts."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        def forward_step(data_iterator, model):
+            mb = next(data_iterator)
+            ids = mb[C.INPUT_IDS]
+            positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+            output = model(input_ids=ids, position_ids=positions,
+                           attention_mask=attention_mask(mb[C.ATTENTION_MASK]))
+            return output, partial(loss_func, mb)
+
+        return get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(micro), model=[self.model],
+            num_microbatches=len(micro), seq_length=micro[0][C.INPUT_IDS].shape[1],
+            micro_batch_size=len(micro[0]), forward_only=forward_only)
+
+    # ---- TrainEngine ------------------------------------------------------------------------
+    def shard_info(self) -> ShardInfo:
+        return self._info
+
+    def forward(self, batch: Batch) -> dict[str, torch.Tensor] | None:
+        batch = batch.select([C.INPUT_IDS, C.ATTENTION_MASK]).to(self.device)
+        micro = batch.chunks(_micro_size(len(batch), self.forward_micro_batch_size))
+
+        def keep(mb: Batch, output: torch.Tensor):
+            outputs = self._head_outputs(output, mb)
+            if self.role != "critic":
+                outputs[C.ENTROPY]  # noqa: B018 - computes the entropy
+            return output.new_zeros(()), {k: v.detach() for k, v in outputs.items()}
+
+        self.model.eval()
+        with self._compat(), torch.no_grad():
+            stored = self._run(micro, keep, forward_only=True)
+        if not self._info.collects:
+            return None
+        return {k: torch.cat([s[k] for s in stored]).cpu() for k in stored[0]}
+
+    def train_step(self, batch: Batch, loss_fn: LossFn, micro_batch_size: int) -> dict[str, float]:
+        if self.optimizer is None:
+            raise EngineUsageError(f"the {self.role} engine has no optimizer; train an actor or "
+                                   "critic engine, or build this one with role='actor'")
+        micro = batch.to(self.device).chunks(micro_batch_size)
+
+        def loss_func(mb: Batch, output: torch.Tensor):
+            loss, metrics = loss_fn(self._head_outputs(output, mb), mb)
+            return loss, {"loss": float(loss.detach()), **{k: float(v) for k, v in metrics.items()}}
+
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        with self._compat():
+            stored = self._run(micro, loss_func, forward_only=False)
+            params = [p for p in self.model.parameters() if p.requires_grad]
+            grads.allreduce_data_parallel(params)
+            grads.allreduce_tied_embedding(self.model)
+            norm = grads.clip_grad_norm(self.model, self.optim.grad_clip, self._replicated)
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.step += 1
+        metrics = self._reduce_metrics(stored)
+        return {**metrics, "grad_norm": norm, "lr": lr}
+
+    def _reduce_metrics(self, stored: list[dict[str, float]]) -> dict[str, float]:
+        """Mean over micro-batches (last stage) and replicas, then shared with every stage."""
+        from megatron.core import parallel_state as ps
+
+        metrics = [None]
+        if ps.is_pipeline_last_stage():
+            keys = sorted(stored[0])
+            values = torch.tensor([[s[k] for k in keys] for s in stored], dtype=torch.float64).mean(0)
+            if self.parallel.dp > 1:
+                values = values.to(self.device)
+                dist.all_reduce(values, group=ps.get_data_parallel_group())
+                values = values.cpu() / self.parallel.dp
+            metrics = [dict(zip(keys, values.tolist()))]
+        if self.parallel.pp > 1:
+            last = ps.get_pipeline_model_parallel_last_rank()
+            dist.broadcast_object_list(metrics, src=last, group=ps.get_pipeline_model_parallel_group())
+        return metrics[0]
+
+    def export_weights(self, bucket_bytes: int = 64 << 20) -> Iterator[WeightBucket]:
+        with torch.no_grad():
+            yield from export_full(self.model, self.spec, self.parallel, self.role == "critic",
+                                   bucket_bytes)
+
+    def exports(self) -> bool:
+        return self.rank == 0
+
+    def _header(self) -> dict[str, Any]:
+        return checkpoint.header_of(self.spec, self.parallel, self.role)
+
+    def save(self, directory: str) -> None:
+        state = {"model": {k: v.detach().cpu() for k, v in self.model.named_parameters()},
+                 "step": self.step, "rng": checkpoint.rng_state(self.device)}
+        if self.optimizer is not None:
+            state["optimizer"] = self.optimizer.state_dict()
+            state["scheduler"] = self.scheduler.state_dict()
+        path = checkpoint.save_shard(directory, self.rank, self._header(), state)
+        logger.info("saved step %d to %s", self.step, path)
+        dist.barrier()
+
+    def load(self, directory: str) -> None:
+        state = checkpoint.load_shard(directory, self.rank, self._header())
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for name, value in state["model"].items():
+                params[name].copy_(value)
+        if self.optimizer is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["scheduler"])
+        self.step = state["step"]
+        checkpoint.set_rng_state(state["rng"], self.device)
+        logger.info("loaded step %d from %s", self.step, directory)
+        dist.barrier()
+
+
+def _init_parallel_state(parallel: ParallelDims) -> None:
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
+                ps.get_data_parallel_world_size())
+        if have != (parallel.tp, parallel.pp, parallel.dp):
+            raise LayoutError(
+                f"this process already holds Megatron groups for tp, pp, dp = {have}, not "
+                f"{(parallel.tp, parallel.pp, parallel.dp)}; engines sharing a process must share a layout")
+        return
+    ps.initialize_model_parallel(tensor_model_parallel_size=parallel.tp,
+                                 pipeline_model_parallel_size=parallel.pp)
+    c = parallel.coords(dist.get_rank())
+    got = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
+           ps.get_data_parallel_rank())
+    assert got == (c.tp_rank, c.pp_rank, c.dp_rank), (got, c)
+
+
+def build_engine(model_dir: str, parallel: ParallelDims, role: str, optim: OptimConfig = OptimConfig(),
+                 seed: int = 0, device: str = "cpu", forward_micro_batch_size: int | None = None,
+                 attention: str = "sdpa") -> MegatronEngine:
+    """Build this rank's engine. torch.distributed's default group must already span exactly
+    `parallel.world_size` processes. `role` is "actor", "reference" or "critic";
+    `forward_micro_batch_size` bounds the rows per micro-batch of `forward` (None: the whole
+    batch at once); `attention` picks the core attention ("sdpa": torch's fused kernel,
+    "megatron": Megatron's DotProductAttention)."""
+    if role not in ROLES:
+        raise ValueError(f"unknown role {role!r}; choose one of {', '.join(ROLES)}")
+    if attention not in ATTENTIONS:
+        raise ValueError(f"unknown attention {attention!r}; choose one of {', '.join(ATTENTIONS)}")
+    spec = check_layout(model_dir, parallel)
+    if not dist.is_initialized():
+        raise EngineUsageError("torch.distributed is not initialised; the Workhorse (or "
+                               "tests/dist_harness.run_distributed) must create the default group first")
+    if dist.get_world_size() != parallel.world_size:
+        raise LayoutError(f"the process group has {dist.get_world_size()} ranks but tp*pp*dp = "
+                          f"{parallel.world_size}; make them equal")
+    dev = torch.device(device)
+    on_cpu = dev.type == "cpu"
+    _init_parallel_state(parallel)
+    if on_cpu:
+        cpu_compat.apply()
+        torch.manual_seed(seed)
+    else:
+        from megatron.core import tensor_parallel
+
+        torch.manual_seed(seed)
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    with cpu_compat.device_context(device):
+        model, entries = build_and_load(model_dir, spec, parallel, role, on_cpu, seed, attention)
+    model.to(dev)
+    if role == "reference":
+        model.requires_grad_(False)
+    return MegatronEngine(model, entries, spec, parallel, role, optim, dev, forward_micro_batch_size)

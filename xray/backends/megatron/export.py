@@ -1,0 +1,102 @@
+"""Streaming the full weights, with Hugging Face names, from all shards to global rank 0.
+
+Used by `MegatronEngine.export_weights` (weight sync to the rollout engine, HF checkpoints). Every
+rank computes the same plan from the model spec alone: the exported entries of every pipeline
+stage in order, cut into buckets of bounded size. For each bucket, each shard of the first
+data-parallel replica that holds part of it packs its pieces into one flat buffer and sends it to
+rank 0 (point-to-point, so ranks that hold nothing of a bucket stay idle); rank 0 unpacks the
+buffers, rebuilds the HF tensors with `convert.from_shards` and yields them.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from xray.backends.megatron.convert import Entry, Kind, from_shards, shard_shape, stage_entries
+from xray.backends.megatron.spec import ModelSpec
+from xray.config.parallel import ParallelDims
+
+
+@dataclass(frozen=True)
+class Planned:
+    """One exported entry and the pipeline stage that holds it."""
+
+    stage: int
+    entry: Entry
+
+
+def plan_buckets(spec: ModelSpec, parallel: ParallelDims, critic: bool, bucket_bytes: int,
+                 element_size: int = 4) -> list[list[Planned]]:
+    """The exported entries of all stages, in order, grouped so a bucket's full HF tensors stay
+    under `bucket_bytes` (an entry larger than that is its own bucket)."""
+    buckets: list[list[Planned]] = [[]]
+    size = 0
+    for stage in range(parallel.pp):
+        for entry in stage_entries(spec, stage, parallel.pp, critic):
+            if not entry.exported:
+                continue
+            copies = 1 if entry.kind is Kind.REPLICATED else parallel.tp
+            nbytes = _numel(entry, spec, parallel.tp) * copies * element_size
+            if buckets[-1] and size + nbytes > bucket_bytes:
+                buckets.append([])
+                size = 0
+            buckets[-1].append(Planned(stage, entry))
+            size += nbytes
+    return [b for b in buckets if b]
+
+
+def _numel(entry: Entry, spec: ModelSpec, tp: int) -> int:
+    return math.prod(shard_shape(entry, spec, tp))
+
+
+def _send_bucket(bucket: list[Planned], params: dict[str, torch.Tensor], stage: int) -> None:
+    mine = [params[p.entry.megatron_name].detach().reshape(-1) for p in bucket if p.stage == stage]
+    if mine:
+        dist.send(torch.cat(mine), dst=0)
+
+
+def _receive_bucket(bucket: list[Planned], params: dict[str, torch.Tensor], spec: ModelSpec,
+                    parallel: ParallelDims) -> dict[tuple[int, int], list[torch.Tensor]]:
+    """Rank 0: the shards of every entry of the bucket, keyed by (stage, index in bucket)."""
+    shards: dict[tuple[int, int], list[torch.Tensor]] = {}
+    first = next(iter(params.values()))
+    dtype, device = first.dtype, first.device
+    for stage in sorted({p.stage for p in bucket}):
+        indexed = [(i, p.entry) for i, p in enumerate(bucket) if p.stage == stage]
+        for tp_rank in range(parallel.tp):
+            src = parallel.rank_of(tp_rank, stage, 0)
+            if src == 0:
+                pieces = [params[e.megatron_name].detach().clone() for _, e in indexed]
+            else:
+                sizes = [_numel(e, spec, parallel.tp) for _, e in indexed]
+                flat = torch.empty(sum(sizes), dtype=dtype, device=device)
+                dist.recv(flat, src=src)
+                pieces = [t.view(shard_shape(e, spec, parallel.tp))
+                          for t, (_, e) in zip(flat.split(sizes), indexed)]
+            for (i, _), piece in zip(indexed, pieces):
+                shards.setdefault((stage, i), []).append(piece)
+    return shards
+
+
+def export_full(model: torch.nn.Module, spec: ModelSpec, parallel: ParallelDims, critic: bool,
+                bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Collective over all ranks: rank 0 yields buckets of (HF name, full CPU tensor); others
+    send their shards and yield nothing."""
+    rank = dist.get_rank()
+    coords = parallel.coords(rank)
+    params = dict(model.named_parameters())
+    element_size = next(model.parameters()).element_size()
+    for bucket in plan_buckets(spec, parallel, critic, bucket_bytes, element_size):
+        if rank == 0:
+            shards = _receive_bucket(bucket, params, spec, parallel)
+            out: list[tuple[str, torch.Tensor]] = []
+            for i, planned in enumerate(bucket):
+                full = from_shards(planned.entry, shards[(planned.stage, i)], spec)
+                out += [(n, t.cpu()) for n, t in zip(planned.entry.hf_names, full)]
+            yield out
+        elif coords.dp_rank == 0:
+            _send_bucket(bucket, params, coords.pp_rank)

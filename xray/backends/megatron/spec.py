@@ -1,0 +1,150 @@
+"""What the Megatron engine reads from a Hugging Face model directory, and the layout check.
+
+First step of `xray.backends.megatron`: `read_spec` turns a local HF `config.json` (Llama or Qwen2)
+into a `ModelSpec`; `check_layout` validates a ParallelDims against it before anything is built
+(the runtime calls it before starting any Workhorse); `transformer_config` turns both into
+Megatron-core's `TransformerConfig`. Only `json` is read here: no torch model, no Megatron import
+at module level, so the check is cheap.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from xray.config.parallel import LayoutError, ParallelDims
+
+# HF architecture name -> whether its q/k/v projections carry a bias.
+SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": False, "Qwen2ForCausalLM": True}
+
+
+class UnsupportedModelError(ValueError):
+    """A Hugging Face model the Megatron engine cannot build; the message says what is supported."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The sizes and options of a decoder-only HF model that the Megatron engine needs."""
+
+    architecture: str
+    """HF architecture name, a key of SUPPORTED_ARCHITECTURES."""
+    vocab_size: int
+    """Number of token ids (rows of the embedding)."""
+    hidden_size: int
+    """Model width."""
+    intermediate_size: int
+    """SwiGLU inner width."""
+    num_layers: int
+    """Decoder layers."""
+    num_heads: int
+    """Attention (query) heads."""
+    num_kv_heads: int
+    """Key/value heads (grouped-query attention when fewer than num_heads)."""
+    head_dim: int
+    """Width of one attention head."""
+    rope_theta: float
+    """RoPE base."""
+    rms_norm_eps: float
+    """RMSNorm epsilon."""
+    max_position_embeddings: int
+    """Longest sequence the model supports."""
+    tie_word_embeddings: bool
+    """The output layer shares the input embedding's weight."""
+    qkv_bias: bool
+    """q/k/v projections carry a bias (Qwen2)."""
+
+
+def _rope_theta(cfg: dict) -> float:
+    params = cfg.get("rope_parameters") or {}
+    scaling = cfg.get("rope_scaling") or {}
+    rope_type = params.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
+    if rope_type not in ("default", None):
+        raise UnsupportedModelError(
+            f"RoPE type {rope_type!r} is not supported by the Megatron engine; only plain RoPE "
+            "(rope_type 'default') is. Use the deepspeed backend for this model.")
+    return float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+
+
+def _check_options(cfg: dict, arch: str) -> None:
+    unsupported = []
+    if cfg.get("hidden_act", "silu") != "silu":
+        unsupported.append(f"hidden_act={cfg['hidden_act']!r} (only 'silu' / SwiGLU)")
+    if cfg.get("mlp_bias"):
+        unsupported.append("mlp_bias=true")
+    if arch == "LlamaForCausalLM" and cfg.get("attention_bias"):
+        unsupported.append("attention_bias=true")
+    if cfg.get("use_sliding_window"):
+        unsupported.append("use_sliding_window=true")
+    if unsupported:
+        raise UnsupportedModelError(
+            f"{arch} with {', '.join(unsupported)} is not supported by the Megatron engine; "
+            "use a standard Llama / Qwen2 checkpoint or the deepspeed backend.")
+
+
+def read_spec(model_dir: str | Path) -> ModelSpec:
+    """Read `model_dir/config.json` into a ModelSpec; raise UnsupportedModelError for other models."""
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found; pass a local Hugging Face model directory")
+    cfg = json.loads(path.read_text())
+    archs = cfg.get("architectures") or []
+    arch = archs[0] if archs else ""
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"architecture {arch or cfg.get('model_type')!r} is not supported by the Megatron "
+            f"engine; supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}. Convert the model "
+            "or use the deepspeed backend.")
+    _check_options(cfg, arch)
+    heads = int(cfg["num_attention_heads"])
+    return ModelSpec(
+        architecture=arch, vocab_size=int(cfg["vocab_size"]), hidden_size=int(cfg["hidden_size"]),
+        intermediate_size=int(cfg["intermediate_size"]), num_layers=int(cfg["num_hidden_layers"]),
+        num_heads=heads, num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads),
+        rope_theta=_rope_theta(cfg), rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=SUPPORTED_ARCHITECTURES[arch])
+
+
+def check_layout(model_dir: str | Path, parallel: ParallelDims) -> ModelSpec:
+    """Raise LayoutError / UnsupportedModelError if `parallel` cannot shard this model; else its spec."""
+    spec = read_spec(model_dir)
+    parallel.check_model(spec.num_layers, spec.num_heads, spec.num_kv_heads)
+    if spec.vocab_size % parallel.tp:
+        raise LayoutError(
+            f"tp={parallel.tp} does not divide the vocabulary of {spec.vocab_size} tokens; "
+            f"choose tp among the divisors of {spec.vocab_size}")
+    return spec
+
+
+def stage_layers(num_layers: int, pp: int) -> list[range]:
+    """The global layer indices of each pipeline stage: equal shares, the first stage takes the rest."""
+    base, rest = divmod(num_layers, pp)
+    sizes = [base + rest] + [base] * (pp - 1)
+    starts = [sum(sizes[:s]) for s in range(pp)]
+    return [range(start, start + size) for start, size in zip(starts, sizes)]
+
+
+def transformer_config(spec: ModelSpec, parallel: ParallelDims, on_cpu: bool):
+    """Megatron-core's TransformerConfig for `spec` under `parallel`, fp32, no dropout, no fusions."""
+    import torch
+    import torch.nn.functional as F
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    first = stage_layers(spec.num_layers, parallel.pp)[0]
+    uneven = parallel.pp > 1 and spec.num_layers % parallel.pp != 0
+    return TransformerConfig(
+        num_layers=spec.num_layers, hidden_size=spec.hidden_size,
+        ffn_hidden_size=spec.intermediate_size, num_attention_heads=spec.num_heads,
+        num_query_groups=spec.num_kv_heads, kv_channels=spec.head_dim,
+        normalization="RMSNorm", layernorm_epsilon=spec.rms_norm_eps,
+        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+        add_qkv_bias=spec.qkv_bias, hidden_dropout=0.0, attention_dropout=0.0,
+        tensor_model_parallel_size=parallel.tp, pipeline_model_parallel_size=parallel.pp,
+        num_layers_in_first_pipeline_stage=len(first) if uneven else None,
+        pipeline_dtype=torch.float32, params_dtype=torch.float32,
+        use_cpu_initialization=on_cpu, perform_initialization=False,
+        bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
+        apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
+        attention_softmax_in_fp32=True)
