@@ -18,6 +18,7 @@ from algorithms.ppo.trainer import PPOTrainer, PPOState
 from xray.config.plan import Plan
 from xray.config.schema import RunConfig
 from xray.config.typed import to_dict
+from xray.rewards.model import ModelScorer
 from xray.run.models import build_models
 from xray.run.outputs import RunDir, read_trainer_state, save_hf_model
 from xray.run.task import RunData, prepare
@@ -57,7 +58,8 @@ def run_ppo(cfg: RunConfig, plan: Plan, output_dir: Path, resume: str | None,
     data = prepare(cfg, plan, run, ray_address)
     models = build_models(cfg, plan, data.model_dir, ray_address)
     try:
-        trainer = PPOTrainer(cfg, models, data.score, data.pad_id, data.stop_ids)
+        score = data.score or ModelScorer(models.reward, data.pad_id, cfg.reward.on_nonfinite)
+        trainer = PPOTrainer(cfg, models, score, data.pad_id, data.stop_ids)
         latest = run.latest_checkpoint() if resume else None
         if resume and latest is None:
             raise FileNotFoundError(f"--resume: no complete checkpoint under {run.checkpoints}; "
@@ -72,7 +74,8 @@ def run_ppo(cfg: RunConfig, plan: Plan, output_dir: Path, resume: str | None,
         for step in bar:
             metrics = asyncio.run(trainer.step(data.next_train_rows()))
             bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", kl=f"{metrics['kl']:.4f}",
-                            s_per_step=f"{sum(v for k, v in metrics.items() if k.startswith('time/')):.1f}")
+                            s_per_step=f"{sum(v for k, v in metrics.items() if k.startswith('time/')):.1f}",
+                            refresh=False)
             if step % cfg.trainer.log_every == 0:
                 run.log_metrics(step, metrics)
             if cfg.trainer.save_every and step % cfg.trainer.save_every == 0:

@@ -25,7 +25,7 @@ def test_dry_run_prints_config_and_plan():
     assert "placement plan (backend megatron-vllm" in p.stdout
     assert "actor     megatron  group=train_group" in p.stdout
     assert "workhorses=1 tp=1 pp=1 dp=1" in p.stdout
-    assert yaml.safe_load(p.stdout.split("placement plan")[0])["ppo"]["kl_coef"] == 0.05
+    assert yaml.safe_load(p.stdout.split("placement plan")[0])["ppo"]["kl_coef"] == 0.01
 
 
 def test_unknown_override_fails_fast_naming_the_key():

@@ -97,12 +97,12 @@ def test_layout_must_fill_its_group():
 
 def test_batch_divisibility():
     cfg = load_config(DEFAULT, [("ppo.mini_batch_size", 12)])
-    with pytest.raises(ConfigError, match="mini_batch_size=12 does not divide the 32 samples"):
+    with pytest.raises(ConfigError, match="mini_batch_size=12 does not divide the 128 samples"):
         plan_run(cfg, "megatron-vllm")
-    cfg = load_config(DEFAULT, groups() + [("actor.micro_batch_size", 16)])
-    with pytest.raises(ConfigError, match=r"not divisible by actor.dp x actor.micro_batch_size = 2x16"):
+    cfg = load_config(DEFAULT, groups() + [("actor.micro_batch_size", 32)])
+    with pytest.raises(ConfigError, match=r"not divisible by actor.dp x actor.micro_batch_size = 2x32"):
         plan_run(cfg, "megatron-vllm")
-    cfg = load_config(DEFAULT, groups() + [("ppo.rollout_batch_size", 31), ("ppo.mini_batch_size", 31)])
+    cfg = load_config(DEFAULT, groups() + [("ppo.rollout_batch_size", 31), ("ppo.mini_batch_size", 31), ("data.eval_size", 200)])
     with pytest.raises(ConfigError, match="not divisible by the 2 rollout replicas"):
         plan_run(cfg, "megatron-vllm")
 

@@ -42,15 +42,25 @@ def role_init_kwargs(cfg: RunConfig, role: str, backend: str, model_dir: str) ->
     """What a role's Workhorses are built with: its own config section, nothing more."""
     if role == "rollout":
         r = cfg.rollout
-        return dict(backend=backend, model_dir=model_dir, dtype=r.dtype, kv_cache_gib=r.kv_cache_gib,
-                    max_model_len=cfg.data.max_prompt_tokens + r.max_new_tokens + 8)
+        kwargs = dict(backend=backend, model_dir=model_dir, dtype=r.dtype,
+                      max_model_len=cfg.data.max_prompt_tokens + r.max_new_tokens + 8)
+        if backend == "vllm":
+            kwargs["kv_cache_gib"] = r.kv_cache_gib
+        return kwargs
     if role == "reward":
-        return dict(backend="hf", model_dir=cfg.reward.model)
+        return dict(model_dir=cfg.reward.model)
     rc = getattr(cfg, role)
     kwargs: dict[str, Any] = dict(backend=backend, model_dir=rc.model_path or model_dir, optim=rc.optim)
     if backend == "deepspeed":
         kwargs["zero_stage"] = rc.zero_stage
     return kwargs
+
+
+# Worker environment per role: quiet the libraries' repeated start-up warnings in every Workhorse.
+ROLE_ENV = {
+    "rollout": {"VLLM_LOGGING_LEVEL": "ERROR", "PYTHONWARNINGS": "ignore"},
+    "default": {"PYTHONWARNINGS": "ignore::UserWarning,ignore::FutureWarning,ignore::DeprecationWarning"},
+}
 
 
 def build_models(cfg: RunConfig, plan: Plan, model_dir: str, ray_address: str | None = None) -> Models:
@@ -65,7 +75,8 @@ def build_models(cfg: RunConfig, plan: Plan, model_dir: str, ray_address: str | 
         wm = WholeModel(workhorse_class(role_plan.backend, role), role=role, parallel=role_plan.parallel,
                         device=role_plan.device, bundles=bundles[role], seed=cfg.seed,
                         threads=cfg.threads_per_worker,
-                        init_kwargs=role_init_kwargs(cfg, role, role_plan.backend, model_dir))
+                        init_kwargs=role_init_kwargs(cfg, role, role_plan.backend, model_dir),
+                        env=ROLE_ENV.get(role, ROLE_ENV["default"]))
         return role, wm
 
     with ThreadPoolExecutor(max_workers=len(plan.roles)) as pool:

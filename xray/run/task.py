@@ -36,7 +36,8 @@ class RunData:
     train: PromptSet
     eval: PromptSet
     sampler: PromptSampler
-    score: RewardScorer
+    score: RewardScorer | None
+    """The reward function's scorer; None when a reward model scores (see `xray.rewards.model`)."""
 
     @property
     def pad_id(self) -> int:
@@ -132,9 +133,6 @@ def prepare(cfg: RunConfig, plan: Plan, run: RunDir, ray_address: str | None) ->
     tokenizer = load_tokenizer(model_dir)
     train, held_out = load_prompt_splits(cfg.data, tokenizer, run.path / "data")
     reward_fn = cfg.reward.function
-    if reward_fn is None:
-        raise ValueError("reward.function is null and reward models are not wired into PPO runs yet; "
-                         "set reward.function to module:function")
+    scorer = RewardScorer(reward_fn, tokenizer, cfg.reward.on_nonfinite) if reward_fn else None
     sampler = PromptSampler(len(train), cfg.ppo.rollout_batch_size, cfg.seed)
-    return RunData(model_dir, tokenizer, train, held_out, sampler,
-                   RewardScorer(reward_fn, tokenizer, cfg.reward.on_nonfinite))
+    return RunData(model_dir, tokenizer, train, held_out, sampler, scorer)

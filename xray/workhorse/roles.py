@@ -9,6 +9,7 @@ import importlib
 _TABLE = {
     "hf": "xray.workhorse.hf:HFWorkhorse",
     "echo": "xray.workhorse.echo:EchoWorkhorse",
+    "hf-reward": "xray.workhorse.reward:RewardWorkhorse",
     "megatron": "xray.workhorse.train:TrainWorkhorse",
     "deepspeed": "xray.workhorse.train:TrainWorkhorse",
     "vllm": "xray.workhorse.rollout:RolloutWorkhorse",

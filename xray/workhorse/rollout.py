@@ -1,8 +1,7 @@
 """RolloutWorkhorse: one replica of the rollout engine (vLLM or DeepSpeed-Inference).
 
-Each Workhorse holds one in-process generation engine (`xray.backends.vllm` / `.dsinfer`). On CPU a
-replica is one process, so replicas join no process group (vLLM sets up its own); on GPU, vLLM's
-tensor parallelism lives inside the replica. Weight sync arrives as buckets of full Hugging Face
+Each Workhorse holds one in-process generation engine (`xray.backends.vllm` / `.dsinfer`), one
+tensor-parallel rank of one replica (ranks in Megatron order: tp fastest). Weight sync arrives as buckets of full Hugging Face
 tensors sent by the actor's exporting shard (`load_bucket`), then `finish_sync` bumps the weight
 version that every generation result carries in `meta["weight_version"]`.
 """
@@ -12,7 +11,7 @@ import time
 from typing import Any
 
 from xray.backends import load_backend
-from xray.backends.base import GenerationEngine, ShardInfo, WeightBucket
+from xray.backends.base import GenerationEngine, ShardInfo, WeightBucket, layout_of
 from xray.data.batch import Batch
 from xray.wholemodel.protocol import fanout
 from xray.workhorse.base import Workhorse
@@ -30,12 +29,14 @@ class RolloutWorkhorse(Workhorse):
         self._received = 0
 
     def init_dist(self, master_addr: str, master_port: int, timeout_s: float = 300.0) -> None:
-        """Replicas share no collective; the engine builds its own groups (vLLM TP on GPU)."""
+        """Join the role's group when the engine needs one: DeepSpeed-Inference always (AutoTP
+        groups), vLLM only for tensor parallelism (with tp=1 it builds its own world of one)."""
+        if self.config.get("backend") == "vllm" and self.parallel.tp == 1:
+            return
+        super().init_dist(master_addr, master_port, timeout_s)
 
     def shard_info(self) -> ShardInfo:
-        return ShardInfo(rank=self.rank, world_size=self.parallel.world_size, tp_rank=0,
-                         tp_size=self.parallel.tp, pp_rank=0, pp_size=1, dp_rank=self.rank,
-                         dp_size=self.parallel.dp, collects=True)
+        return layout_of(self.parallel, self.rank)
 
     def setup(self) -> None:
         cfg = dict(self.config)
