@@ -152,7 +152,7 @@ def plan_run(cfg: RunConfig, backend: str, algo: str = "ppo") -> Plan:
     for role in needed:
         g = groups.group_of(role)
         assert g is not None
-        backend_of = {"rollout": gen_backend, "reward": "hf"}.get(role, train_backend)
+        backend_of = {"rollout": gen_backend, "reward": "hf-reward"}.get(role, train_backend)
         try:
             dims = _role_dims(cfg, role, train_backend, g.size)
         except LayoutError as exc:

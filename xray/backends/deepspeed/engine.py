@@ -102,6 +102,10 @@ class DeepSpeedEngine(TrainEngine):
         return averaged
 
     def export_weights(self, bucket_bytes: int = 64 << 20) -> Iterator[WeightBucket]:
+        if self.zero_stage == 3:
+            # A forward-only pass leaves ZeRO-3's prefetched parameters in flight; gathering them
+            # again then fails ("Cannot partition a param in flight"). Release them first.
+            self.engine.empty_partition_cache()
         return iter_weight_buckets(self.engine.module, bucket_bytes, self.zero_stage == 3, self.exports())
 
     def save(self, directory: str) -> None:
