@@ -35,7 +35,7 @@ def sft_rows(pairs: list[tuple[list[int], list[int]]], batch_size: int, step: in
 def run_sft(cfg: RunConfig, plan: Plan, pairs: list[tuple[list[int], list[int]]], model_dir: str,
             run: RunDir, pad_id: int, ray_address: str | None = None) -> Path:
     """Train the actor on `pairs`; return the Hugging Face directory of the result."""
-    from xray.run.models import ROLE_ENV, role_init_kwargs
+    from xray.run.models import role_init_kwargs
     from xray.wholemodel import WholeModel
     from xray.wholemodel.cluster import ensure_ray
     from xray.wholemodel.placement import reserve_plan
@@ -48,8 +48,7 @@ def run_sft(cfg: RunConfig, plan: Plan, pairs: list[tuple[list[int], list[int]]]
     bundles = reserve_plan(plan, cfg.threads_per_worker)["actor"]
     actor = WholeModel(workhorse_class(role.backend, "actor"), role="actor", parallel=role.parallel,
                        device=role.device, bundles=bundles, seed=cfg.seed, threads=cfg.threads_per_worker,
-                       init_kwargs=role_init_kwargs(sft_cfg, "actor", role.backend, model_dir),
-                       env=ROLE_ENV["default"])
+                       init_kwargs=role_init_kwargs(sft_cfg, "actor", role.backend, model_dir))
     try:
         bar = tqdm(range(1, cfg.sft.steps + 1), desc="sft", unit="step", mininterval=2.0)
         for step in bar:

@@ -56,13 +56,6 @@ def role_init_kwargs(cfg: RunConfig, role: str, backend: str, model_dir: str) ->
     return kwargs
 
 
-# Worker environment per role: quiet the libraries' repeated start-up warnings in every Workhorse.
-ROLE_ENV = {
-    "rollout": {"VLLM_LOGGING_LEVEL": "ERROR", "PYTHONWARNINGS": "ignore"},
-    "default": {"PYTHONWARNINGS": "ignore::UserWarning,ignore::FutureWarning,ignore::DeprecationWarning"},
-}
-
-
 def build_models(cfg: RunConfig, plan: Plan, model_dir: str, ray_address: str | None = None) -> Models:
     """Start every role's WholeModel on its device group."""
     from xray.wholemodel.cluster import ensure_ray
@@ -75,8 +68,7 @@ def build_models(cfg: RunConfig, plan: Plan, model_dir: str, ray_address: str | 
         wm = WholeModel(workhorse_class(role_plan.backend, role), role=role, parallel=role_plan.parallel,
                         device=role_plan.device, bundles=bundles[role], seed=cfg.seed,
                         threads=cfg.threads_per_worker,
-                        init_kwargs=role_init_kwargs(cfg, role, role_plan.backend, model_dir),
-                        env=ROLE_ENV.get(role, ROLE_ENV["default"]))
+                        init_kwargs=role_init_kwargs(cfg, role, role_plan.backend, model_dir))
         return role, wm
 
     with ThreadPoolExecutor(max_workers=len(plan.roles)) as pool:

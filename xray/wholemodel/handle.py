@@ -24,6 +24,9 @@ from xray.wholemodel.cluster import ensure_ray
 
 log = logging.getLogger(__name__)
 _SCALARS = (int, float, str, bool, type(None))
+# Workhorse environment: the libraries' start-up warnings, repeated by every Workhorse, are noise.
+QUIET_ENV = {"PYTHONWARNINGS": "ignore::UserWarning,ignore::FutureWarning,ignore::DeprecationWarning",
+             "VLLM_LOGGING_LEVEL": "ERROR"}
 
 
 @dataclass(frozen=True)
@@ -100,7 +103,7 @@ class WholeModel:
             resources = {"num_gpus": 1.0 / bundles.share, "num_cpus": 0}
         else:
             resources = {"num_cpus": threads / bundles.share}
-        env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), **(env or {})}
+        env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), **QUIET_ENV, **(env or {})}
         kwargs = dict(seed=seed, device=self.device.lower(), threads=threads, **(init_kwargs or {}))
         self._actor = ray.remote(WholeModelActor).options(num_cpus=0, max_concurrency=1000).remote(
             role, workhorse_cls, parallel, kwargs, bundles.placement_group, list(bundles.indices),
