@@ -9,6 +9,7 @@ STAMP := $(VENV)/.xray-installed
 # cuda: the package with its `cuda` extra (vllm with CUDA), resolved by pip.
 XRAY_DEVICE ?= cpu
 PYTEST_ARGS ?=
+RUN_ARGS ?=
 
 .PHONY: run test test-all install lock clean
 
@@ -26,7 +27,7 @@ endif
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/python -m xray.train ppo --dry-run
+	$(BIN)/python -m xray.train ppo $(RUN_ARGS)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)

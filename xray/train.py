@@ -18,7 +18,7 @@ from pathlib import Path
 import yaml
 
 from xray.backends import BACKEND_PAIRS, BackendError
-from xray.config import DEFAULT_CONFIGS, ConfigError, load_config, to_dict
+from xray.config import DEFAULT_CONFIGS, ConfigError, LayoutError, load_config, to_dict
 from xray.config.plan import plan_run
 
 ALGOS = ("ppo", "sft")
@@ -55,6 +55,16 @@ def resolve(argv: list[str]):
     return args, cfg, plan, config_path, output_dir
 
 
+def user_errors() -> tuple[type[BaseException], ...]:
+    """Mistakes in the command, config, data or reward spec: a one-line message, no traceback."""
+    from xray.data.prompts import PromptDataError
+    from xray.rewards.loader import RewardSpecError
+    from xray.tasks import TaskError
+
+    return (ConfigError, BackendError, UsageError, LayoutError, FileNotFoundError, PromptDataError,
+            RewardSpecError, TaskError)
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -75,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
             final = sft_command(cfg, plan, output_dir, args.ray_address)
             sys.stdout.write(f"sft_model={final}\n")
         return 0
-    except (ConfigError, BackendError, UsageError) as exc:
+    except user_errors() as exc:
         sys.stderr.write(f"error: {exc}\n")
         return 2
 

@@ -19,9 +19,9 @@ from xray.config.plan import Plan
 from xray.config.schema import RunConfig
 from xray.config.typed import to_dict
 from xray.rewards.model import ModelScorer
-from xray.run.models import build_models
+from xray.run.models import build_models, check_layouts
 from xray.run.outputs import RunDir, read_trainer_state, save_hf_model
-from xray.run.task import RunData, prepare
+from xray.run.task import BUILTIN_MODEL, RunData, prepare
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +53,8 @@ def resume_from(trainer: PPOTrainer, directory: Path, data: RunData) -> None:
 def run_ppo(cfg: RunConfig, plan: Plan, output_dir: Path, resume: str | None,
             ray_address: str | None) -> tuple[float, float]:
     t_start = time.perf_counter()
+    if cfg.model.path != BUILTIN_MODEL:
+        check_layouts(cfg, plan, cfg.model.path)  # before anything is built or started
     run = RunDir(Path(resume) if resume not in (None, "latest") else output_dir)
     run.write_config(to_dict(cfg))
     data = prepare(cfg, plan, run, ray_address)

@@ -65,3 +65,22 @@ def test_bad_backend_and_missing_config():
     assert p.returncode == 2 and "choose one of megatron-vllm" in p.stderr
     p, _ = run("ppo", "--dry-run", "--config", "nope.yaml")
     assert p.returncode == 2 and "'nope.yaml' does not exist" in p.stderr
+
+
+def test_bad_layout_fails_before_any_workhorse(tmp_path):
+    import sys as _sys
+
+    from xray.models.tiny import TinySpec, build_tiny_model
+
+    model = build_tiny_model(tmp_path / "m", TinySpec(num_heads=4, num_kv_heads=2))
+    groups = {"nproc_per_node": 4,
+              "train_group": {"device": "CPU", "ranks": [0, 1, 2], "workers": ["actor", "critic", "reference"]},
+              "rollout_group": {"device": "CPU", "ranks": [3], "workers": ["rollout"]}}
+    p, seconds = run("ppo", f"--model.path={model}", f"--device_groups={groups}", "--actor.tp=3", "--critic.tp=3",
+                     "--reference.tp=3", "--ppo.mini_batch_size=48", "--ppo.rollout_batch_size=48",
+                     "--data.eval_size=48", "--actor.micro_batch_size=16", "--critic.micro_batch_size=16",
+                     "--reference.micro_batch_size=16")
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert "actor: tp=3 does not divide the model's 4 attention heads" in p.stderr
+    assert "Traceback" not in p.stderr and "ray" not in p.stderr.lower().split("error:")[0]
+    assert seconds < 30

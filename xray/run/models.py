@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 from xray.config.plan import Plan
 from xray.config.schema import RunConfig
+from xray.config.typed import ConfigError
 from xray.wholemodel import WholeModel
 from xray.wholemodel.placement import reserve_plan
 from xray.workhorse.roles import workhorse_class
@@ -56,10 +57,25 @@ def role_init_kwargs(cfg: RunConfig, role: str, backend: str, model_dir: str) ->
     return kwargs
 
 
+def check_layouts(cfg: RunConfig, plan: Plan, model_dir: str) -> None:
+    """Layouts the model cannot take fail here, before any Workhorse starts."""
+    from xray.backends import load_backend
+
+    for r in plan.roles:
+        if r.backend != "megatron":
+            continue
+        directory = getattr(cfg, r.role).model_path or model_dir
+        try:
+            load_backend("megatron").check_layout(directory, r.parallel)
+        except ValueError as exc:
+            raise ConfigError(f"{r.role}: {exc}") from None
+
+
 def build_models(cfg: RunConfig, plan: Plan, model_dir: str, ray_address: str | None = None) -> Models:
     """Start every role's WholeModel on its device group."""
     from xray.wholemodel.cluster import ensure_ray
 
+    check_layouts(cfg, plan, model_dir)
     ensure_ray(ray_address, num_cpus=plan.nproc_per_node * plan.nnodes * cfg.threads_per_worker)
     bundles = reserve_plan(plan, cfg.threads_per_worker)
 

@@ -118,7 +118,11 @@ def build_base_model(cfg: RunConfig, run: RunDir) -> Path:
 def load_tokenizer(model_dir: str):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(model_dir)
+    try:
+        return AutoTokenizer.from_pretrained(model_dir)
+    except (OSError, ValueError) as exc:
+        raise FileNotFoundError(f"no usable tokenizer in {model_dir} ({str(exc).splitlines()[0]}); save the "
+                                "model's tokenizer into its directory (tokenizer.save_pretrained(dir))") from None
 
 
 def prepare(cfg: RunConfig, plan: Plan, run: RunDir, ray_address: str | None) -> RunData:
