@@ -55,6 +55,12 @@ def resolve(argv: list[str]):
     return args, cfg, plan, config_path, output_dir
 
 
+def shutdown_ray() -> None:
+    from xray.wholemodel.cluster import shutdown_ray as stop
+
+    stop()
+
+
 def user_errors() -> tuple[type[BaseException], ...]:
     """Mistakes in the command, config, data or reward spec: a one-line message, no traceback."""
     from xray.data.prompts import PromptDataError
@@ -78,11 +84,13 @@ def main(argv: list[str] | None = None) -> int:
             from algorithms.ppo.run import run_ppo
 
             before, after = run_ppo(cfg, plan, output_dir, args.resume, args.ray_address)
+            shutdown_ray()  # no Workhorse log line may land after the result
             sys.stdout.write(f"eval_before={before:.4f} eval_after={after:.4f}\n")
         else:
             from algorithms.sft import sft_command
 
             final = sft_command(cfg, plan, output_dir, args.ray_address)
+            shutdown_ray()
             sys.stdout.write(f"sft_model={final}\n")
         return 0
     except user_errors() as exc:

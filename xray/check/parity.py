@@ -17,6 +17,7 @@ from pathlib import Path
 from xray.backends import load_backend
 from xray.config.optim import OptimConfig
 from xray.config.parallel import LayoutError, ParallelDims
+from xray.wholemodel.cluster import shutdown_ray
 
 log = logging.getLogger(__name__)
 LOGPROB_TOL = 1e-4
@@ -106,6 +107,7 @@ def main(args: argparse.Namespace) -> int:
         model_dir = str(build_tiny_model(Path(tempfile.mkdtemp(prefix="xray-parity-")) / "tiny",
                                          TinySpec(arch=args.arch, num_layers=max(2, args.pp)), seed=0))
     result = run_parity(args.backend, model_dir, parallel, args.zero, args.seq_len, args.lr, args.ray_address)
+    shutdown_ray()  # no Workhorse log line may land after the figures
     layout = f"tp={parallel.tp} pp={parallel.pp} dp={parallel.dp}" + \
         (f" zero={args.zero}" if args.backend == "deepspeed" else "")
     print(f"{args.backend} {layout} on {model_dir}")

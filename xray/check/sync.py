@@ -15,6 +15,7 @@ from xray.backends import split_pair
 from xray.config.optim import OptimConfig
 from xray.config.parallel import ParallelDims
 from xray.config.schema import SyncConfig
+from xray.wholemodel.cluster import shutdown_ray
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -65,6 +66,7 @@ def main(args: argparse.Namespace) -> int:
     finally:
         actor.shutdown()
         rollout.shutdown()
+        shutdown_ray()  # no Workhorse log line may land after the figures
     print(f"{args.backend}: actor tp={args.tp} dp={args.dp} -> {args.replicas} rollout replica(s) on {model_dir}")
     print(f"synced {report.bytes / 1e6:.1f} MB in {report.sync_s:.3f} s; verified in {report.verify_s:.3f} s "
           f"(tolerance {args.tolerance:g})")

@@ -2,7 +2,10 @@
 
 The actor's exporting shard streams full Hugging Face tensors in bounded buckets through the
 object store to every rollout replica (`TrainWorkhorse.push_weights`), which loads them in place
-and takes the new weight version. Then, unless the config turns it off, a few probe sequences are
+and takes the new weight version. A bucket travels in its wire form (`pack_bucket`): each tensor
+as a flat NumPy byte view, which Ray moves out of band, so putting a bucket costs one copy into
+the object store and reading it on the same node costs none (a pickled torch tensor is copied
+in band on both sides, several times slower). Then, unless the config turns it off, a few probe sequences are
 scored by both sides: the actor's per-token log-probabilities against the rollout engine's own.
 A difference above the tolerance raises `WeightSyncError` naming the version and the worst
 position: a wrong sync never drifts silently.
@@ -11,9 +14,12 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 from dataclasses import dataclass
 
 import torch
+
+from xray.backends.base import WeightBucket
 
 from xray.config.schema import SyncConfig
 from xray.data import columns as C
@@ -36,6 +42,29 @@ class SyncReport:
     verify_s: float
     max_abs_logprob_diff: float
     """NaN when verification is off."""
+
+
+# One tensor on the wire: (Hugging Face name, torch dtype name, shape, its bytes as a flat uint8 array).
+WireTensor = tuple[str, str, tuple[int, ...], "numpy.ndarray"]
+
+
+def pack_bucket(bucket: WeightBucket) -> list[WireTensor]:
+    """The wire form of a bucket: byte views of the tensors (no copy for contiguous CPU tensors)."""
+    wire = []
+    for name, tensor in bucket:
+        flat = tensor.detach().cpu().contiguous().reshape(-1)
+        wire.append((name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape),
+                     flat.view(torch.uint8).numpy()))
+    return wire
+
+
+def unpack_bucket(wire: list[WireTensor]) -> WeightBucket:
+    """Tensors viewing the wire's bytes (read-only object-store memory on the receiving side:
+    load them by copying, never write into them)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return [(name, torch.from_numpy(data).view(getattr(torch, dtype)).view(shape))
+                for name, dtype, shape, data in wire]
 
 
 def pad_sequences(sequences: list[list[int]], pad_id: int = 0) -> Batch:
@@ -65,10 +94,10 @@ def compare_logprobs(actor_logp: torch.Tensor, engine_logp: list[list[float]], p
 
 def verify(actor, rollout, probe: list[list[int]], prompt_lens: list[int], version: int,
            tolerance: float) -> float:
-    """Score `probe` on both sides; raise WeightSyncError above `tolerance`."""
-    batch = pad_sequences(probe)
-    actor_logp = actor.forward(batch).get()[C.LOGPROBS]
+    """Score `probe` on both sides (concurrently); raise WeightSyncError above `tolerance`."""
+    actor_call = actor.forward(pad_sequences(probe))
     engine_logp = rollout.logprobs(probe, prompt_lens).get()
+    actor_logp = actor_call.get()[C.LOGPROBS]
     worst, (row, pos) = compare_logprobs(actor_logp, engine_logp, prompt_lens, [len(s) for s in probe])
     if not worst <= tolerance:  # also catches NaN
         raise WeightSyncError(

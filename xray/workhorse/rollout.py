@@ -11,8 +11,9 @@ import time
 from typing import Any
 
 from xray.backends import load_backend
-from xray.backends.base import GenerationEngine, ShardInfo, WeightBucket, layout_of
+from xray.backends.base import GenerationEngine, ShardInfo, layout_of
 from xray.data.batch import Batch
+from xray.sync.weights import unpack_bucket
 from xray.wholemodel.protocol import fanout
 from xray.workhorse.base import Workhorse
 
@@ -64,9 +65,11 @@ class RolloutWorkhorse(Workhorse):
         return self.version
 
     # -- weight sync: called directly by the actor's exporting shard, bucket by bucket ----------
-    def load_bucket(self, bucket: WeightBucket) -> int:
+    def load_bucket(self, wire: list) -> int:
+        """Load one bucket in its wire form (`xray.sync.weights.pack_bucket`) in place."""
         if not self._sync_started:
             self._sync_started = time.perf_counter()
+        bucket = unpack_bucket(wire)
         self.engine.load_weights(bucket)
         self._received += sum(t.numel() * t.element_size() for _, t in bucket)
         return len(bucket)

@@ -14,6 +14,7 @@ from xray.backends import load_backend
 from xray.backends.base import LossFn, ShardInfo, TrainEngine
 from xray.config.optim import OptimConfig
 from xray.data.batch import Batch
+from xray.sync.weights import pack_bucket
 from xray.wholemodel.protocol import fanout
 from xray.workhorse.base import Workhorse
 
@@ -84,23 +85,29 @@ class TrainWorkhorse(Workhorse):
         """Stream the full weights, bucket by bucket, to rollout Workhorses (Ray actor handles).
 
         Every shard takes part in the export (its gathers are collective); the exporting shard
-        puts each bucket in the object store once and waits until every target has loaded it, so
-        at most one bucket is in flight. `corrupt` names a tensor to perturb on the way: a
-        fault-injection knob for testing the verification, never set in a run.
+        puts each bucket in the object store once, in its wire form, and exports the next bucket
+        while the targets load this one: at most two buckets are in flight. `corrupt` names a
+        tensor to perturb on the way: a fault-injection knob for testing the verification, never
+        set in a run.
         """
         import ray
 
         sent = count = 0
         t0 = time.perf_counter()
+        in_flight: list[list] = []
         for bucket in self.engine.export_weights(bucket_bytes):
             if not self.engine.exports() or not bucket:
                 continue
             if corrupt is not None:
                 bucket = [(n, t + 1e-2 if n == corrupt else t) for n, t in bucket]
-            ref = ray.put(bucket)
-            ray.get([t.load_bucket.remote(ref) for t in targets])
+            ref = ray.put(pack_bucket(bucket))
+            in_flight.append([t.load_bucket.remote(ref) for t in targets])
+            if len(in_flight) == 2:
+                ray.get(in_flight.pop(0))
             sent += sum(t.numel() * t.element_size() for _, t in bucket)
             count += len(bucket)
+        for loads in in_flight:
+            ray.get(loads)
         if not self.engine.exports():
             return None
         replicas = ray.get([t.finish_sync.remote(version) for t in targets])
