@@ -132,3 +132,19 @@ def test_run_with_a_reward_model(tmp_path, tiny_model):
     assert sorted(steps) == [1, 2]
     assert all(math.isfinite(r["reward/mean"]) for r in steps.values())
     assert steps[1]["reward/std"] > 0  # real, varying model scores, not a constant
+
+
+def test_sft_command_trains_and_exports(tmp_path, tiny_model):
+    """`python -m xray.train sft` on the same engine: the loss falls, the result is an HF directory."""
+    from transformers import AutoModelForCausalLM
+
+    run = tmp_path / "sft"
+    p = subprocess.run([sys.executable, "-m", "xray.train", "sft", f"--model.path={tiny_model}",
+                        "--output-dir", str(run), "--sft.steps=6", "--sft.batch_size=32", "--sft.lr=3e-3"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-4000:]
+    assert p.stdout.strip().splitlines()[-1] == f"sft_model={run / 'final/actor'}"
+    losses = [m["sft_loss"] for _, m in sorted(metrics(run).items())]
+    assert len(losses) == 6 and losses[-1] < losses[0]
+    model = AutoModelForCausalLM.from_pretrained(run / "final/actor", dtype=torch.float32)
+    assert model.config.vocab_size == 64
