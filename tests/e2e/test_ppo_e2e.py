@@ -7,6 +7,7 @@ changed; then the step-2 checkpoint, resumed in a fresh run, gives the same step
 """
 import json
 import math
+import re
 import shutil
 import subprocess
 import sys
@@ -148,3 +149,30 @@ def test_sft_command_trains_and_exports(tmp_path, tiny_model):
     assert len(losses) == 6 and losses[-1] < losses[0]
     model = AutoModelForCausalLM.from_pretrained(run / "final/actor", dtype=torch.float32)
     assert model.config.vocab_size == 64
+
+
+BAD_REWARD = '''
+CALLS = []
+
+
+def score(prompts, completions, **kwargs):
+    CALLS.append(1)
+    if len(CALLS) == 3:  # eval before training, step 1, then step 2 fails
+        raise ZeroDivisionError("the reward function broke on purpose")
+    return [0.5] * len(prompts)
+'''
+
+
+def test_a_failing_reward_function_stops_the_run_with_its_prompt(tmp_path, tiny_model):
+    reward = tmp_path / "bad_reward.py"
+    reward.write_text(BAD_REWARD)
+    cfg = config(tmp_path, tiny_model, "megatron-vllm")
+    run = tmp_path / "run"
+    p = subprocess.run([sys.executable, "-m", "xray.train", "ppo", "--config", str(cfg), "--output-dir", str(run),
+                        f"--reward.function={reward}:score", "--trainer.save_every=1"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert p.returncode != 0
+    assert "RewardFunctionError" in p.stderr and "the reward function broke on purpose" in p.stderr
+    assert "Traceback" in p.stderr and "ZeroDivisionError" in p.stderr
+    assert re.search(r"prompt '\d+\+\d+='", p.stderr), p.stderr[-3000:]
+    assert (run / "checkpoints/step-000001/trainer_state.json").is_file()  # earlier checkpoints intact
