@@ -5,10 +5,10 @@ object store to every rollout replica (`TrainWorkhorse.push_weights`), which loa
 and takes the new weight version. A bucket travels in its wire form (`pack_bucket`): each tensor
 as a flat NumPy byte view, which Ray moves out of band, so putting a bucket costs one copy into
 the object store and reading it on the same node costs none (a pickled torch tensor is copied
-in band on both sides, several times slower). Then, unless the config turns it off, a few probe sequences are
-scored by both sides: the actor's per-token log-probabilities against the rollout engine's own.
-A difference above the tolerance raises `WeightSyncError` naming the version and the worst
-position: a wrong sync never drifts silently.
+in band on both sides, several times slower). Then, unless the config turns it off, a few probe
+sequences are scored by both sides, concurrently: the actor's per-token log-probabilities against
+the rollout engine's own. A difference above the tolerance raises `WeightSyncError` naming the
+version and the worst position: a wrong sync never drifts silently.
 """
 from __future__ import annotations
 
@@ -20,7 +20,6 @@ from dataclasses import dataclass
 import torch
 
 from xray.backends.base import WeightBucket
-
 from xray.config.schema import SyncConfig
 from xray.data import columns as C
 from xray.data.batch import Batch

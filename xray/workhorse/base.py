@@ -8,7 +8,9 @@ backend engine, in the role Workhorses) -> `shard_info()` tells the WholeModel w
 marked methods (`@fanout`) serve calls.
 
 Each Workhorse seeds torch, numpy and random from (run seed, role, rank), fixes its torch thread
-count, and logs with its role and ranks in every line.
+count, and logs with its role and ranks in every line. It also keeps its busy time: the wall-clock
+intervals spent inside its methods (`busy_time()` returns and clears them), so a benchmark can tell
+model compute from the runtime's own overhead (`benchmarks/ppo_step.py`).
 """
 from __future__ import annotations
 
@@ -16,9 +18,12 @@ import logging
 import os
 import random
 import socket
+import time
 import zlib
+from collections import deque
+from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any
+from typing import Any, Iterable, Iterator
 
 import torch
 
@@ -46,8 +51,30 @@ def node_ip() -> str:
     return "127.0.0.1"
 
 
+_END = object()
+
+
+def covered_seconds(intervals: Iterable[tuple[float, float]], lo: float = float("-inf"),
+                    hi: float = float("inf")) -> float:
+    """Seconds of [lo, hi] inside at least one of `intervals` (busy intervals of several
+    Workhorses: calls that overlap count once, calls one after another add up)."""
+    clipped = sorted((max(a, lo), min(b, hi)) for a, b in intervals if b > lo and a < hi)
+    total, reached = 0.0, lo
+    for a, b in clipped:
+        if b > reached:
+            total += b - max(a, reached)
+            reached = b
+    return total
+
+
 class Workhorse:
     """One shard of one model. Subclasses add `setup()` and `@fanout` methods."""
+
+    SELF_TIMED: frozenset[str] = frozenset({"busy_time"})
+    """Methods that count their own busy time (with `busy()`) instead of `call` timing them whole:
+    those that also wait on other Workhorses or move data."""
+    MAX_INTERVALS = 10_000
+    """Busy intervals kept until `busy_time()` drains them (the oldest go first)."""
 
     def __init__(self, role: str, rank: int, parallel: ParallelDims, seed: int = 0,
                  device: str = "cpu", threads: int = 1, **config: Any):
@@ -57,6 +84,7 @@ class Workhorse:
         self.config = config
         self.seed = shard_seed(seed, role, rank)
         self.log = logging.LoggerAdapter(log, {"role": role, "rank": rank})
+        self._busy: deque[tuple[float, float]] = deque(maxlen=self.MAX_INTERVALS)
         torch.set_num_threads(threads)
         random.seed(self.seed)
         torch.manual_seed(self.seed)
@@ -102,7 +130,37 @@ class Workhorse:
     def call(self, method: str, packed: tuple[tuple, dict]) -> Any:
         """Run marked method `method` with `packed = (args, kwargs)` (the WholeModel's entry)."""
         args, kwargs = packed
-        return getattr(self, method)(*args, **kwargs)
+        if method in self.SELF_TIMED:
+            return getattr(self, method)(*args, **kwargs)
+        with self.busy():
+            return getattr(self, method)(*args, **kwargs)
+
+    @contextmanager
+    def busy(self) -> Iterator[None]:
+        """Count the time inside this block as busy (wall-clock epoch seconds)."""
+        start = time.time()
+        try:
+            yield
+        finally:
+            self._busy.append((start, time.time()))
+
+    def timed(self, items: Iterable) -> Iterator:
+        """Yield from `items`, counting only the time spent producing each item as busy."""
+        it = iter(items)
+        while True:
+            with self.busy():
+                item = next(it, _END)
+            if item is _END:
+                return
+            yield item
+
+    @fanout(dispatch="all", collect=lambda layout, results: results, deadline_s=30.0)
+    def busy_time(self) -> dict:
+        """This shard's busy intervals since the last call, then cleared (this call not counted)."""
+        intervals = list(self._busy)
+        self._busy.clear()
+        return {"rank": self.rank, "role": self.role, "intervals": intervals,
+                "busy_s": sum(end - start for start, end in intervals)}
 
     def pid(self) -> int:
         return os.getpid()

@@ -70,7 +70,8 @@ class RolloutWorkhorse(Workhorse):
         if not self._sync_started:
             self._sync_started = time.perf_counter()
         bucket = unpack_bucket(wire)
-        self.engine.load_weights(bucket)
+        with self.busy():
+            self.engine.load_weights(bucket)
         self._received += sum(t.numel() * t.element_size() for _, t in bucket)
         return len(bucket)
 

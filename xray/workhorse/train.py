@@ -41,6 +41,7 @@ class TrainWorkhorse(Workhorse):
     """A shard of an actor, critic or reference model on `megatron` or `deepspeed`."""
 
     engine: TrainEngine
+    SELF_TIMED = Workhorse.SELF_TIMED | {"push_weights"}  # busy while exporting, not while waiting
 
     def __init__(self, role: str, rank: int, parallel, seed: int = 0, **kwargs: Any):
         super().__init__(role, rank, parallel, seed=seed, **kwargs)
@@ -95,7 +96,7 @@ class TrainWorkhorse(Workhorse):
         sent = count = 0
         t0 = time.perf_counter()
         in_flight: list[list] = []
-        for bucket in self.engine.export_weights(bucket_bytes):
+        for bucket in self.timed(self.engine.export_weights(bucket_bytes)):
             if not self.engine.exports() or not bucket:
                 continue
             if corrupt is not None:
