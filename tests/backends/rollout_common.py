@@ -93,6 +93,12 @@ def hf_sequence_stats(model: torch.nn.Module, sequences: list[list[int]],
     return logprobs, gap
 
 
+def sequences_of(batch: Batch) -> tuple[list[list[int]], list[int]]:
+    """Prompt + response token lists of a generation Batch, and the prompt lengths."""
+    seqs = [p + r for p, r in zip(batch[C.PROMPT_IDS], batch[C.RESPONSE_IDS])]
+    return seqs, [len(p) for p in batch[C.PROMPT_IDS]]
+
+
 def max_abs_diff(a: list[list[float]], b: list[list[float]]) -> float:
     assert [len(x) for x in a] == [len(y) for y in b], "sequences of different lengths"
     return max((abs(x - y) for xs, ys in zip(a, b) for x, y in zip(xs, ys)), default=0.0)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.backends.rollout_common import (changed_weights, hf_greedy, hf_sequence_stats,
+from tests.backends.rollout_common import (changed_weights, hf_greedy, hf_sequence_stats, sequences_of,
                                            make_prompts, max_abs_diff, trained_tiny_model)
 from tests.dist_harness import run_distributed
 from xray.backends import load_backend
@@ -39,15 +39,10 @@ def engine(model_dir):
                                                 generate_batch=8)
 
 
-def _sequences(batch):
-    seqs = [p + r for p, r in zip(batch[C.PROMPT_IDS], batch[C.RESPONSE_IDS])]
-    return seqs, [len(p) for p in batch[C.PROMPT_IDS]]
-
-
 def test_greedy_equals_hf_generate(engine, hf):
     prompts = make_prompts(16)
     out = engine.generate(prompts, {"temperature": 0.0, "max_new_tokens": NEW_TOKENS})
-    _, gap = hf_sequence_stats(hf, *_sequences(out))
+    _, gap = hf_sequence_stats(hf, *sequences_of(out))
     assert gap > MIN_GAP
     assert out[C.RESPONSE_IDS] == hf_greedy(hf, prompts, NEW_TOKENS)
     assert out["finish_reason"] == ["length"] * 16
@@ -56,7 +51,7 @@ def test_greedy_equals_hf_generate(engine, hf):
 def test_logprobs_match_hf_recomputation(engine, hf):
     prompts = make_prompts(8, seed=5)
     out = engine.generate(prompts, {"temperature": 1.0, "max_new_tokens": NEW_TOKENS, "n": 2, "seed": 3})
-    seqs, lens = _sequences(out)
+    seqs, lens = sequences_of(out)
     reference, _ = hf_sequence_stats(hf, seqs, lens)
     assert max_abs_diff(out["response_logprobs"], reference) < LOGPROB_TOL
     assert max_abs_diff(engine.logprobs(seqs, lens), reference) < LOGPROB_TOL
@@ -111,7 +106,7 @@ def _tp_worker(rank, world_size, model_dir):
     q_rows = engine.params["model.layers.0.self_attn.q_proj.weight"].shape[0]
     greedy = engine.generate(prompts, {"temperature": 0.0, "max_new_tokens": NEW_TOKENS})
     sampled = engine.generate(prompts[:8], {"temperature": 1.0, "max_new_tokens": NEW_TOKENS, "seed": 4})
-    seqs, lens = _sequences(sampled)
+    seqs, lens = sequences_of(sampled)
     reference, _ = hf_sequence_stats(hf, seqs, lens)
     result = {"q_rows": q_rows, "greedy_equal": greedy[C.RESPONSE_IDS] == expected,
               "sampled": sampled[C.RESPONSE_IDS],

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.backends.rollout_common import (EOS, changed_weights, hf_greedy, hf_sequence_stats,
+from tests.backends.rollout_common import (EOS, changed_weights, hf_greedy, hf_sequence_stats, sequences_of,
                                            make_prompts, max_abs_diff, trained_tiny_model)
 from xray.backends import load_backend
 from xray.check.reference import load_hf
@@ -40,16 +40,11 @@ def engine(model_dir):
     eng.shutdown()
 
 
-def _sequences(batch):
-    seqs = [p + r for p, r in zip(batch[C.PROMPT_IDS], batch[C.RESPONSE_IDS])]
-    return seqs, [len(p) for p in batch[C.PROMPT_IDS]]
-
-
 def test_greedy_equals_hf_generate(engine, hf):
     prompts = make_prompts(16)
     out = engine.generate(prompts, {"temperature": 0.0, "max_new_tokens": NEW_TOKENS})
     expected = hf_greedy(hf, prompts, NEW_TOKENS)
-    _, gap = hf_sequence_stats(hf, *_sequences(out))
+    _, gap = hf_sequence_stats(hf, *sequences_of(out))
     assert gap > MIN_GAP, f"greedy paths have a near-tie (gap {gap:.2e}); the comparison is fragile"
     assert out[C.PROMPT_IDS] == prompts
     assert out[C.RESPONSE_IDS] == expected
@@ -61,7 +56,7 @@ def test_logprobs_match_hf_recomputation(engine, hf):
     prompts = make_prompts(8, seed=5)
     out = engine.generate(prompts, {"temperature": 1.0, "max_new_tokens": NEW_TOKENS, "n": 2,
                                     "seed": 3})
-    seqs, lens = _sequences(out)
+    seqs, lens = sequences_of(out)
     reference, _ = hf_sequence_stats(hf, seqs, lens)
     sampled = max_abs_diff(out["response_logprobs"], reference)
     recomputed = max_abs_diff(engine.logprobs(seqs, lens), reference)
@@ -119,7 +114,7 @@ def test_load_weights_follows_new_weights_and_back(engine, hf):
         assert engine.pending_weights() == []
         out = engine.generate(prompts, {"temperature": 0.0, "max_new_tokens": NEW_TOKENS})
         assert out[C.RESPONSE_IDS] == expected
-        seqs, lens = _sequences(out)
+        seqs, lens = sequences_of(out)
         assert max_abs_diff(engine.logprobs(seqs, lens), hf_sequence_stats(hf, seqs, lens)[0]) < LOGPROB_TOL
     finally:
         engine.load_weights(original)
