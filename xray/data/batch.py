@@ -5,6 +5,9 @@ of length `B` (prompt text, reference answers...); `meta` holds values about the
 (the weight version that produced it, say). The fan-out protocol splits a Batch over
 data-parallel replicas with `split` and joins answers back with `Batch.concat`.
 
+Across processes a Batch travels in the wire form of `xray.data.wire`: tensor columns out of band
+(zero-copy reads from Ray's object store), token-id lists as flat arrays plus offsets.
+
 Why not `tensordict`: its releases track torch releases closely, and our pins already fix torch to
 the build vLLM wants; the few operations we need fit here, pickle cleanly for Ray, and keep
 non-tensor columns first-class.
@@ -16,6 +19,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
+from xray.data import wire
 
 class BatchError(ValueError):
     """A batch whose columns disagree, or an operation it cannot support; says how to fix it."""
@@ -51,6 +55,9 @@ class Batch:
         tensors = {k: v for k, v in columns.items() if isinstance(v, torch.Tensor)}
         lists = {k: list(v) for k, v in columns.items() if not isinstance(v, torch.Tensor)}
         return cls(tensors, lists, dict(meta or {}))
+
+    def __reduce__(self):
+        return (_rebuild, wire.encode(self.tensors, self.lists, self.meta))
 
     def __len__(self) -> int:
         for v in self.tensors.values():
@@ -127,8 +134,11 @@ class Batch:
         return self.split(n // size)
 
     @staticmethod
-    def concat(batches: Sequence["Batch"]) -> "Batch":
-        """Join batches row-wise; they must have the same columns."""
+    def concat(batches: Sequence["Batch"], pad_width: bool = False) -> "Batch":
+        """Join batches row-wise; they must have the same columns. With `pad_width`, tensor
+        columns of 2+ dimensions whose widths (dim 1) differ are right-padded with zeros to the
+        widest: parts of one batch packed separately (their padding is masked by ATTENTION_MASK
+        and LOSS_MASK, so the pad value never reaches a result)."""
         batches = [b for b in batches if b is not None]
         if not batches:
             return Batch()
@@ -136,8 +146,8 @@ class Batch:
         for i, b in enumerate(batches[1:], 1):
             if sorted(b.keys()) != sorted(keys):
                 raise BatchError(f"batch {i} has columns {sorted(b.keys())}, batch 0 has {sorted(keys)}")
-        tensors = {k: torch.cat([b.tensors[k] for b in batches]) for k in batches[0].tensors}
-        lists = {k: [x for b in batches for x in b.lists[k]] for k in batches[0].lists}
+        tensors = {k: torch.cat(_widened([b.tensors[k] for b in batches], pad_width)) for k in batches[0].tensors}
+        lists = {k: _joined([b.lists[k] for b in batches]) for k in batches[0].lists}
         meta: dict[str, Any] = {}
         for b in batches:
             for k, v in b.meta.items():
@@ -155,3 +165,23 @@ class Batch:
                          for k, v in self.tensors.items())
         lists = ", ".join(f"{k}: list" for k in self.lists)
         return f"Batch(n={len(self)}; {cols}{'; ' if lists else ''}{lists})"
+
+
+def _joined(columns: list) -> Any:
+    """List columns one after another (ragged columns stay ragged)."""
+    if all(isinstance(c, wire.Ragged) for c in columns):
+        return wire.Ragged.concat(columns)
+    return [x for c in columns for x in c]
+
+
+def _widened(columns: list[torch.Tensor], pad: bool) -> list[torch.Tensor]:
+    """The columns right-padded along dim 1 to the widest (when `pad` and they differ)."""
+    widths = {c.shape[1] for c in columns if c.dim() >= 2}
+    if not pad or len(widths) < 2:
+        return columns
+    width = max(widths)
+    return [torch.nn.functional.pad(c, (0, 0) * (c.dim() - 2) + (0, width - c.shape[1])) for c in columns]
+
+
+def _rebuild(tensors: dict, lists: dict, meta: dict) -> Batch:
+    return Batch(*wire.decode(tensors, lists, meta))

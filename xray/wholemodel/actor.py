@@ -1,11 +1,10 @@
-"""The WholeModel Ray actor: owns one model's Workhorses and runs each call across them.
+"""The WholeModel Ray actor: the control plane of one model. It owns the model's Workhorses.
 
 It creates one Workhorse Ray actor per device bundle of its placement group, has rank 0 pick the
 rendezvous address, joins them into the model's process group, builds the shards, and checks
-that the shard infos they report agree. A call arrives with its arguments already dispatched
-and put in the object store by the client (`xray.wholemodel.handle`), one object per distinct
-part; this actor starts the shard calls, waits for them under the call's deadline, turns failures
-into one `WholeModelError`, and collects the answer.
+that the shard infos they report agree. It is placed on the node of rank 0's bundle. It is not on
+the data path: callers hold the Workhorse handles it returns and call them directly
+(`xray.wholemodel.handle`), so arguments and answers never pass through this process.
 """
 from __future__ import annotations
 
@@ -15,13 +14,13 @@ import time
 from typing import Any
 
 import ray
-from ray.exceptions import RayActorError, RayTaskError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from xray.backends.base import ShardInfo
 from xray.config.parallel import ParallelDims
 from xray.wholemodel import protocol
-from xray.wholemodel.errors import CallDeadlineExceeded, ShardFailure, WholeModelError, WorkhorseDied
+from xray.wholemodel.errors import CallDeadlineExceeded, WholeModelError, WorkhorseDied
+from xray.wholemodel.pending import shard_failure
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +42,6 @@ class WholeModelActor:
     def __init__(self, role: str, workhorse_cls: type, parallel: ParallelDims, init_kwargs: dict,
                  placement_group: Any, bundle_indices: list[int], resources: dict, env: dict):
         self.role, self.cls, self.parallel = role, workhorse_cls, parallel
-        self.methods = protocol.fanout_methods(workhorse_cls)
         remote_cls = ray.remote(workhorse_cls)
         self.shards = []
         for rank, bundle in enumerate(bundle_indices):
@@ -53,8 +51,9 @@ class WholeModelActor:
                 role=role, rank=rank, parallel=parallel, **init_kwargs))
         self.layout: list[ShardInfo] = []
 
-    async def start(self, timeout_s: float = 600.0) -> list[ShardInfo]:
-        """Rendezvous, join the process group, build the shards; returns their shard infos."""
+    async def start(self, timeout_s: float = 600.0) -> tuple[list[ShardInfo], list]:
+        """Rendezvous, join the process group, build the shards; returns their shard infos and
+        the Workhorse handles, in rank order."""
         t0 = time.perf_counter()
         ((addr, port),) = await self._gather("address", [self.shards[0].address.remote()], timeout_s)
         await self._gather("init_dist", [s.init_dist.remote(addr, port) for s in self.shards], timeout_s)
@@ -62,7 +61,7 @@ class WholeModelActor:
         self.layout = await self._gather("shard_info", [s.shard_info.remote() for s in self.shards], timeout_s)
         check_layout(self.role, self.layout, self.parallel)
         log.info("%s: %d Workhorses ready in %.1f s", self.role, len(self.shards), time.perf_counter() - t0)
-        return self.layout
+        return self.layout, list(self.shards)
 
     async def _gather(self, method: str, refs: list, deadline_s: float) -> list:
         """Await shard calls; raise one error naming failing or unfinished ranks."""
@@ -81,42 +80,26 @@ class WholeModelActor:
                 results.append(f.result())
                 continue
             results.append(None)
-            if isinstance(exc, RayActorError):
-                died = True
-                failures.append(ShardFailure(
-                    rank, f"Workhorse {self.role} rank {rank} died ({type(exc).__name__}: its process is "
-                    "gone); shut this WholeModel down and build it again", str(exc)))
-            elif isinstance(exc, RayTaskError):
-                cause = exc.cause
-                failures.append(ShardFailure(rank, f"{type(cause).__name__}: {cause}",
-                                            getattr(exc, "traceback_str", None) or str(exc)))
-            else:
-                failures.append(ShardFailure(rank, f"{type(exc).__name__}: {exc}", repr(exc)))
+            failure, dead = shard_failure(self.role, rank, exc)
+            failures.append(failure)
+            died |= dead
         if failures:
             cls = WorkhorseDied if died else WholeModelError
             raise cls(self.role, method, failures, len(self.shards))
         return results
 
-    async def call(self, method: str, shard_refs: list, deadline_s: float | None = None) -> Any:
-        """Run `method` with `shard_refs[i]` (an object ref of (args, kwargs)) on rank i."""
-        meta = self.methods.get(method)
-        if meta is None:
-            raise AttributeError(f"{self.cls.__name__} has no method {method!r} marked with @fanout; "
-                                 f"marked methods: {sorted(self.methods)}")
-        deadline = meta.deadline_s if deadline_s is None else deadline_s
-        if meta.execute == "first":
-            (result,) = await self._gather(method, [self.shards[0].call.remote(method, shard_refs[0])], deadline)
-            return result
-        refs = [s.call.remote(method, ref) for s, ref in zip(self.shards, shard_refs)]
-        results = await self._gather(method, refs, deadline)
-        return protocol.collect(self.layout, meta.collect, results)
-
     def shard_handles(self) -> list:
-        """The Workhorse Ray actors, in rank order (for benchmarks and direct calls)."""
+        """The Workhorse Ray actors, in rank order: what callers submit shard tasks to."""
         return list(self.shards)
 
     def get_layout(self) -> list[ShardInfo]:
         return list(self.layout)
+
+    def pid(self) -> int:
+        """This process (tests check that answers do not pass through it)."""
+        import os
+
+        return os.getpid()
 
     async def shutdown(self) -> None:
         refs = [s.shutdown.remote() for s in self.shards]

@@ -4,13 +4,15 @@
     out = await wm.forward(batch)          # an awaitable ...
     out = wm.forward(batch).get()          # ... or blocking, for scripts and notebooks
     out = wm.call("forward", batch, deadline_s=5).get()
+    logp = actor.forward(rollout.generate(prompts, sampling))   # by reference: no fetch here
     wm.shutdown()
 
 It starts (or joins) Ray, reserves the devices (a placement group of its own, or bundles of a run's
-group handed in by the run's placement), starts the WholeModel Ray actor, which starts the
-Workhorses. Dispatch happens here, on the caller's side: each distinct part of the arguments is
-put in the object store once and only its reference travels through the WholeModel actor, so a
-large batch moves once, as it would in a direct call.
+group handed in by the run's placement), and starts the WholeModel Ray actor (the control plane),
+which starts the Workhorses and hands back their handles. A call is dispatched here, on the
+caller's side, and its shard tasks go straight to the Workhorses: each distinct part of the
+arguments is put in the object store once (only the columns the method reads), and the answer
+comes back as a `Pending` of object refs that the caller collects, or passes on by reference.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from typing import Any
 from xray.config.parallel import ParallelDims
 from xray.wholemodel import protocol
 from xray.wholemodel.cluster import ensure_ray
+from xray.wholemodel.pending import Pending
 
 log = logging.getLogger(__name__)
 _SCALARS = (int, float, str, bool, type(None))
@@ -37,33 +40,6 @@ class Bundles:
     indices: tuple[int, ...]
     share: int = 1
     """How many roles share these devices (colocation): each Workhorse takes 1/share of one."""
-
-
-class Pending:
-    """The answer of a WholeModel call: `await` it, or `.get()` it."""
-
-    def __init__(self, ref: Any, limit_s: float | None):
-        self.ref, self.limit_s = ref, limit_s
-
-    def __await__(self):
-        return self._wait().__await__()
-
-    async def _wait(self):
-        from ray.exceptions import RayTaskError
-
-        try:
-            return await self.ref
-        except RayTaskError as exc:
-            raise exc.cause from None
-
-    def get(self, timeout: float | None = None) -> Any:
-        import ray
-        from ray.exceptions import RayTaskError
-
-        try:
-            return ray.get(self.ref, timeout=timeout if timeout is not None else self.limit_s)
-        except RayTaskError as exc:
-            raise exc.cause from None
 
 
 class _Method:
@@ -86,6 +62,7 @@ class WholeModel:
                  init_kwargs: dict | None = None, ray_address: str | None = None,
                  start_timeout_s: float = 600.0, env: dict | None = None):
         import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from xray.wholemodel.actor import WholeModelActor
         from xray.wholemodel.placement import reserve
@@ -105,10 +82,13 @@ class WholeModel:
             resources = {"num_cpus": threads / bundles.share}
         env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), **QUIET_ENV, **(env or {})}
         kwargs = dict(seed=seed, device=self.device.lower(), threads=threads, **(init_kwargs or {}))
-        self._actor = ray.remote(WholeModelActor).options(num_cpus=0, max_concurrency=1000).remote(
+        beside_rank0 = PlacementGroupSchedulingStrategy(
+            placement_group=bundles.placement_group, placement_group_bundle_index=bundles.indices[0])
+        self._actor = ray.remote(WholeModelActor).options(
+            num_cpus=0, max_concurrency=1000, scheduling_strategy=beside_rank0).remote(
             role, workhorse_cls, parallel, kwargs, bundles.placement_group, list(bundles.indices),
             resources, env)
-        self.layout = Pending(self._actor.start.remote(start_timeout_s), start_timeout_s + 30).get()
+        self.layout, self.shards = _unwrapped(self._actor.start.remote(start_timeout_s), start_timeout_s + 30)
         log.info("%s ready: %d Workhorses, tp=%d pp=%d dp=%d", role, len(self.layout),
                  parallel.tp, parallel.pp, parallel.dp)
 
@@ -130,43 +110,52 @@ class WholeModel:
         raise AttributeError(f"{self.__dict__.get('role', 'WholeModel')} has no method {name!r} marked "
                              f"with @fanout; marked methods: {sorted(methods)}")
 
-    def call(self, method: str, *args, deadline_s: float | None = None, **kwargs) -> Pending:
-        """Call marked Workhorse method `method` on the whole model; returns a Pending answer."""
-        import ray
+    def call(self, method: str, *args, deadline_s: float | None = None, after: tuple = (), **kwargs) -> Pending:
+        """Call marked Workhorse method `method` on the whole model; returns a Pending answer.
 
+        Arguments may be Pendings of other calls (passed by reference). `after`: Pendings whose
+        shard tasks must finish before this call's start (ordering without waiting here)."""
         meta = self.methods.get(method)
         if meta is None:
             raise AttributeError(f"{self.role} has no method {method!r} marked with @fanout; "
                                  f"marked methods: {sorted(self.methods)}")
-        refs = self._dispatch(meta, args, kwargs)
+        packed = self._dispatch(meta, args, kwargs)
+        ranks = [0] if meta.execute == "first" else list(range(len(self.layout)))
+        waits = [ref for p in after for ref in p.refs]
+        refs = [self.shards[r].call.remote(method, packed[i], *waits) for i, r in enumerate(ranks)]
         deadline = meta.deadline_s if deadline_s is None else deadline_s
-        return Pending(self._actor.call.remote(method, refs, deadline), deadline + 30)
+        return Pending(self.role, method, meta, self.layout, refs, ranks, deadline)
 
     def _dispatch(self, meta: protocol.FanOut, args: tuple, kwargs: dict) -> list:
-        """One object-store entry per distinct part; shards of one replica share a reference."""
+        """(args, kwargs) per shard, in rank order; one object-store entry per distinct part,
+        shards of one replica share it. Batches carry only the columns the method reads."""
         import ray
 
-        n = len(self.layout)
-        if meta.execute == "first" or meta.dispatch == "all":
+        columns = meta.columns(args, kwargs)
+        args = tuple(protocol.select_columns(a, columns) for a in args)
+        kwargs = {k: protocol.select_columns(v, columns) for k, v in kwargs.items()}
+        n = 1 if meta.execute == "first" else len(self.layout)
+        if meta.dispatch == "all" or meta.execute == "first":
+            args, kwargs = _by_reference(args, kwargs, 1, columns)[0]
             packed = (args, kwargs) if _is_small(args, kwargs) else ray.put((args, kwargs))
-            return [packed] * (1 if meta.execute == "first" else n)
+            return [packed] * n
         if meta.dispatch == "slice":
-            parts = [ray.put(p) for p in protocol.slice_parts(self.parallel.dp, args, kwargs)]
-            return [parts[i] for i in protocol.part_of_shard(self.layout)]
+            refs = [ray.put(p) for p in _by_reference(args, kwargs, self.parallel.dp, columns, split=True)]
+            return [refs[i] for i in protocol.part_of_shard(self.layout)]
         per_shard = protocol.dispatch(self.layout, meta.dispatch, args, kwargs)
         seen: dict[int, Any] = {}
         return [seen.setdefault(id(p), ray.put(p)) for p in per_shard]
 
     def shard_handles(self) -> list:
-        """The Workhorse Ray actors in rank order (direct calls: benchmarks, debugging)."""
-        return Pending(self._actor.shard_handles.remote(), 60).get()
+        """The Workhorse Ray actors in rank order (direct calls: weight sync, benchmarks)."""
+        return list(self.shards)
 
     def shutdown(self) -> None:
         """Stop the Workhorses and the WholeModel actor, and free the devices it reserved."""
         import ray
 
         try:
-            Pending(self._actor.shutdown.remote(), 30).get()
+            _unwrapped(self._actor.shutdown.remote(), 30)
         except Exception as exc:  # noqa: BLE001 - shutting down: report and go on
             log.warning("%s: shutdown of Workhorses failed: %s", self.role, exc)
         ray.kill(self._actor)
@@ -179,3 +168,32 @@ class WholeModel:
     def __exit__(self, *exc) -> None:
         self.shutdown()
 
+
+
+def _unwrapped(ref: Any, timeout_s: float) -> Any:
+    """ray.get that raises the Workhorse-side error itself, not Ray's wrapper."""
+    import ray
+    from ray.exceptions import RayTaskError
+
+    try:
+        return ray.get(ref, timeout=timeout_s)
+    except RayTaskError as exc:
+        raise exc.cause from None
+
+
+def _by_reference(args: tuple, kwargs: dict, replicas: int, columns, split: bool = False) -> list[tuple[tuple, dict]]:
+    """(args, kwargs) per replica: each Pending replaced by the PartsSlice of its rows, and (with
+    `split`, the `slice` dispatch) every batch-like value split into equal consecutive parts."""
+    def pieces(value: Any, where: str) -> list:
+        if isinstance(value, Pending):
+            parts = value.parts
+            return [protocol.PartsSlice(tuple(parts[a:b]), skip, take, den, columns)
+                    for a, b, skip, take, den in protocol.remote_slices(len(parts), replicas)]
+        if split and protocol.is_sliceable(value):
+            return protocol.split_one(value, replicas, where)
+        return [value] * replicas
+
+    split_args = [pieces(a, f"argument {i}") for i, a in enumerate(args)]
+    split_kwargs = {k: pieces(v, f"argument {k!r}") for k, v in kwargs.items()}
+    return [(tuple(s[d] for s in split_args), {k: s[d] for k, s in split_kwargs.items()})
+            for d in range(replicas)]

@@ -10,8 +10,15 @@ pure (no Ray) and unit-tested:
   `(layout, args, kwargs) -> [(args, kwargs) per shard]` decides freely.
 - execute `all`, or `first` (rank 0 alone; never for a method that enters a collective).
 - collect `none`: the results of the collector shard of each replica (tp_rank 0 on the last
-  pipeline stage), in dp order. `flatten`: those results concatenated. A callable
-  `(layout, results_of_every_shard) -> answer` decides freely.
+  pipeline stage), in dp order. `flatten`: those results concatenated (sequence columns of
+  Batches right-padded to the widest part). A callable `(layout, results_of_every_shard) ->
+  answer` decides freely.
+- reads: the Batch columns the method reads (a tuple, or a callable of the call's `(args,
+  kwargs)`); only those are shipped. None ships every column.
+
+An argument may also be the answer of another `flatten` call still in the object store, as its
+parts (object refs of equal-sized parts in order): `remote_slices` says which parts and rows each
+replica takes, as a `PartsSlice` that the receiving Workhorse fetches and `assemble`s itself.
 """
 from __future__ import annotations
 
@@ -25,6 +32,7 @@ from xray.data.batch import Batch, BatchError
 
 Dispatch = Union[str, Callable]
 Collect = Union[str, Callable]
+Reads = Union[None, tuple, Callable]
 ATTR = "_xray_fanout"
 
 
@@ -41,10 +49,19 @@ class FanOut:
     collect: Collect = "none"
     deadline_s: float = 600.0
     """Default deadline of a call; a call may pass its own."""
+    reads: Reads = None
+    """Batch columns the method reads; only those are shipped (None: all)."""
+
+    def columns(self, args: tuple, kwargs: dict) -> tuple[str, ...] | None:
+        """The columns to ship for this call's Batch arguments (None: all)."""
+        if callable(self.reads):
+            found = self.reads(args, kwargs)
+            return None if found is None else tuple(found)
+        return self.reads
 
 
 def fanout(dispatch: Dispatch = "all", execute: str = "all", collect: Collect = "none",
-           deadline_s: float = 600.0) -> Callable:
+           deadline_s: float = 600.0, reads: Reads = None) -> Callable:
     """Mark a Workhorse method as callable through its WholeModel."""
     if isinstance(dispatch, str) and dispatch not in ("all", "slice"):
         raise ValueError(f"dispatch must be 'all', 'slice' or a callable, got {dispatch!r}")
@@ -54,7 +71,7 @@ def fanout(dispatch: Dispatch = "all", execute: str = "all", collect: Collect = 
         raise ValueError(f"collect must be 'none', 'flatten' or a callable, got {collect!r}")
 
     def mark(fn: Callable) -> Callable:
-        setattr(fn, ATTR, FanOut(dispatch, execute, collect, deadline_s))
+        setattr(fn, ATTR, FanOut(dispatch, execute, collect, deadline_s, reads))
         return fn
 
     return mark
@@ -70,11 +87,11 @@ def fanout_methods(cls: type) -> dict[str, FanOut]:
     return out
 
 
-def _is_sliceable(x: Any) -> bool:
+def is_sliceable(x: Any) -> bool:
     return isinstance(x, (Batch, torch.Tensor, list, tuple))
 
 
-def _split_one(x: Any, parts: int, where: str) -> list:
+def split_one(x: Any, parts: int, where: str) -> list:
     n = len(x)
     if n % parts:
         raise DispatchError(
@@ -91,9 +108,9 @@ def _split_one(x: Any, parts: int, where: str) -> list:
 
 def slice_parts(dp_size: int, args: tuple, kwargs: dict) -> list[tuple[tuple, dict]]:
     """Split every batch-like argument into `dp_size` parts: one (args, kwargs) per replica."""
-    split_args = [(_split_one(a, dp_size, f"argument {i}") if _is_sliceable(a) else None)
+    split_args = [(split_one(a, dp_size, f"argument {i}") if is_sliceable(a) else None)
                   for i, a in enumerate(args)]
-    split_kwargs = {k: (_split_one(v, dp_size, f"argument {k!r}") if _is_sliceable(v) else None)
+    split_kwargs = {k: (split_one(v, dp_size, f"argument {k!r}") if is_sliceable(v) else None)
                     for k, v in kwargs.items()}
     parts = []
     for d in range(dp_size):
@@ -135,7 +152,7 @@ def concat(results: list) -> Any:
     """Join per-replica results: Batch, tensor (dim 0), list/tuple, or dicts of those."""
     first = results[0]
     if isinstance(first, Batch):
-        return Batch.concat(results)
+        return Batch.concat(results, pad_width=True)
     if isinstance(first, torch.Tensor):
         return torch.cat(results)
     if isinstance(first, (list, tuple)):
@@ -154,3 +171,56 @@ def collect(layout: Sequence[ShardInfo], mode: Collect, results: list) -> Any:
     if mode == "none":
         return picked
     return concat(picked)
+
+
+def select_columns(value: Any, columns: tuple[str, ...] | None) -> Any:
+    """`value` with only `columns` if it is a Batch that has them all (else unchanged)."""
+    if columns is None or not isinstance(value, Batch):
+        return value
+    missing = [c for c in columns if c not in value]
+    if missing:
+        raise DispatchError(f"the method reads columns {missing}, which the batch lacks (it has "
+                            f"{value.keys()}); add them to the batch")
+    return value.select(columns)
+
+
+@dataclass(frozen=True)
+class PartsSlice:
+    """One replica's rows of an answer that stays in the object store as equal-sized parts.
+
+    `parts` are the refs of the parts its rows lie in; of their concatenation it takes
+    `part_rows * take / den` rows after skipping `part_rows * skip / den`."""
+
+    parts: tuple
+    skip: int
+    take: int
+    den: int
+    columns: tuple[str, ...] | None = None
+
+
+def remote_slices(num_parts: int, replicas: int) -> list[tuple[int, int, int, int, int]]:
+    """For each of `replicas`: (first part, end part, skip, take, den) over `num_parts` equal parts."""
+    out = []
+    for d in range(replicas):
+        lo, hi = d * num_parts, (d + 1) * num_parts  # in units of 1/replicas parts
+        first, end = lo // replicas, -(-hi // replicas)
+        out.append((first, end, lo - first * replicas, num_parts, replicas))
+    return out
+
+
+def assemble(values: list, piece: PartsSlice) -> Any:
+    """The rows `piece` names, from the fetched values of its parts."""
+    sizes = {len(v) for v in values}
+    if len(sizes) != 1:
+        raise DispatchError(f"parts passed by reference have different sizes {sorted(sizes)}; only equal "
+                            "parts can be re-split (fetch the answer and pass it by value)")
+    rows = sizes.pop()
+    skip, take = rows * piece.skip, rows * piece.take
+    if skip % piece.den or take % piece.den:
+        raise DispatchError(f"{rows * len(values)} rows passed by reference do not split evenly over "
+                            f"{piece.den} data-parallel replicas; pass a multiple of {piece.den} rows")
+    joined = values[0] if len(values) == 1 else concat(values)
+    skip, take = skip // piece.den, take // piece.den
+    if skip or take != len(joined):
+        joined = joined.index(slice(skip, skip + take)) if isinstance(joined, Batch) else joined[skip:skip + take]
+    return select_columns(joined, piece.columns)

@@ -29,7 +29,7 @@ import torch
 
 from xray.backends.base import ShardInfo, layout_of
 from xray.config.parallel import ParallelDims
-from xray.wholemodel.protocol import fanout
+from xray.wholemodel.protocol import PartsSlice, assemble, fanout
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +65,15 @@ def covered_seconds(intervals: Iterable[tuple[float, float]], lo: float = float(
             total += b - max(a, reached)
             reached = b
     return total
+
+
+def _resolved(value: Any) -> Any:
+    """A `PartsSlice` fetched from the object store and cut to its rows; anything else as is."""
+    if not isinstance(value, PartsSlice):
+        return value
+    import ray
+
+    return assemble(ray.get(list(value.parts)), value)
 
 
 class Workhorse:
@@ -127,13 +136,29 @@ class Workhorse:
         return layout_of(self.parallel, self.rank)
 
     # -- service ------------------------------------------------------------------------------
-    def call(self, method: str, packed: tuple[tuple, dict]) -> Any:
-        """Run marked method `method` with `packed = (args, kwargs)` (the WholeModel's entry)."""
+    def call(self, method: str, packed: tuple[tuple, dict], *after: Any) -> Any:
+        """Run marked method `method` with `packed = (args, kwargs)`: the entry of every call a
+        WholeModel's caller makes. Arguments passed by reference (`PartsSlice`) are fetched and
+        assembled here; `after` are answers Ray waited for before starting this task."""
         args, kwargs = packed
+        if any(isinstance(v, PartsSlice) for v in (*args, *kwargs.values())):
+            args = tuple(_resolved(a) for a in args)
+            kwargs = {k: _resolved(v) for k, v in kwargs.items()}
         if method in self.SELF_TIMED:
             return getattr(self, method)(*args, **kwargs)
         with self.busy():
             return getattr(self, method)(*args, **kwargs)
+
+    @staticmethod
+    def cancelled() -> bool:
+        """True once the caller gave up on the running call (its deadline passed): long methods
+        poll this between steps and stop."""
+        try:
+            import ray
+
+            return ray.is_initialized() and ray.get_runtime_context().is_canceled()
+        except Exception:  # noqa: BLE001 - outside a Ray task nothing cancels
+            return False
 
     @contextmanager
     def busy(self) -> Iterator[None]:

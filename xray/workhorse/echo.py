@@ -44,9 +44,17 @@ class EchoWorkhorse(Workhorse):
 
     @fanout(dispatch="all", collect=lambda layout, results: results, deadline_s=60.0)
     def sleep(self, seconds: float, ranks: list[int] | None = None) -> int:
+        """Sleep on `ranks` (all by default), stopping early if the call is cancelled."""
         if ranks is None or self.rank in ranks:
-            time.sleep(seconds)
+            end = time.monotonic() + seconds
+            while time.monotonic() < end and not self.cancelled():
+                time.sleep(0.02)
         return self.rank
+
+    @fanout(dispatch="all", collect="flatten")
+    def payload(self, megabytes: int) -> Batch:
+        """A Batch of `megabytes` MiB from every replica, joined (return-path tests and benchmark)."""
+        return Batch({"x": torch.full((megabytes << 18,), float(self.rank))})
 
     @fanout(dispatch="all", collect=lambda layout, results: results)
     def all_reduce(self, value: float) -> dict:
