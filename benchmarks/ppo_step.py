@@ -1,12 +1,13 @@
 """Where a PPO step's time goes on the default job: model compute against the runtime's overhead.
 
-    .venv/bin/python benchmarks/ppo_step.py [--steps 8] [--warmup 1] [--backend megatron-vllm]
+    .venv/bin/python benchmarks/ppo_step.py [--small] [--steps 8] [--warmup 1] [--backend megatron-vllm]
                                             [--config FILE] [--a.b=VALUE ...]
 
 One run prepares the default job exactly as `python -m xray.train ppo` does (configs/ppo_tiny_cpu.yaml
 unless --config, any key overridable; the built-in warm-started tiny Llama, cached under $XRAY_CACHE
 or ~/.cache/xray), starts its WholeModels, and runs `--warmup` PPO steps, then `--steps` timed ones,
-through the real `PPOTrainer.step`. For each step it records the wall-clock window of every phase
+through the real `PPOTrainer.step`. `--small` is the small job where the runtime's own costs show
+most: 8 prompts x 8 samples, 12 new tokens, one PPO epoch of one mini-batch of 64 (`SMALL`). For each step it records the wall-clock window of every phase
 (generate, score, train, sync) and reads every Workhorse's busy intervals (`Workhorse.busy_time`:
 time inside its methods; for the weight sync, the actor's export and the rollout's reload, not the
 object-store transfer nor the waits).
@@ -17,8 +18,9 @@ that run one after another their sum (the sync's export, reload and verification
 else in the step is outside model compute: Ray calls, dispatch and collection, data movement, and
 the driver's own work between phases (packing, GAE). The share by the simpler rule (a phase's
 compute = its busiest role's busy time) is printed too. Figures are medians over the timed steps.
-The last line is `overhead_share=<1 - compute / step time> tokens_per_s=<tokens / step time>`, the
-tokens being a step's prompt and response tokens.
+The last line is `overhead_share=<1 - compute / step time> tokens_per_s=<tokens / step time>
+step_s_over_compute_s=<step time / compute>` (medians over steps), the tokens being a step's
+prompt and response tokens.
 """
 from __future__ import annotations
 
@@ -41,6 +43,8 @@ from xray.train import resolve
 from xray.workhorse.base import covered_seconds
 
 PHASES = ("generate", "score", "train", "sync")
+SMALL = ["--ppo.rollout_batch_size=8", "--rollout.n_samples=8", "--rollout.max_new_tokens=12",
+         "--ppo.mini_batch_size=64", "--ppo.ppo_epochs=1"]
 WINDOWS: list[dict[str, tuple[float, float]]] = []
 
 
@@ -72,7 +76,7 @@ def measure_step(trainer: PPOTrainer, models: Models, rows: list[dict]) -> dict[
     """Run one step; its wall time, compute and overhead, in total and per phase."""
     drain(models)
     start = time.time()
-    metrics = asyncio.run(trainer.step(rows))
+    metrics = asyncio.run(trainer.step(rows))  # one loop per timed step: the drains sit between
     end = time.time()
     busy = drain(models)
     windows = WINDOWS[-1]
@@ -107,24 +111,28 @@ def report(steps: list[dict[str, float]], roles: list[str]) -> None:
     print(f"overhead share if a phase's compute is its busiest role's: {statistics.median(by_max):.3f}")
     shares = [1 - s["compute_s"] / s["step_s"] for s in steps]
     rates = [s["tokens"] / s["step_s"] for s in steps]
-    print(f"overhead_share={statistics.median(shares):.3f} tokens_per_s={statistics.median(rates):.1f}")
+    over = [s["step_s"] / s["compute_s"] for s in steps]
+    print(f"overhead_share={statistics.median(shares):.3f} tokens_per_s={statistics.median(rates):.1f} "
+          f"step_s_over_compute_s={statistics.median(over):.3f}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--small", action="store_true", help="the small job (see SMALL)")
     parser.add_argument("--steps", type=int, default=8, help="timed PPO steps")
     parser.add_argument("--warmup", type=int, default=1, help="untimed PPO steps first")
     parser.add_argument("--backend", default="megatron-vllm", help="TRAIN-GENERATION backend pair")
     parser.add_argument("--config", default=str(DEFAULT_CONFIGS["ppo"]), help="the run's YAML config")
     args, overrides = parser.parse_known_args()
     logging.basicConfig(level=logging.WARNING)
-    _, cfg, plan, _, _ = resolve(["ppo", "--backend", args.backend, "--config", args.config, *overrides])
+    small = SMALL if args.small else []
+    _, cfg, plan, _, _ = resolve(["ppo", "--backend", args.backend, "--config", args.config, *small, *overrides])
     ppo_trainer.PhaseTimer = WindowedPhaseTimer
     with tempfile.TemporaryDirectory() as tmp:
         data = prepare(cfg, plan, RunDir(tmp), None)
         models = build_models(cfg, plan, data.model_dir)
         try:
-            score = data.score or ModelScorer(models.reward, data.pad_id, cfg.reward.on_nonfinite)
+            score = data.score or ModelScorer(models.reward, cfg.reward.on_nonfinite)
             trainer = PPOTrainer(cfg, models, score, data.pad_id, data.stop_ids)
             steps = []
             for i in range(args.warmup + args.steps):

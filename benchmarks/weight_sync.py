@@ -22,6 +22,7 @@ verified sync spent verifying; verification / plain sync is printed above it).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import statistics
 import tempfile
@@ -76,12 +77,12 @@ def one_round(actor: WholeModel, rollout: WholeModel, version: int, bucket_mb: i
     plain = SyncConfig(verify=False, bucket_mb=bucket_mb)
     checked = SyncConfig(verify=True, bucket_mb=bucket_mb)
     busy(actor), busy(rollout)
-    a = sync_weights(actor, rollout, version, plain)
+    a = asyncio.run(sync_weights(actor, rollout, version, plain))
     exported, reloaded = busy(actor), busy(rollout)
     t = {"sync": a.sync_s, "export": covered_seconds(exported), "reload": covered_seconds(reloaded),
          "busy": covered_seconds(exported + reloaded)}
     start = time.time()
-    b = sync_weights(actor, rollout, version + 1, checked, probe, prompt_lens)
+    b = asyncio.run(sync_weights(actor, rollout, version + 1, checked, probe, prompt_lens))
     lo = start + b.sync_s  # where the verification starts
     forward, scored = busy(actor), busy(rollout)
     t.update(verified_sync=b.sync_s + b.verify_s, verify=b.verify_s,

@@ -3,8 +3,11 @@
 Measured side by side in one run, interleaved round by round so machine noise hits both alike:
   - a no-op method on 2 shards: WholeModel call vs. direct calls on both Workhorses;
   - a `slice` call carrying a 4 MB batch over 2 shards: WholeModel vs. splitting the batch and
-    calling both Workhorses directly.
-Last line: `overhead_ms=<added ms per no-op call> ratio_4mb=<wholemodel time / direct time>`.
+    calling both Workhorses directly;
+  - the return path: a method that returns a 4 MB batch from 2 shards (2 MB each), collected by the
+    WholeModel vs. fetched from both Workhorses directly and joined.
+Last line: `overhead_ms=<added ms per no-op call> ratio_4mb=<wholemodel time / direct time>
+ratio_4mb_return=<wholemodel time / direct time, returning>`; times are medians.
 
     .venv/bin/python benchmarks/wholemodel_overhead.py [--rounds 200]
 """
@@ -54,22 +57,33 @@ def main() -> None:
         parts = [ray.put(p) for p in slice_parts(2, (batch,), {})]
         assert sum(ray.get([s.call.remote("consume", p) for s, p in zip(shards, parts)])) == batch.nbytes()
 
-    for fn in (wm_noop, direct_noop, wm_4mb, direct_4mb):  # warm-up
+    def wm_return():
+        assert wm.payload(2).get().nbytes() == 4 << 20
+
+    def direct_return():
+        parts = ray.get([s.call.remote("payload", ((2,), {})) for s in shards])
+        assert Batch.concat(parts).nbytes() == 4 << 20
+
+    cases = (wm_noop, direct_noop, wm_4mb, direct_4mb, wm_return, direct_return)
+    for fn in cases:  # warm-up
         for _ in range(10):
             fn()
-    t = {name: [] for name in ("wm_noop", "direct_noop", "wm_4mb", "direct_4mb")}
+    t = {fn.__name__: [] for fn in cases}
     for _ in range(args.rounds):
         t["wm_noop"].append(timed(wm_noop))
         t["direct_noop"].append(timed(direct_noop))
     for _ in range(max(20, args.rounds // 4)):
         t["wm_4mb"].append(timed(wm_4mb))
         t["direct_4mb"].append(timed(direct_4mb))
+        t["wm_return"].append(timed(wm_return))
+        t["direct_return"].append(timed(direct_return))
     med = {k: statistics.median(v) * 1e3 for k, v in t.items()}
     for k, v in med.items():
         print(f"{k:<12} median {v:7.3f} ms over {len(t[k])} calls")
     wm.shutdown()
     ray.shutdown()
-    print(f"overhead_ms={med['wm_noop'] - med['direct_noop']:.3f} ratio_4mb={med['wm_4mb'] / med['direct_4mb']:.3f}")
+    print(f"overhead_ms={med['wm_noop'] - med['direct_noop']:.3f} ratio_4mb={med['wm_4mb'] / med['direct_4mb']:.3f} "
+          f"ratio_4mb_return={med['wm_return'] / med['direct_return']:.3f}")
 
 
 if __name__ == "__main__":

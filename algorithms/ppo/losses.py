@@ -8,11 +8,13 @@ and the critic are separate models trained by separate engines.
 The critic's training loss is `vf_coef * value_loss` (trlX adds that term to the policy loss of
 its shared model; here it scales the critic's own gradient). `PolicyLoss` and `ValueLoss` are
 frozen dataclasses so their hyper-parameters travel with them through Ray (a lambda would not
-pickle); each meets `xray.backends.base.LossFn`.
+pickle); each meets `xray.backends.base.LossFn`, and its `reads` names the batch columns it uses,
+so a train step ships only those (besides the model inputs).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -59,6 +61,7 @@ class PolicyLoss:
     """The actor's `LossFn`: reads outputs[LOGPROBS] (and ENTROPY if the engine returns it) and
     batch[OLD_LOGPROBS], batch[ADVANTAGES], batch[LOSS_MASK]."""
 
+    reads: ClassVar[tuple[str, ...]] = (C.LOSS_MASK, C.OLD_LOGPROBS, C.ADVANTAGES)
     cliprange: float = 0.2
     """Clip the probability ratio to [1 - cliprange, 1 + cliprange]."""
 
@@ -79,6 +82,7 @@ class ValueLoss:
     """The critic's `LossFn`: reads outputs[VALUES] and batch[OLD_VALUES], batch[RETURNS],
     batch[LOSS_MASK]; returns `vf_coef * value_loss` and reports the unscaled `value_loss`."""
 
+    reads: ClassVar[tuple[str, ...]] = (C.LOSS_MASK, C.OLD_VALUES, C.RETURNS)
     cliprange_value: float = 0.2
     """Clip the new values to within this distance of the old values."""
     vf_coef: float = 0.1

@@ -26,11 +26,11 @@ from xray.run.task import BUILTIN_MODEL, RunData, prepare
 log = logging.getLogger(__name__)
 
 
-def save_checkpoint(trainer: PPOTrainer, run: RunDir, data: RunData) -> Path:
+async def save_checkpoint(trainer: PPOTrainer, run: RunDir, data: RunData) -> Path:
     directory = run.checkpoint_dir(trainer.state.step)
     directory.mkdir(parents=True, exist_ok=True)
-    trainer.models.actor.save(str(directory / "actor")).get()
-    trainer.models.critic.save(str(directory / "critic")).get()
+    await asyncio.gather(trainer.models.actor.save(str(directory / "actor")),
+                         trainer.models.critic.save(str(directory / "critic")))
     run.write_trainer_state(directory, {"step": trainer.state.step, "kl": trainer.kl.state_dict(),
                                         "eval_before": trainer.state.eval_before,
                                         "sampler": data.sampler.state_dict()})
@@ -38,15 +38,15 @@ def save_checkpoint(trainer: PPOTrainer, run: RunDir, data: RunData) -> Path:
     return directory
 
 
-def resume_from(trainer: PPOTrainer, directory: Path, data: RunData) -> None:
+async def resume_from(trainer: PPOTrainer, directory: Path, data: RunData) -> None:
     state = read_trainer_state(directory)
-    trainer.models.actor.load(str(directory / "actor")).get()
-    trainer.models.critic.load(str(directory / "critic")).get()
+    await asyncio.gather(trainer.models.actor.load(str(directory / "actor")),
+                         trainer.models.critic.load(str(directory / "critic")))
     trainer.kl.load_state_dict(state["kl"])
     data.sampler.load_state_dict(state["sampler"])
     trainer.state = PPOState(step=state["step"], kl=state["kl"], eval_before=state["eval_before"])
     # the rollout engine starts from the base weights: bring it to the checkpoint's
-    asyncio.run(trainer.resync(data.eval_rows, trainer.state.step))
+    await trainer.resync(data.eval_rows, trainer.state.step)
     log.info("resumed at step %d from %s", trainer.state.step, directory)
 
 
@@ -60,32 +60,40 @@ def run_ppo(cfg: RunConfig, plan: Plan, output_dir: Path, resume: str | None,
     data = prepare(cfg, plan, run, ray_address)
     models = build_models(cfg, plan, data.model_dir, ray_address)
     try:
-        score = data.score or ModelScorer(models.reward, data.pad_id, cfg.reward.on_nonfinite)
+        score = data.score or ModelScorer(models.reward, cfg.reward.on_nonfinite)
         trainer = PPOTrainer(cfg, models, score, data.pad_id, data.stop_ids)
-        latest = run.latest_checkpoint() if resume else None
-        if resume and latest is None:
-            raise FileNotFoundError(f"--resume: no complete checkpoint under {run.checkpoints}; "
-                                    "start without --resume")
-        if latest is not None:
-            resume_from(trainer, latest, data)
-        if trainer.state.eval_before is None:
-            trainer.state.eval_before = asyncio.run(trainer.evaluate(data.eval_rows))
-        log.info("eval before training: %.3f", trainer.state.eval_before)
-        bar = tqdm(range(trainer.state.step + 1, cfg.trainer.steps + 1), desc="ppo", unit="step",
-                   file=sys.stderr, mininterval=1.0)
-        for step in bar:
-            metrics = asyncio.run(trainer.step(data.next_train_rows()))
-            bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", kl=f"{metrics['kl']:.4f}",
-                            s_per_step=f"{sum(v for k, v in metrics.items() if k.startswith('time/')):.1f}",
-                            refresh=False)
-            if step % cfg.trainer.log_every == 0:
-                run.log_metrics(step, metrics)
-            if cfg.trainer.save_every and step % cfg.trainer.save_every == 0:
-                save_checkpoint(trainer, run, data)
-        eval_after = asyncio.run(trainer.evaluate(data.eval_rows))
-        save_hf_model(models.actor.state_dict().get(), data.model_dir, run.path / "final" / "actor")
+        eval_after = asyncio.run(train(trainer, run, data, resume))
     finally:
         models.shutdown()
         run.close()
     log.info("run finished in %.0f s; outputs in %s", time.perf_counter() - t_start, run.path)
     return trainer.state.eval_before, eval_after
+
+
+async def train(trainer: PPOTrainer, run: RunDir, data: RunData, resume: str | None) -> float:
+    """The run's one event loop: resume, evaluate, PPO steps with progress, evaluate again, and
+    export the actor as a Hugging Face directory."""
+    cfg = trainer.cfg
+    latest = run.latest_checkpoint() if resume else None
+    if resume and latest is None:
+        raise FileNotFoundError(f"--resume: no complete checkpoint under {run.checkpoints}; "
+                                "start without --resume")
+    if latest is not None:
+        await resume_from(trainer, latest, data)
+    if trainer.state.eval_before is None:
+        trainer.state.eval_before = await trainer.evaluate(data.eval_rows)
+    log.info("eval before training: %.3f", trainer.state.eval_before)
+    bar = tqdm(range(trainer.state.step + 1, cfg.trainer.steps + 1), desc="ppo", unit="step",
+               file=sys.stderr, mininterval=1.0)
+    for step in bar:
+        metrics = await trainer.step(data.next_train_rows())
+        bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", kl=f"{metrics['kl']:.4f}",
+                        s_per_step=f"{sum(v for k, v in metrics.items() if k.startswith('time/')):.1f}",
+                        refresh=False)
+        if step % cfg.trainer.log_every == 0:
+            run.log_metrics(step, metrics)
+        if cfg.trainer.save_every and step % cfg.trainer.save_every == 0:
+            await save_checkpoint(trainer, run, data)
+    eval_after = await trainer.evaluate(data.eval_rows)
+    save_hf_model(await trainer.models.actor.state_dict(), data.model_dir, run.path / "final" / "actor")
+    return eval_after

@@ -2,13 +2,17 @@
 
 One step, as on paper:
   1. rollout: the rollout engine samples responses for a batch of prompts;
-  2. score, concurrently: actor log-probs, reference log-probs, critic values, and the reward;
+  2. score, concurrently: actor log-probs, reference log-probs, critic values (fed the rollout's
+     answer by reference, straight from the rollout's Workhorses), and the reward;
   3. per-token rewards = -kl_coef * (logp - ref_logp), the score added at the last response token;
   4. GAE advantages (whitened) and returns;
   5. `ppo_epochs` passes of mini-batches: clipped policy loss on the actor, clipped value loss on
-     the critic, both models training concurrently;
+     the critic; every mini-batch is queued on both models at once, so each trains through them
+     back to back while the other does the same;
   6. KL controller update, then the actor's weights synced (and verified) to the rollout engine.
 Everything random is seeded from (run seed, step), so a resumed run repeats the same numbers.
+The driver fetches only what it computes on (responses for the score, log-probs and values for
+the advantages), and every wait is awaited on the run's one event loop.
 """
 from __future__ import annotations
 
@@ -28,11 +32,11 @@ from algorithms.ppo.rewards import kl_penalized_rewards, shape_scores
 from xray.config.schema import RunConfig
 from xray.data import columns as C
 from xray.data.batch import Batch
-from xray.data.sequences import pack_sequences
 from xray.run.models import Models
 from xray.sync import sync_weights
 
-# score_fn(prompt_rows, response_ids) -> (scores [B], keep mask [B] or None)
+# score_fn(prompt_rows, response_ids) -> (scores [B], keep mask [B] or None); or an object with
+# `async ascore(prompt_rows, generated)` that scores the rollout's answer by reference.
 ScoreFn = Callable[[list[dict], list[list[int]]], "tuple[torch.Tensor, torch.Tensor | None]"]
 
 
@@ -76,30 +80,31 @@ class PPOTrainer:
 
     async def step(self, rows: list[dict]) -> dict[str, float]:
         """One PPO step on prompt `rows` (each with `prompt_ids` and its dataset columns)."""
-        t, step, ppo = PhaseTimer(), self.state.step + 1, self.cfg.ppo
+        t, step, ppo, m = PhaseTimer(), self.state.step + 1, self.cfg.ppo, self.models
         with t("generate"):
-            gen = await self.models.rollout.generate([r["prompt_ids"] for r in rows], self.sampling(step))
-        rows = [rows[i // self.cfg.rollout.n_samples] for i in range(len(gen))]
-        exp = pack_sequences(gen[C.PROMPT_IDS], gen[C.RESPONSE_IDS], self.pad_id)
+            gen = m.rollout.generate([r["prompt_ids"] for r in rows], self.sampling(step), pad_id=self.pad_id)
+            forwards = m.actor.forward(gen), m.reference.forward(gen), m.critic.forward(gen)
+            exp = await gen
+        rows = [rows[i // self.cfg.rollout.n_samples] for i in range(len(exp))]
         with t("score"):
-            old, ref, values, (scores, keep) = await asyncio.gather(
-                self.models.actor.forward(exp), self.models.reference.forward(exp),
-                self.models.critic.forward(exp), asyncio.to_thread(self.score_fn, rows, gen[C.RESPONSE_IDS]))
+            scores, keep = await self.score(rows, exp, gen)
+            old, ref, values = await asyncio.gather(*forwards)
         mask = exp[C.LOSS_MASK] if keep is None else exp[C.LOSS_MASK] * keep[:, None].float()
         shaped = shape_scores(scores, self.cfg.reward.scale, self.cfg.reward.clip)
         rewards = kl_penalized_rewards(old[C.LOGPROBS], ref[C.LOGPROBS], mask, shaped, self.kl.value)
         advantages, returns = gae(rewards, values[C.VALUES], mask, ppo.gamma, ppo.lam)
         if ppo.whiten_advantages:
             advantages = whiten(advantages, mask)
-        exp.tensors.update({C.OLD_LOGPROBS: old[C.LOGPROBS], C.OLD_VALUES: values[C.VALUES],
-                            C.ADVANTAGES: advantages, C.RETURNS: returns, C.LOSS_MASK: mask})
+        train_batch = Batch({C.INPUT_IDS: exp[C.INPUT_IDS], C.ATTENTION_MASK: exp[C.ATTENTION_MASK],
+                             C.LOSS_MASK: mask, C.OLD_LOGPROBS: old[C.LOGPROBS], C.OLD_VALUES: values[C.VALUES],
+                             C.ADVANTAGES: advantages, C.RETURNS: returns})
         with t("train"):
-            train = await self.train(exp, step)
+            train = await self.train(train_batch, step)
         kl = sequence_kl(old[C.LOGPROBS], ref[C.LOGPROBS], mask)
         kl_coef = self.kl.value
-        self.kl.update(kl, len(gen))
+        self.kl.update(kl, len(exp))
         with t("sync"):
-            report = self.sync(exp, step)
+            report = await self.sync(exp, step)
         self.state.step = step
         tokens = int(exp[C.ATTENTION_MASK].sum())
         return {"reward/mean": float(scores.mean()), "reward/std": float(scores.std()) if len(scores) > 1 else 0.0,
@@ -108,20 +113,28 @@ class PPOTrainer:
                 "sync/verify_s": report.verify_s, **t.seconds,
                 "tokens_per_s": tokens / max(1e-9, sum(t.seconds.values()))}
 
+    async def score(self, rows: list[dict], generated: Batch, pending) -> "tuple[torch.Tensor, torch.Tensor | None]":
+        """Scores of the generated responses: a reward WholeModel scores the rollout's answer by
+        reference (`ascore`); a Python function runs in a worker thread, off the event loop."""
+        if hasattr(self.score_fn, "ascore"):
+            return await self.score_fn.ascore(rows, pending)
+        return await asyncio.to_thread(self.score_fn, rows, list(generated[C.RESPONSE_IDS]))
+
     async def train(self, exp: Batch, step: int) -> dict[str, float]:
-        """`ppo_epochs` shuffled passes of mini-batches through actor and critic, concurrently."""
+        """`ppo_epochs` shuffled passes of mini-batches through actor and critic. Every mini-batch
+        is queued on both at once: each model runs its steps in order, back to back."""
         ppo, n = self.cfg.ppo, len(exp)
-        stats: list[dict[str, float]] = []
+        calls = []
         for epoch in range(ppo.ppo_epochs):
             g = torch.Generator().manual_seed(self.cfg.seed * 7919 + step * 31 + epoch)
             order = torch.randperm(n, generator=g)
             for start in range(0, n, ppo.mini_batch_size):
                 mb = exp.index(order[start:start + ppo.mini_batch_size])
-                actor, critic = await asyncio.gather(
-                    self.models.actor.train_step(mb, self.policy_loss, self.cfg.actor.micro_batch_size),
-                    self.models.critic.train_step(mb, self.value_loss, self.cfg.critic.micro_batch_size))
-                stats.append({**{f"actor/{k}": v for k, v in actor.items()},
-                              **{f"critic/{k}": v for k, v in critic.items()}})
+                calls.append(self.models.actor.train_step(mb, self.policy_loss, self.cfg.actor.micro_batch_size))
+                calls.append(self.models.critic.train_step(mb, self.value_loss, self.cfg.critic.micro_batch_size))
+        results = await asyncio.gather(*calls)
+        stats = [{**{f"actor/{k}": v for k, v in actor.items()}, **{f"critic/{k}": v for k, v in critic.items()}}
+                 for actor, critic in zip(results[::2], results[1::2])]
         return {k: sum(s[k] for s in stats) / len(stats) for k in stats[0]}
 
     def probe_size(self) -> int:
@@ -139,21 +152,22 @@ class PPOTrainer:
         prompts, responses = exp[C.PROMPT_IDS][:k], exp[C.RESPONSE_IDS][:k]
         return [p + r_ for p, r_ in zip(prompts, responses)], [len(p) for p in prompts]
 
-    def sync(self, exp: Batch, version: int):
+    async def sync(self, exp: Batch, version: int):
         sequences, prompt_lens = self.probe(exp)
-        return sync_weights(self.models.actor, self.models.rollout, version, self.cfg.sync,
-                            sequences, prompt_lens)
+        return await sync_weights(self.models.actor, self.models.rollout, version, self.cfg.sync,
+                                  sequences, prompt_lens)
 
     async def resync(self, rows: list[dict], version: int):
         """Bring the rollout engine to the actor's weights outside a step (after a resume)."""
         rows = rows[:self.probe_size()]
         gen = await self.models.rollout.generate([r["prompt_ids"] for r in rows], self.sampling(0, greedy=True))
-        return self.sync(pack_sequences(gen[C.PROMPT_IDS], gen[C.RESPONSE_IDS], self.pad_id), version)
+        return await self.sync(gen, version)
 
     async def evaluate(self, rows: list[dict]) -> float:
         """Mean score of greedy responses on held-out `rows` (accuracy for a 0/1 reward)."""
-        gen = await self.models.rollout.generate([r["prompt_ids"] for r in rows], self.sampling(0, greedy=True))
-        scores, keep = await asyncio.to_thread(self.score_fn, rows, gen[C.RESPONSE_IDS])
+        pending = self.models.rollout.generate([r["prompt_ids"] for r in rows], self.sampling(0, greedy=True),
+                                               pad_id=self.pad_id)
+        scores, keep = await self.score(rows, await pending, pending)
         if keep is not None:
             scores = scores[keep.bool()]
         return float(scores.mean()) if len(scores) else 0.0

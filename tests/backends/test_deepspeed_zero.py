@@ -88,7 +88,7 @@ def _train_and_save(rank, world, model_dir, ckpt_root, batches):
     results = {}
     for stage in STAGES:
         engine = build_engine(model_dir, ParallelDims(dp=world), "actor", OPT, seed=0, zero_stage=stage)
-        fwd = engine.forward(part[0])
+        fwd = engine.forward(part[0], entropy=True)
         out = {"logprobs": fwd[C.LOGPROBS].numpy(), "entropy": fwd[C.ENTROPY].numpy(),
                "metrics": engine.train_step(part[0], policy_loss, MICRO), "buckets": []}
         out["weights1"] = _export(engine, out["buckets"])

@@ -55,7 +55,7 @@ def _one_layout(model_dir, dims):
     engine = build_engine(model_dir, parallel, "actor", OPTIM, seed=0)
     before = {n: t for b in engine.export_weights(bucket_bytes=1 << 16) for n, t in b}
     batch = R.random_batch(BATCH, SEQ, SPECS["llama"].vocab_size, seed=1)
-    out = engine.forward(batch)
+    out = engine.forward(batch, entropy=True)
     info = engine.shard_info()
     metrics = engine.train_step(batch.split(parallel.dp)[info.dp_rank], R.policy_loss, MICRO)
     after = {n: t for b in engine.export_weights() for n, t in b}
@@ -148,6 +148,7 @@ def test_megatron_core_attention_matches_hf():
     assert result["reference_refuses_training"]
     plain = result["forward_megatron_attention"]
     assert (_torch(plain)[C.LOGPROBS] - reference("llama")["logprobs"]).abs().max().item() <= 1e-4
+    assert C.ENTROPY not in plain  # a forward returns entropy only when asked
 
 
 @pytest.mark.parametrize("arch,dims", [("llama", (2, 2, 1)), ("qwen2", (2, 1, 1)), ("qwen2", (1, 2, 1))])

@@ -7,6 +7,8 @@ logit gap > 1e-3 along the way, so the comparison means something); a tensor cor
 must be caught by the verification; sampling with a seed must repeat, and the engine's
 log-probs must agree with the actor's recomputation.
 """
+import asyncio
+
 import pytest
 import torch
 
@@ -49,7 +51,7 @@ def test_sync_then_greedy_equals_hf_and_corruption_is_caught(actor, engine):
         prompts = make_prompts(16)
         before = rollout.generate(prompts, GREEDY).get()
         probe = [p + r for p, r in zip(prompts[:4], before[C.RESPONSE_IDS][:4])]
-        report = sync_weights(actor_wm, rollout, 1, SyncConfig(), probe, [len(p) for p in prompts[:4]])
+        report = asyncio.run(sync_weights(actor_wm, rollout, 1, SyncConfig(), probe, [len(p) for p in prompts[:4]]))
         assert report.max_abs_logprob_diff <= 1e-4 and report.bytes > 0
         assert rollout.weight_version().get() == [1, 1]
 
@@ -73,7 +75,7 @@ def test_sync_then_greedy_equals_hf_and_corruption_is_caught(actor, engine):
         assert worst <= 1e-4
 
         with pytest.raises(WeightSyncError, match="version 2 failed verification"):
-            sync_weights(actor_wm, rollout, 2, SyncConfig(), probe, [len(p) for p in prompts[:4]],
-                         corrupt="model.layers.1.mlp.down_proj.weight")
+            asyncio.run(sync_weights(actor_wm, rollout, 2, SyncConfig(), probe, [len(p) for p in prompts[:4]],
+                                     corrupt="model.layers.1.mlp.down_proj.weight"))
     finally:
         rollout.shutdown()

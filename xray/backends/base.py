@@ -23,6 +23,8 @@ from xray.data.batch import Batch
 # A loss function for `TrainEngine.train_step`: given the model outputs of one micro-batch
 # (keys from xray.data.columns: LOGPROBS and ENTROPY for a policy head, VALUES for a value head;
 # each [b, T-1]) and that micro-batch, return the scalar loss and float metrics to report.
+# An optional attribute `reads` (column names) says which batch columns it uses besides the
+# model inputs; a train step through a WholeModel then ships only those.
 LossFn = Callable[[dict[str, torch.Tensor], Batch], "tuple[torch.Tensor, dict[str, float]]"]
 
 # Full tensors with Hugging Face names, in buckets of bounded size.
@@ -53,9 +55,10 @@ class TrainEngine(ABC):
         """This shard's ranks and whether it collects for its replica."""
 
     @abstractmethod
-    def forward(self, batch: Batch) -> dict[str, torch.Tensor] | None:
-        """Outputs for `batch` (INPUT_IDS, ATTENTION_MASK): LOGPROBS [B, T-1] (and ENTROPY) for a
-        policy head, VALUES [B, T-1] for a value head. Returns None on non-collecting shards."""
+    def forward(self, batch: Batch, entropy: bool = False) -> dict[str, torch.Tensor] | None:
+        """Outputs for `batch` (INPUT_IDS, ATTENTION_MASK), in micro-batches of the engine's
+        forward micro-batch size: LOGPROBS [B, T-1] (and ENTROPY if `entropy`) for a policy head,
+        VALUES [B, T-1] for a value head. Returns None on non-collecting shards."""
 
     @abstractmethod
     def train_step(self, batch: Batch, loss_fn: LossFn, micro_batch_size: int) -> dict[str, float]:

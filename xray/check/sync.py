@@ -8,6 +8,7 @@ Ends with `max_abs_logprob_diff=<x> sync_s=<seconds>`; exit code 0 only within t
 from __future__ import annotations
 
 import argparse
+import asyncio
 import tempfile
 from pathlib import Path
 
@@ -61,8 +62,8 @@ def main(args: argparse.Namespace) -> int:
         gen = rollout.generate(prompts, dict(temperature=0.0, max_new_tokens=8, seed=0)).get()
         probe = [p + r for p, r in zip(gen["prompt_ids"], gen["response_ids"])]
         # verify with no limit here: the figure is printed, then judged against --tolerance
-        report = sync_weights(actor, rollout, 1, SyncConfig(verify=True, tolerance=float("inf")), probe,
-                              [len(p) for p in prompts])
+        report = asyncio.run(sync_weights(actor, rollout, 1, SyncConfig(verify=True, tolerance=float("inf")), probe,
+                                          [len(p) for p in prompts]))
     finally:
         actor.shutdown()
         rollout.shutdown()

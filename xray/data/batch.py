@@ -133,6 +133,14 @@ class Batch:
                              "choose a micro-batch size that divides the batch size")
         return self.split(n // size)
 
+    def micro_batches(self, at_most: int | None) -> list["Batch"]:
+        """Equal consecutive batches of the largest size that divides the batch and is at most
+        `at_most` rows (the whole batch when None): a forward's micro-batches."""
+        n = len(self)
+        if at_most is None or at_most >= n:
+            return [self]
+        return self.chunks(max(d for d in range(1, max(1, at_most) + 1) if n % d == 0))
+
     @staticmethod
     def concat(batches: Sequence["Batch"], pad_width: bool = False) -> "Batch":
         """Join batches row-wise; they must have the same columns. With `pad_width`, tensor

@@ -1,25 +1,27 @@
-"""Scores from a reward model: the `reward` WholeModel behind the same interface as a function.
+"""Scores from a reward model: the `reward` WholeModel behind the interface the algorithms use.
 
-`ModelScorer(reward, pad_id)` is called like `xray.rewards.loader.RewardScorer`:
-`(rows, response_ids) -> (scores [B], keep [B] or None)`; the prompt and response token ids are
-packed as one right-padded batch and scored by the reward model's Workhorses.
+`ModelScorer(reward)` is awaited as `await scorer.ascore(rows, generated)`, where
+`generated` is the rollout's answer (a `Pending` with the packed INPUT_IDS / ATTENTION_MASK of
+prompt + response): the reward model's Workhorses read it by reference, straight from the rollout's
+Workhorses, and only the scores `[B]` come back.
 """
 from __future__ import annotations
 
 import torch
 
-from xray.data.sequences import pack_sequences
 
 
 class ModelScorer:
     """A reward WholeModel (RewardWorkhorse) as a score function."""
 
-    def __init__(self, reward, pad_id: int, on_nonfinite: str = "error"):
-        self.reward, self.pad_id, self.on_nonfinite = reward, pad_id, on_nonfinite
+    def __init__(self, reward, on_nonfinite: str = "error"):
+        self.reward, self.on_nonfinite = reward, on_nonfinite
 
-    def __call__(self, rows: list[dict], response_ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        batch = pack_sequences([r["prompt_ids"] for r in rows], response_ids, self.pad_id)
-        scores = self.reward.score(batch.select(["input_ids", "attention_mask"])).get()
+    async def ascore(self, rows: list[dict], generated) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Scores of the rollout's answer `generated`, passed to the reward model by reference."""
+        return self._checked(rows, await self.reward.score(generated))
+
+    def _checked(self, rows: list[dict], scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         keep = torch.isfinite(scores)
         if not bool(keep.all()):
             bad = int((~keep).nonzero()[0])

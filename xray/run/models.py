@@ -51,7 +51,8 @@ def role_init_kwargs(cfg: RunConfig, role: str, backend: str, model_dir: str) ->
     if role == "reward":
         return dict(model_dir=cfg.reward.model)
     rc = getattr(cfg, role)
-    kwargs: dict[str, Any] = dict(backend=backend, model_dir=rc.model_path or model_dir, optim=rc.optim)
+    kwargs: dict[str, Any] = dict(backend=backend, model_dir=rc.model_path or model_dir, optim=rc.optim,
+                                  forward_micro_batch_size=rc.micro_batch_size)
     if backend == "deepspeed":
         kwargs["zero_stage"] = rc.zero_stage
     return kwargs

@@ -8,10 +8,12 @@ the object store and reading it on the same node costs none (a pickled torch ten
 in band on both sides, several times slower). Then, unless the config turns it off, a few probe
 sequences are scored by both sides, concurrently: the actor's per-token log-probabilities against
 the rollout engine's own. A difference above the tolerance raises `WeightSyncError` naming the
-version and the worst position: a wrong sync never drifts silently.
+version and the worst position: a wrong sync never drifts silently. `sync_weights` is a
+coroutine: a run awaits it on its one event loop (a script: `asyncio.run(sync_weights(...))`).
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import warnings
@@ -91,12 +93,9 @@ def compare_logprobs(actor_logp: torch.Tensor, engine_logp: list[list[float]], p
     return worst, where
 
 
-def verify(actor, rollout, probe: list[list[int]], prompt_lens: list[int], version: int,
-           tolerance: float) -> float:
-    """Score `probe` on both sides (concurrently); raise WeightSyncError above `tolerance`."""
-    actor_call = actor.forward(pad_sequences(probe))
-    engine_logp = rollout.logprobs(probe, prompt_lens).get()
-    actor_logp = actor_call.get()[C.LOGPROBS]
+def check_logprobs(actor_logp: torch.Tensor, engine_logp: list[list[float]], probe: list[list[int]],
+                   prompt_lens: list[int], version: int, tolerance: float) -> float:
+    """The worst |actor - engine| log-prob over the probe; WeightSyncError above `tolerance`."""
     worst, (row, pos) = compare_logprobs(actor_logp, engine_logp, prompt_lens, [len(s) for s in probe])
     if not worst <= tolerance:  # also catches NaN
         raise WeightSyncError(
@@ -106,19 +105,27 @@ def verify(actor, rollout, probe: list[list[int]], prompt_lens: list[int], versi
     return worst
 
 
-def sync_weights(actor, rollout, version: int, cfg: SyncConfig, probe: list[list[int]] | None = None,
-                 prompt_lens: list[int] | None = None, corrupt: str | None = None) -> SyncReport:
-    """Push the actor's weights to every rollout replica at `version`, then verify (cfg.verify)."""
+async def sync_weights(actor, rollout, version: int, cfg: SyncConfig, probe: list[list[int]] | None = None,
+                       prompt_lens: list[int] | None = None, corrupt: str | None = None) -> SyncReport:
+    """Push the actor's weights to every rollout replica at `version`, then verify (cfg.verify).
+
+    Everything is queued at once: the actor's probe forward runs on the actor right after its
+    push, and the engine's probe waits (inside Ray) for the push to finish, so the two sides are
+    scored concurrently with no round trip through the caller in between."""
+    if cfg.verify and not probe:
+        raise ValueError("verification needs probe sequences; pass probe= and prompt_lens=")
     t0 = time.perf_counter()
-    pushed = actor.push_weights(rollout.shard_handles(), version, cfg.bucket_mb << 20, corrupt).get()
+    push = actor.push_weights(rollout.shard_handles(), version, cfg.bucket_mb << 20, corrupt)
+    if cfg.verify:
+        actor_call = actor.forward(pad_sequences(probe))
+        engine_call = rollout.call("logprobs", probe, prompt_lens, after=(push,))
+    pushed = await push
     sync_s = time.perf_counter() - t0
     diff, verify_s = float("nan"), 0.0
     if cfg.verify:
-        if not probe:
-            raise ValueError("verification needs probe sequences; pass probe= and prompt_lens=")
-        t1 = time.perf_counter()
-        diff = verify(actor, rollout, probe, prompt_lens, version, cfg.tolerance)
-        verify_s = time.perf_counter() - t1
-    log.info("weight sync v%d: %.1f MB in %.2f s, verify %.2f s (max diff %.2e)", version,
-             pushed["bytes"] / 1e6, sync_s, verify_s, diff)
+        actor_out, engine_logp = await asyncio.gather(actor_call, engine_call)
+        diff = check_logprobs(actor_out[C.LOGPROBS], engine_logp, probe, prompt_lens, version, cfg.tolerance)
+        verify_s = time.perf_counter() - t0 - sync_s
+    log.debug("weight sync v%d: %.1f MB in %.2f s, verify %.2f s (max diff %.2e)", version,
+              pushed["bytes"] / 1e6, sync_s, verify_s, diff)
     return SyncReport(version, pushed["bytes"], sync_s, verify_s, diff)

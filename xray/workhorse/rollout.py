@@ -12,7 +12,9 @@ from typing import Any
 
 from xray.backends import load_backend
 from xray.backends.base import GenerationEngine, ShardInfo, layout_of
+from xray.data import columns as C
 from xray.data.batch import Batch
+from xray.data.sequences import pack_sequences
 from xray.sync.weights import unpack_bucket
 from xray.wholemodel.protocol import fanout
 from xray.workhorse.base import Workhorse
@@ -49,10 +51,15 @@ class RolloutWorkhorse(Workhorse):
         self.log.info("%s replica %d ready", backend, self.rank)
 
     @fanout(dispatch="slice", collect="flatten")
-    def generate(self, prompts: list[list[int]], sampling: dict) -> Batch:
-        """Responses for this replica's prompts; rows carry the weight version."""
+    def generate(self, prompts: list[list[int]], sampling: dict, pad_id: int | None = None) -> Batch:
+        """Responses for this replica's prompts; rows carry the weight version. With `pad_id`,
+        also the model inputs (INPUT_IDS, ATTENTION_MASK, LOSS_MASK of prompt + response, as
+        `xray.data.sequences.pack_sequences` lays them out), so the answer can go by reference
+        straight to the forwards of other WholeModels."""
         out = self.engine.generate(prompts, sampling)
         out.meta["weight_version"] = self.version
+        if pad_id is not None:
+            out.tensors.update(pack_sequences(out[C.PROMPT_IDS], out[C.RESPONSE_IDS], pad_id).tensors)
         return out
 
     @fanout(dispatch="slice", collect="flatten")

@@ -13,16 +13,21 @@ from typing import Any
 from xray.backends import load_backend
 from xray.backends.base import LossFn, ShardInfo, TrainEngine
 from xray.config.optim import OptimConfig
+from xray.data import columns as C
 from xray.data.batch import Batch
 from xray.sync.weights import pack_bucket
 from xray.wholemodel.protocol import fanout
 from xray.workhorse.base import Workhorse
 
 
-def _collector_outputs(layout: list[ShardInfo], results: list) -> Batch:
-    """Join the collectors' output Batches in data-parallel order."""
-    picked = {s.dp_rank: results[s.rank] for s in layout if s.collects}
-    return Batch.concat([picked[d] for d in sorted(picked)])
+MODEL_INPUTS = (C.INPUT_IDS, C.ATTENTION_MASK)
+
+
+def _train_columns(args: tuple, kwargs: dict) -> tuple[str, ...] | None:
+    """The model inputs and what the loss function reads (every column if it does not say)."""
+    loss_fn = kwargs.get("loss_fn", args[1] if len(args) > 1 else None)
+    reads = getattr(loss_fn, "reads", None)
+    return None if reads is None else (*MODEL_INPUTS, *reads)
 
 
 def _replica_metrics(layout: list[ShardInfo], results: list) -> dict[str, float]:
@@ -61,13 +66,13 @@ class TrainWorkhorse(Workhorse):
     def shard_info(self) -> ShardInfo:
         return self.engine.shard_info()
 
-    @fanout(dispatch="slice", collect=_collector_outputs)
-    def forward(self, batch: Batch) -> Batch | None:
-        """LOGPROBS (+ENTROPY) for a policy, VALUES for a critic; [b, T-1] per column."""
-        out = self.engine.forward(batch)
+    @fanout(dispatch="slice", collect="flatten", reads=MODEL_INPUTS)
+    def forward(self, batch: Batch, entropy: bool = False) -> Batch | None:
+        """LOGPROBS (and ENTROPY if asked) for a policy, VALUES for a critic; [b, T-1] per column."""
+        out = self.engine.forward(batch, entropy=entropy)
         return None if out is None else Batch(dict(out))
 
-    @fanout(dispatch="slice", collect=_replica_metrics)
+    @fanout(dispatch="slice", collect=_replica_metrics, reads=_train_columns)
     def train_step(self, batch: Batch, loss_fn: LossFn, micro_batch_size: int) -> dict[str, float]:
         """One optimizer step over the whole batch (each replica takes its slice)."""
         return self.engine.train_step(batch, loss_fn, micro_batch_size)

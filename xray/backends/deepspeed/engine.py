@@ -46,8 +46,10 @@ class DeepSpeedEngine(TrainEngine):
     """Forward, train step, weight export and checkpoints of one ZeRO shard."""
 
     def __init__(self, model_dir: str, parallel: ParallelDims, role: str, optim: OptimConfig, seed: int,
-                 zero_stage: int, device: str = "cpu", options: ZeroOptions = ZeroOptions()):
+                 zero_stage: int, device: str = "cpu", options: ZeroOptions = ZeroOptions(),
+                 forward_micro_batch_size: int | None = None):
         _check_process(parallel, device)
+        self.forward_micro_batch_size = forward_micro_batch_size
         self.role, self.zero_stage, self.device = role, zero_stage, device
         self.rank = dist.get_rank()
         self.parallel = parallel
@@ -75,10 +77,11 @@ class DeepSpeedEngine(TrainEngine):
         return self.rank == 0
 
     @torch.no_grad()
-    def forward(self, batch: Batch) -> dict[str, torch.Tensor] | None:
+    def forward(self, batch: Batch, entropy: bool = False) -> dict[str, torch.Tensor] | None:
         self.engine.eval()
-        out = role_outputs(self.engine, batch.to(self._device()), self.role)
-        return {k: v.detach().cpu() for k, v in out.items()}
+        outs = [role_outputs(self.engine, mb.to(self._device()), self.role, entropy)
+                for mb in batch.micro_batches(self.forward_micro_batch_size)]
+        return {k: torch.cat([o[k] for o in outs]).detach().cpu() for k in outs[0]}
 
     def train_step(self, batch: Batch, loss_fn: LossFn, micro_batch_size: int) -> dict[str, float]:
         if self.optimizer is None:
@@ -195,6 +198,9 @@ def _mean_over_ranks(values: dict[str, float]) -> dict[str, float]:
 
 
 def build_engine(model_dir: str, parallel: ParallelDims, role: str, optim: OptimConfig, seed: int,
-                 zero_stage: int, device: str = "cpu", options: ZeroOptions = ZeroOptions()) -> DeepSpeedEngine:
-    """The DeepSpeed engine of this process's shard (see DeepSpeedEngine)."""
-    return DeepSpeedEngine(model_dir, parallel, role, optim, seed, zero_stage, device, options)
+                 zero_stage: int, device: str = "cpu", options: ZeroOptions = ZeroOptions(),
+                 forward_micro_batch_size: int | None = None) -> DeepSpeedEngine:
+    """The DeepSpeed engine of this process's shard (see DeepSpeedEngine); `forward` runs in
+    micro-batches of at most `forward_micro_batch_size` rows (None: the whole batch at once)."""
+    return DeepSpeedEngine(model_dir, parallel, role, optim, seed, zero_stage, device, options,
+                           forward_micro_batch_size)

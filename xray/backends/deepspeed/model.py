@@ -69,12 +69,15 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     return -(logp.exp() * logp).sum(-1)
 
 
-def role_outputs(module: torch.nn.Module, batch: Batch, role: str) -> dict[str, torch.Tensor]:
-    """The outputs a loss function receives: LOGPROBS and ENTROPY [B, T-1] for actor and
-    reference, VALUES [B, T-1] for the critic (value at position t predicts token t+1)."""
+def role_outputs(module: torch.nn.Module, batch: Batch, role: str, entropy: bool = True) -> dict[str, torch.Tensor]:
+    """The outputs a loss function receives: LOGPROBS and (if `entropy`) ENTROPY [B, T-1] for
+    actor and reference, VALUES [B, T-1] for the critic (value at position t predicts token t+1)."""
     ids, mask = batch[C.INPUT_IDS], batch[C.ATTENTION_MASK]
     if role == "critic":
         values = module(input_ids=ids, attention_mask=mask)
         return {C.VALUES: values[:, :-1].float()}
     logits = module(input_ids=ids, attention_mask=mask, use_cache=False).logits
-    return {C.LOGPROBS: token_logprobs(logits, ids), C.ENTROPY: entropy_from_logits(logits)}
+    out = {C.LOGPROBS: token_logprobs(logits, ids)}
+    if entropy:
+        out[C.ENTROPY] = entropy_from_logits(logits)
+    return out

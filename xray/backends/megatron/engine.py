@@ -47,13 +47,6 @@ def attention_mask(valid: torch.Tensor) -> torch.Tensor:
     return future[None, None] | ~keys[:, None, None, :]
 
 
-def _micro_size(batch_size: int, wanted: int | None) -> int:
-    """The largest divisor of batch_size not above `wanted` (all of it when wanted is None)."""
-    if wanted is None or wanted >= batch_size:
-        return batch_size
-    return max(d for d in range(1, wanted + 1) if batch_size % d == 0)
-
-
 class MegatronEngine(TrainEngine):
     """One rank's shard; build it with `build_engine`."""
 
@@ -105,13 +98,13 @@ class MegatronEngine(TrainEngine):
     def shard_info(self) -> ShardInfo:
         return self._info
 
-    def forward(self, batch: Batch) -> dict[str, torch.Tensor] | None:
+    def forward(self, batch: Batch, entropy: bool = False) -> dict[str, torch.Tensor] | None:
         batch = batch.select([C.INPUT_IDS, C.ATTENTION_MASK]).to(self.device)
-        micro = batch.chunks(_micro_size(len(batch), self.forward_micro_batch_size))
+        micro = batch.micro_batches(self.forward_micro_batch_size)
 
         def keep(mb: Batch, output: torch.Tensor):
             outputs = self._head_outputs(output, mb)
-            if self.role != "critic":
+            if entropy and self.role != "critic":
                 outputs[C.ENTROPY]  # noqa: B018 - computes the entropy
             return output.new_zeros(()), {k: v.detach() for k, v in outputs.items()}
 
