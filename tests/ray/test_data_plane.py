@@ -73,3 +73,10 @@ def test_token_lists_arrive_ragged(echoes):
     two, _ = echoes
     out = two.echo(Batch({"x": torch.zeros(4)}, {"ids": [[1, 2], [], [3], [4, 5, 6]]})).get()
     assert isinstance(out["ids"], Ragged) and list(out["ids"]) == [[1, 2], [], [3], [4, 5, 6]]
+
+
+def test_only_the_columns_a_method_reads_are_shipped(echoes):
+    two, _ = echoes
+    batch = Batch({"x": torch.zeros(4), "y": torch.ones(4)}, {"prompt_ids": [[1]] * 4})
+    assert two.received(batch).get() == [["x"], ["x"]]
+    assert two.received(two.echo(batch)).get() == [["x"], ["x"]]  # by reference too

@@ -39,3 +39,23 @@ def test_group_spans_both_nodes_and_all_reduces(two_nodes):
         assert len({r["node"] for r in results}) == 2, "the two Workhorses must sit on different nodes"
     finally:
         wm.shutdown()
+
+
+def test_wholemodel_actor_sits_on_rank_0s_node(two_nodes):
+    """Rank 0 pinned to the second node (not the driver's): the control plane goes with it."""
+    import ray
+    from ray.util.placement_group import placement_group
+
+    from xray.wholemodel.handle import Bundles
+
+    pg = placement_group([{"CPU": 1, "node_b": 0.5}, {"CPU": 1, "node_a": 0.5}], strategy="STRICT_SPREAD")
+    ray.get(pg.ready(), timeout=60)
+    wm = WholeModel(EchoWorkhorse, role="pinned", parallel=ParallelDims(dp=2), bundles=Bundles(pg, (0, 1)))
+    try:
+        rank0_node = wm.all_reduce(0.0).get()[0]["node"]
+        driver_node = ray.get_runtime_context().get_node_id()
+        assert rank0_node != driver_node
+        assert ray.get(wm._actor.node_id.remote()) == rank0_node
+    finally:
+        wm.shutdown()
+        ray.util.remove_placement_group(pg)

@@ -81,3 +81,15 @@ def test_reads_declares_the_columns_shipped():
     assert meta["g"].columns((), {"extra": ["b"]}) == ("a", "b")
     piece = PartsSlice((0,), 0, 1, 1, ("a",))
     assert assemble([Batch({"a": torch.ones(2), "b": torch.ones(2)})], piece).keys() == ["a"]
+
+
+def test_actor_and_critic_train_steps_ship_only_their_loss_columns():
+    from algorithms.ppo.losses import PolicyLoss, ValueLoss
+    from xray.data import columns as C
+    from xray.workhorse.base import train_step_columns
+
+    policy = set(train_step_columns((None, PolicyLoss(), 4), {}))
+    value = set(train_step_columns((None,), {"loss_fn": ValueLoss(), "micro_batch_size": 4}))
+    assert policy == {C.INPUT_IDS, C.ATTENTION_MASK, C.LOSS_MASK, C.OLD_LOGPROBS, C.ADVANTAGES}
+    assert value == {C.INPUT_IDS, C.ATTENTION_MASK, C.LOSS_MASK, C.OLD_VALUES, C.RETURNS}
+    assert train_step_columns((None, lambda outputs, batch: None, 4), {}) is None  # undeclared: all

@@ -18,3 +18,5 @@ ENTROPY = "entropy"                # [B, T-1] float: entropy of the actor's next
 PROMPT_IDS = "prompt_ids"          # list of B lists of int
 RESPONSE_IDS = "response_ids"      # list of B lists of int
 SCORES = "scores"                  # [B] float: the reward model's or function's score per sequence
+
+MODEL_INPUTS = (INPUT_IDS, ATTENTION_MASK)  # what a forward reads

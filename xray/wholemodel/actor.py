@@ -101,6 +101,10 @@ class WholeModelActor:
 
         return os.getpid()
 
+    def node_id(self) -> str:
+        """The Ray node this actor runs on (rank 0's)."""
+        return ray.get_runtime_context().get_node_id()
+
     async def shutdown(self) -> None:
         refs = [s.shutdown.remote() for s in self.shards]
         try:

@@ -29,6 +29,7 @@ import torch
 
 from xray.backends.base import ShardInfo, layout_of
 from xray.config.parallel import ParallelDims
+from xray.data.columns import MODEL_INPUTS
 from xray.wholemodel.protocol import PartsSlice, assemble, fanout
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,14 @@ def covered_seconds(intervals: Iterable[tuple[float, float]], lo: float = float(
             total += b - max(a, reached)
             reached = b
     return total
+
+
+def train_step_columns(args: tuple, kwargs: dict) -> tuple[str, ...] | None:
+    """What `train_step(batch, loss_fn, ...)` ships: the model inputs and the columns the loss
+    function says it reads (`loss_fn.reads`); every column if it does not say."""
+    loss_fn = kwargs.get("loss_fn", args[1] if len(args) > 1 else None)
+    reads = getattr(loss_fn, "reads", None)
+    return None if reads is None else (*MODEL_INPUTS, *reads)
 
 
 def _resolved(value: Any) -> Any:

@@ -27,6 +27,11 @@ class EchoWorkhorse(Workhorse):
         out["rank"] = torch.full((len(batch),), self.rank)
         return out
 
+    @fanout(dispatch="slice", collect=lambda layout, results: results, reads=("x",))
+    def received(self, batch: Batch) -> list[str]:
+        """The columns that reached this shard (the method declares it reads only `x`)."""
+        return batch.keys()
+
     @fanout(dispatch="all", collect=lambda layout, results: results)
     def noop(self) -> None:
         return None

@@ -18,7 +18,7 @@ from xray.config.optim import OptimConfig
 from xray.data import columns as C
 from xray.data.batch import Batch
 from xray.wholemodel.protocol import fanout
-from xray.workhorse.base import Workhorse
+from xray.workhorse.base import Workhorse, train_step_columns
 
 
 def _mean_metrics(layout, results: list[dict]) -> dict:
@@ -38,14 +38,14 @@ class HFWorkhorse(Workhorse):
         self.optimizer = build_optimizer(self.model.parameters(), self.optim_cfg)
         self.scheduler = build_scheduler(self.optimizer, self.optim_cfg)
 
-    @fanout(dispatch="slice", collect="flatten")
+    @fanout(dispatch="slice", collect="flatten", reads=C.MODEL_INPUTS)
     def forward(self, batch: Batch) -> Batch:
         """LOGPROBS [b, T-1] of this shard's slice."""
         with torch.no_grad():
             logp = hf_logprobs(self.model, batch)
         return Batch({C.LOGPROBS: logp})
 
-    @fanout(dispatch="slice", collect=_mean_metrics)
+    @fanout(dispatch="slice", collect=_mean_metrics, reads=train_step_columns)
     def train_step(self, batch: Batch, loss_fn: LossFn, micro_batch_size: int) -> dict:
         """One optimizer step on this replica's slice; gradients averaged over replicas."""
         self.model.train()

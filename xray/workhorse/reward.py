@@ -35,7 +35,7 @@ class RewardWorkhorse(Workhorse):
                                    f"{self.model.config.num_labels} labels; a reward model needs num_labels=1")
         self.model.eval()
 
-    @fanout(dispatch="slice", collect="flatten", reads=(C.INPUT_IDS, C.ATTENTION_MASK))
+    @fanout(dispatch="slice", collect="flatten", reads=C.MODEL_INPUTS)
     def score(self, batch: Batch) -> torch.Tensor:
         """Scores [b]: the model's logit at each row's last real token."""
         with torch.no_grad():

@@ -17,17 +17,7 @@ from xray.data import columns as C
 from xray.data.batch import Batch
 from xray.sync.weights import pack_bucket
 from xray.wholemodel.protocol import fanout
-from xray.workhorse.base import Workhorse
-
-
-MODEL_INPUTS = (C.INPUT_IDS, C.ATTENTION_MASK)
-
-
-def _train_columns(args: tuple, kwargs: dict) -> tuple[str, ...] | None:
-    """The model inputs and what the loss function reads (every column if it does not say)."""
-    loss_fn = kwargs.get("loss_fn", args[1] if len(args) > 1 else None)
-    reads = getattr(loss_fn, "reads", None)
-    return None if reads is None else (*MODEL_INPUTS, *reads)
+from xray.workhorse.base import Workhorse, train_step_columns
 
 
 def _replica_metrics(layout: list[ShardInfo], results: list) -> dict[str, float]:
@@ -66,13 +56,13 @@ class TrainWorkhorse(Workhorse):
     def shard_info(self) -> ShardInfo:
         return self.engine.shard_info()
 
-    @fanout(dispatch="slice", collect="flatten", reads=MODEL_INPUTS)
+    @fanout(dispatch="slice", collect="flatten", reads=C.MODEL_INPUTS)
     def forward(self, batch: Batch, entropy: bool = False) -> Batch | None:
         """LOGPROBS (and ENTROPY if asked) for a policy, VALUES for a critic; [b, T-1] per column."""
         out = self.engine.forward(batch, entropy=entropy)
         return None if out is None else Batch(dict(out))
 
-    @fanout(dispatch="slice", collect=_replica_metrics, reads=_train_columns)
+    @fanout(dispatch="slice", collect=_replica_metrics, reads=train_step_columns)
     def train_step(self, batch: Batch, loss_fn: LossFn, micro_batch_size: int) -> dict[str, float]:
         """One optimizer step over the whole batch (each replica takes its slice)."""
         return self.engine.train_step(batch, loss_fn, micro_batch_size)
