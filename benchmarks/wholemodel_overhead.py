@@ -1,6 +1,8 @@
 """What a call through a WholeModel costs over the same calls made directly on its Workhorses.
 
-Measured side by side in one run, interleaved round by round so machine noise hits both alike:
+Measured side by side in one run, each pair in its own loop, interleaved round by round so machine
+noise hits both alike, with the side that goes first alternating between rounds (a call that
+follows one that returned a large answer pays for freeing that answer's buffers):
   - a no-op method on 2 shards: WholeModel call vs. direct calls on both Workhorses;
   - a `slice` call carrying a 4 MB batch over 2 shards: WholeModel vs. splitting the batch and
     calling both Workhorses directly;
@@ -69,14 +71,12 @@ def main() -> None:
         for _ in range(10):
             fn()
     t = {fn.__name__: [] for fn in cases}
-    for _ in range(args.rounds):
-        t["wm_noop"].append(timed(wm_noop))
-        t["direct_noop"].append(timed(direct_noop))
-    for _ in range(max(20, args.rounds // 4)):
-        t["wm_4mb"].append(timed(wm_4mb))
-        t["direct_4mb"].append(timed(direct_4mb))
-        t["wm_return"].append(timed(wm_return))
-        t["direct_return"].append(timed(direct_return))
+    pairs = [((wm_noop, direct_noop), args.rounds), ((wm_4mb, direct_4mb), max(20, args.rounds // 4)),
+             ((wm_return, direct_return), max(20, args.rounds // 4))]
+    for pair, rounds in pairs:
+        for i in range(rounds):
+            for fn in (pair if i % 2 == 0 else pair[::-1]):
+                t[fn.__name__].append(timed(fn))
     med = {k: statistics.median(v) * 1e3 for k, v in t.items()}
     for k, v in med.items():
         print(f"{k:<12} median {v:7.3f} ms over {len(t[k])} calls")
