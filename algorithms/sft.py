@@ -18,7 +18,8 @@ from xray.config.plan import Plan
 from xray.config.schema import RunConfig
 from xray.data.batch import Batch
 from xray.data.sequences import pack_sequences
-from xray.run.outputs import RunDir, save_hf_model
+from xray.backends.hf_dir import save_hf_model
+from xray.run.outputs import RunDir
 from xray.tasks.sft import SFTLoss, target_ids
 
 log = logging.getLogger(__name__)

@@ -20,7 +20,8 @@ from xray.config.schema import RunConfig
 from xray.config.typed import to_dict
 from xray.rewards.model import ModelScorer
 from xray.run.models import build_models, check_layouts
-from xray.run.outputs import RunDir, read_trainer_state, save_hf_model
+from xray.backends.hf_dir import save_hf_model
+from xray.run.outputs import RunDir, read_trainer_state
 from xray.run.task import BUILTIN_MODEL, RunData, prepare
 
 log = logging.getLogger(__name__)

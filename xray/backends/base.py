@@ -22,10 +22,19 @@ from xray.data.batch import Batch
 
 # A loss function for `TrainEngine.train_step`: given the model outputs of one micro-batch
 # (keys from xray.data.columns: LOGPROBS and ENTROPY for a policy head, VALUES for a value head;
-# each [b, T-1]) and that micro-batch, return the scalar loss and float metrics to report.
+# each [b, T-1]) and that micro-batch, return the scalar loss and float metrics to report, or the
+# scalar loss alone (engines call it through `apply_loss`).
 # An optional attribute `reads` (column names) says which batch columns it uses besides the
 # model inputs; a train step through a WholeModel then ships only those.
 LossFn = Callable[[dict[str, torch.Tensor], Batch], "tuple[torch.Tensor, dict[str, float]]"]
+
+def apply_loss(loss_fn: LossFn, outputs: dict[str, torch.Tensor], batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+    """`loss_fn(outputs, batch)` as (loss, metrics): a bare loss tensor gets no metrics."""
+    result = loss_fn(outputs, batch)
+    if isinstance(result, torch.Tensor):
+        return result, {}
+    return result
+
 
 # Full tensors with Hugging Face names, in buckets of bounded size.
 WeightBucket = list[tuple[str, torch.Tensor]]

@@ -6,21 +6,18 @@
       tensorboard/                the same metrics as TensorBoard events
       checkpoints/step-000010/    actor/ critic/ (each Workhorse's shard) + trainer_state.json
       final/actor/                the trained actor as a Hugging Face directory
+                                  (`xray.backends.hf_dir.save_hf_model`)
 """
 from __future__ import annotations
 
 import json
 import logging
-import shutil
 from pathlib import Path
 from typing import Any
 
-import torch
 import yaml
 
 log = logging.getLogger(__name__)
-HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                 "special_tokens_map.json")
 
 
 class RunDir:
@@ -66,17 +63,3 @@ class RunDir:
 
 def read_trainer_state(directory: Path) -> dict[str, Any]:
     return json.loads((directory / "trainer_state.json").read_text())
-
-
-def save_hf_model(state: dict[str, torch.Tensor], source_dir: str | Path, target: str | Path) -> Path:
-    """Write `state` (Hugging Face names) as a model directory, with the source's config and tokenizer."""
-    from safetensors.torch import save_file
-
-    target = Path(target)
-    target.mkdir(parents=True, exist_ok=True)
-    for name in HF_SIDE_FILES:
-        if (Path(source_dir) / name).is_file():
-            shutil.copy(Path(source_dir) / name, target / name)
-    save_file({k: v.contiguous() for k, v in state.items()}, str(target / "model.safetensors"),
-              metadata={"format": "pt"})
-    return target

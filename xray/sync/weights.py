@@ -68,6 +68,25 @@ def unpack_bucket(wire: list[WireTensor]) -> WeightBucket:
                 for name, dtype, shape, data in wire]
 
 
+def random_probe(model_dir: str | None, actor_dp: int, rollout_dp: int, seed: int, length: int = 16,
+                 prompt_len: int = 4) -> tuple[list[list[int]], list[int]]:
+    """Seeded random token sequences for verifying a sync: at least 4, a multiple of both dp sizes,
+    token ids drawn from the model's vocabulary (`config.json` in `model_dir`)."""
+    import json
+    import math
+    from pathlib import Path
+
+    if model_dir is None:
+        raise ValueError("the model's directory is unknown (not built by from_pretrained): pass probe sequences "
+                         "to xray.sync.sync_weights yourself")
+    vocab = int(json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"])
+    k = actor_dp * rollout_dp // math.gcd(actor_dp, rollout_dp)
+    count = k * max(1, math.ceil(4 / k))
+    g = torch.Generator().manual_seed(seed)
+    probe = torch.randint(0, vocab, (count, length), generator=g).tolist()
+    return probe, [prompt_len] * count
+
+
 def pad_sequences(sequences: list[list[int]], pad_id: int = 0) -> Batch:
     """Right-padded INPUT_IDS / ATTENTION_MASK for token-id lists."""
     width = max(len(s) for s in sequences)

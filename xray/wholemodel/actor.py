@@ -56,9 +56,7 @@ class WholeModelActor:
         the Workhorse handles, in rank order."""
         t0 = time.perf_counter()
         ((addr, port),) = await self._gather("address", [self.shards[0].address.remote()], timeout_s)
-        await self._gather("init_dist", [s.init_dist.remote(addr, port) for s in self.shards], timeout_s)
-        await self._gather("setup", [s.setup.remote() for s in self.shards], timeout_s)
-        self.layout = await self._gather("shard_info", [s.shard_info.remote() for s in self.shards], timeout_s)
+        self.layout = await self._gather("start", [s.start.remote(addr, port) for s in self.shards], timeout_s)
         check_layout(self.role, self.layout, self.parallel)
         log.info("%s: %d Workhorses ready in %.1f s", self.role, len(self.shards), time.perf_counter() - t0)
         return self.layout, list(self.shards)

@@ -17,6 +17,7 @@ comes back as a `Pending` of object refs that the caller collects, or passes on 
 from __future__ import annotations
 
 import logging
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,11 +44,24 @@ class Bundles:
 
 
 class _Method:
-    def __init__(self, model: "WholeModel", name: str):
+    """A marked Workhorse method bound to a WholeModel: calling it calls the whole model."""
+
+    def __init__(self, model: "WholeModel", name: str, fn: Any):
+        import inspect
+
         self.model, self.name = model, name
+        self.__name__ = name
+        self.__doc__ = (f"{fn.__doc__ or ''}\n\nCalled on the whole {model.role} model; returns a Pending "
+                        "(await it, or .get() it). Also takes deadline_s= and after=.").strip()
+        signature = inspect.signature(fn)
+        self.__signature__ = signature.replace(parameters=list(signature.parameters.values())[1:],
+                                               return_annotation=Pending)
 
     def __call__(self, *args, **kwargs) -> Pending:
         return self.model.call(self.name, *args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"<{self.model.role}.{self.name}{self.__signature__}>"
 
 
 def _is_small(args: tuple, kwargs: dict) -> bool:
@@ -70,9 +84,11 @@ class WholeModel:
         ensure_ray(ray_address)
         self.role, self.parallel, self.device = role, parallel, device.upper()
         self.methods = protocol.fanout_methods(workhorse_cls)
+        self._cls = workhorse_cls
+        self.init_kwargs = dict(init_kwargs or {})
         self._own_pg = bundles is None
         if bundles is None:
-            bundles = reserve(f"{role}", parallel.world_size, self.device, threads)
+            bundles = reserve(f"{role}-{uuid.uuid4().hex[:8]}", parallel.world_size, self.device, threads)
         if len(bundles.indices) != parallel.world_size:
             raise ValueError(f"{role}: {len(bundles.indices)} devices given for tp*pp*dp = {parallel.world_size}")
         self.bundles = bundles
@@ -88,27 +104,58 @@ class WholeModel:
             num_cpus=0, max_concurrency=1000, scheduling_strategy=beside_rank0).remote(
             role, workhorse_cls, parallel, kwargs, bundles.placement_group, list(bundles.indices),
             resources, env)
-        self.layout, self.shards = _unwrapped(self._actor.start.remote(start_timeout_s), start_timeout_s + 30)
+        try:
+            self.layout, self.shards = _unwrapped(self._actor.start.remote(start_timeout_s), start_timeout_s + 30)
+        except BaseException:
+            self._release()  # nothing of a failed start outlives it: Workhorses, actor, reservation
+            raise
         log.info("%s ready: %d Workhorses, tp=%d pp=%d dp=%d", role, len(self.layout),
                  parallel.tp, parallel.pp, parallel.dp)
 
     @classmethod
-    def from_pretrained(cls, model_dir: str, *, backend: str = "hf", role: str = "actor", tp: int = 1,
+    def from_pretrained(cls, model_dir: str, *, backend: str = "hf", role: str | None = None, tp: int = 1,
                         pp: int = 1, dp: int = 1, device: str = "CPU", seed: int = 0, threads: int = 1,
-                        ray_address: str | None = None, **engine_kwargs) -> "WholeModel":
-        """A standalone WholeModel from a Hugging Face directory: no YAML, for notebooks and scripts."""
+                        ray_address: str | None = None, **options) -> "WholeModel":
+        """A standalone WholeModel from a local Hugging Face directory: no YAML, for notebooks and scripts.
+
+        Backends and the roles they serve (the first is the default):
+          - `hf`: actor, reference. Plain transformers, data parallel (dp).
+          - `megatron`: actor, critic, reference. Megatron-core, tensor / pipeline / data parallel.
+          - `deepspeed`: actor, critic, reference. DeepSpeed ZeRO (`zero_stage`, default 3), dp only.
+          - `vllm`, `dsinfer`: rollout. Generation engines; tp inside a replica, dp replicas.
+          - `hf-reward`: reward. A sequence-classification model that scores sequences.
+        Options (keyword arguments), by backend:
+          - `optim` (training backends): a dict or `OptimConfig`: lr, weight_decay, betas, eps,
+            grad_clip, warmup_steps. `attention` (megatron): "sdpa" or "megatron".
+            `forward_micro_batch_size` (megatron, deepspeed): rows per forward micro-batch.
+          - `dtype` (vllm, dsinfer): "float32" or "bfloat16"; `max_model_len` (default: the model's
+            max_position_embeddings); `kv_cache_gib` (vllm on CPU); `generate_batch` (dsinfer).
+        Everything is checked here before any process starts (directory, role, layout against the
+        model's heads and layers, options, dtype); a WholeModel whose start fails frees all it took.
+        `device` is "CPU" or "GPU"; `threads` torch threads per CPU Workhorse; `ray_address` joins a
+        cluster (default: $RAY_ADDRESS, or a local one)."""
+        from xray.wholemodel.pretrained import prepare
         from xray.workhorse.roles import workhorse_class
 
-        return cls(workhorse_class(backend, role), role=role, parallel=ParallelDims(tp, pp, dp),
-                   device=device, seed=seed, threads=threads, ray_address=ray_address,
-                   init_kwargs=dict(model_dir=str(model_dir), backend=backend, **engine_kwargs))
+        parallel = ParallelDims(tp, pp, dp)
+        role, init_kwargs = prepare(model_dir, backend, role, parallel, options)
+        return cls(workhorse_class(backend, role), role=role, parallel=parallel, device=device, seed=seed,
+                   threads=threads, ray_address=ray_address, init_kwargs=init_kwargs)
 
     def __getattr__(self, name: str) -> _Method:
         methods = self.__dict__.get("methods", {})
         if name in methods:
-            return _Method(self, name)
+            return _Method(self, name, getattr(self.__dict__["_cls"], name))
         raise AttributeError(f"{self.__dict__.get('role', 'WholeModel')} has no method {name!r} marked "
                              f"with @fanout; marked methods: {sorted(methods)}")
+
+    def __dir__(self) -> list[str]:
+        return sorted(set(super().__dir__()) | set(self.methods))
+
+    def __repr__(self) -> str:
+        p = self.parallel
+        return (f"<WholeModel {self.role}: {self.__dict__['_cls'].__name__} x{len(self.layout)} "
+                f"(tp={p.tp} pp={p.pp} dp={p.dp}) methods {sorted(self.methods)}>")
 
     def call(self, method: str, *args, deadline_s: float | None = None, after: tuple = (), **kwargs) -> Pending:
         """Call marked Workhorse method `method` on the whole model; returns a Pending answer.
@@ -119,6 +166,8 @@ class WholeModel:
         if meta is None:
             raise AttributeError(f"{self.role} has no method {method!r} marked with @fanout; "
                                  f"marked methods: {sorted(self.methods)}")
+        args = tuple(_as_batch(a) for a in args)
+        kwargs = {k: _as_batch(v) for k, v in kwargs.items()}
         packed = self._dispatch(meta, args, kwargs)
         ranks = [0] if meta.execute == "first" else list(range(len(self.layout)))
         waits = [ref for p in after for ref in p.refs]
@@ -146,12 +195,35 @@ class WholeModel:
         seen: dict[int, Any] = {}
         return [seen.setdefault(id(p), ray.put(p)) for p in per_shard]
 
+    def sync_to(self, rollout: "WholeModel", verify: bool = True, tolerance: float = 1e-3,
+                bucket_mb: int = 64) -> dict:
+        """Push this model's weights into `rollout` (a vllm or dsinfer WholeModel) in place, as the
+        next weight version, and (with `verify`) check that both score a few random probe
+        sequences alike within `tolerance`. Returns the sync's figures (version, bytes, sync_s,
+        verify_s, max_abs_logprob_diff); a failed check raises WeightSyncError."""
+        import dataclasses
+
+        from xray.config.schema import SyncConfig
+        from xray.sync import sync_weights
+        from xray.sync.weights import random_probe
+
+        self._synced = getattr(self, "_synced", 0) + 1
+        probe, prompt_lens = random_probe(self.init_kwargs.get("model_dir"), self.parallel.dp,
+                                          rollout.parallel.dp, seed=self._synced)
+        report = blocking(sync_weights(self, rollout, self._synced, SyncConfig(verify, tolerance, bucket_mb),
+                                       probe, prompt_lens))
+        return dataclasses.asdict(report)
+
     def shard_handles(self) -> list:
         """The Workhorse Ray actors in rank order (direct calls: weight sync, benchmarks)."""
         return list(self.shards)
 
     def shutdown(self) -> None:
         """Stop the Workhorses and the WholeModel actor, and free the devices it reserved."""
+        self._release()
+
+    def _release(self) -> None:
+        """Stop the Workhorses, kill the WholeModel actor, free its own reservation."""
         import ray
 
         try:
@@ -170,6 +242,20 @@ class WholeModel:
 
 
 
+def blocking(coroutine) -> Any:
+    """Run a coroutine to its end from blocking code, also inside a notebook's running event loop
+    (there on a helper thread with a loop of its own)."""
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coroutine)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(asyncio.run, coroutine).result()
+
+
 def _unwrapped(ref: Any, timeout_s: float) -> Any:
     """ray.get that raises the Workhorse-side error itself, not Ray's wrapper."""
     import ray
@@ -179,6 +265,17 @@ def _unwrapped(ref: Any, timeout_s: float) -> Any:
         return ray.get(ref, timeout=timeout_s)
     except RayTaskError as exc:
         raise exc.cause from None
+
+
+def _as_batch(value: Any) -> Any:
+    """A dict of tensors with one leading size becomes a Batch (so notebooks may pass plain dicts)."""
+    import torch
+
+    if isinstance(value, dict) and value and all(isinstance(v, torch.Tensor) for v in value.values()):
+        from xray.data.batch import Batch
+
+        return Batch(dict(value))
+    return value
 
 
 def _by_reference(args: tuple, kwargs: dict, replicas: int, columns, split: bool = False) -> list[tuple[tuple, dict]]:

@@ -2,10 +2,11 @@
 
 A Workhorse is a plain Python class (testable without Ray); its WholeModel runs it as a Ray
 actor, one per device. Its life: built with its role, rank and the model's parallel layout ->
-`address()` on rank 0 gives the rendezvous point -> `init_dist()` on every shard joins the
-model's `torch.distributed` group (NCCL on GPU, gloo on CPU) -> `setup()` builds the shard (a
-backend engine, in the role Workhorses) -> `shard_info()` tells the WholeModel who collects ->
-marked methods (`@fanout`) serve calls.
+`address()` on rank 0 gives the rendezvous point -> `start()` on every shard: `init_dist()` joins
+the model's `torch.distributed` group (NCCL on GPU, gloo on CPU), `setup()` builds the shard (a
+backend engine, in the role Workhorses), `shard_info()` tells the WholeModel who collects ->
+marked methods (`@fanout`) serve calls. Errors leave a Workhorse as themselves when they can be
+pickled, else as their text (`portable_errors`).
 
 Each Workhorse seeds torch, numpy and random from (run seed, role, rank), fixes its torch thread
 count, and logs with its role and ranks in every line. It also keeps its busy time: the wall-clock
@@ -16,9 +17,11 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import random
 import socket
 import time
+import traceback
 import zlib
 from collections import deque
 from contextlib import contextmanager
@@ -66,6 +69,25 @@ def covered_seconds(intervals: Iterable[tuple[float, float]], lo: float = float(
             total += b - max(a, reached)
             reached = b
     return total
+
+
+class WorkhorseError(RuntimeError):
+    """An error raised in a Workhorse whose own type cannot cross processes, kept as its text."""
+
+
+@contextmanager
+def portable_errors() -> Iterator[None]:
+    """Let exceptions through as they are when they can be pickled, else as a WorkhorseError with
+    the same type name, message and traceback text (never Ray's `... isn't serializable`)."""
+    try:
+        yield
+    except Exception as exc:
+        try:
+            pickle.loads(pickle.dumps(exc))
+        except Exception:  # noqa: BLE001 - any failure to round-trip means: send text
+            text = "".join(traceback.format_exception(exc))
+            raise WorkhorseError(f"{type(exc).__name__}: {exc}\n{text}") from None
+        raise
 
 
 def train_step_columns(args: tuple, kwargs: dict) -> tuple[str, ...] | None:
@@ -137,6 +159,13 @@ class Workhorse:
         self.log.info("%s joined %s group of %d at %s:%d", self.role, backend,
                       self.parallel.world_size, master_addr, master_port)
 
+    def start(self, master_addr: str, master_port: int) -> ShardInfo:
+        """`init_dist`, `setup`, then this shard's info: the WholeModel's one start-up call."""
+        with portable_errors():
+            self.init_dist(master_addr, master_port)
+            self.setup()
+            return self.shard_info()
+
     def setup(self) -> None:
         """Build this shard (subclasses: the backend engine). Runs after `init_dist`."""
 
@@ -153,10 +182,11 @@ class Workhorse:
         if any(isinstance(v, PartsSlice) for v in (*args, *kwargs.values())):
             args = tuple(_resolved(a) for a in args)
             kwargs = {k: _resolved(v) for k, v in kwargs.items()}
-        if method in self.SELF_TIMED:
-            return getattr(self, method)(*args, **kwargs)
-        with self.busy():
-            return getattr(self, method)(*args, **kwargs)
+        with portable_errors():
+            if method in self.SELF_TIMED:
+                return getattr(self, method)(*args, **kwargs)
+            with self.busy():
+                return getattr(self, method)(*args, **kwargs)
 
     @staticmethod
     def cancelled() -> bool:

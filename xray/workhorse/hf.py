@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from xray.backends.base import LossFn
+from xray.backends.base import LossFn, apply_loss
 from xray.backends.optim import build_optimizer, build_scheduler
 from xray.check.reference import hf_logprobs, load_hf
 from xray.config.optim import OptimConfig
@@ -46,14 +46,15 @@ class HFWorkhorse(Workhorse):
         return Batch({C.LOGPROBS: logp})
 
     @fanout(dispatch="slice", collect=_mean_metrics, reads=train_step_columns)
-    def train_step(self, batch: Batch, loss_fn: LossFn, micro_batch_size: int) -> dict:
-        """One optimizer step on this replica's slice; gradients averaged over replicas."""
+    def train_step(self, batch: Batch, loss_fn: LossFn, micro_batch_size: int | None = None) -> dict:
+        """One optimizer step on this replica's slice (in micro-batches of `micro_batch_size` rows;
+        default: the whole slice); gradients averaged over replicas."""
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        micro = batch.chunks(micro_batch_size)
+        micro = batch.chunks(micro_batch_size or len(batch))
         total = 0.0
         for mb in micro:
-            loss, _ = loss_fn({C.LOGPROBS: hf_logprobs(self.model, mb)}, mb)
+            loss, _ = apply_loss(loss_fn, {C.LOGPROBS: hf_logprobs(self.model, mb)}, mb)
             (loss / len(micro)).backward()
             total += float(loss.detach()) / len(micro)
         if dist.is_initialized() and self.parallel.dp > 1:
@@ -71,3 +72,11 @@ class HFWorkhorse(Workhorse):
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The full weights with Hugging Face names (from rank 0)."""
         return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+
+    @fanout(dispatch="all", execute="first")
+    def save_pretrained(self, directory: str) -> str:
+        """Write the model as a Hugging Face directory (with the source's config and tokenizer)."""
+        from xray.backends.hf_dir import save_hf_model
+
+        state = {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}  # tied: apart
+        return str(save_hf_model(state, self.config["model_dir"], directory))

@@ -51,16 +51,41 @@ class RolloutWorkhorse(Workhorse):
         self.log.info("%s replica %d ready", backend, self.rank)
 
     @fanout(dispatch="slice", collect="flatten")
-    def generate(self, prompts: list[list[int]], sampling: dict, pad_id: int | None = None) -> Batch:
-        """Responses for this replica's prompts; rows carry the weight version. With `pad_id`,
-        also the model inputs (INPUT_IDS, ATTENTION_MASK, LOSS_MASK of prompt + response, as
+    def generate(self, prompts: list, sampling: dict | None = None, pad_id: int | None = None) -> Batch:
+        """Responses for this replica's prompts (token-id lists, or text when the model directory
+        has a tokenizer: then the answer also holds `prompt_text` and `completion`); rows carry
+        the weight version. `sampling`: temperature, top_p, top_k, max_new_tokens, n,
+        stop_token_ids, seed (defaults: the engine's). With `pad_id`, also the model inputs
+        (INPUT_IDS, ATTENTION_MASK, LOSS_MASK of prompt + response, as
         `xray.data.sequences.pack_sequences` lays them out), so the answer can go by reference
         straight to the forwards of other WholeModels."""
+        texts = prompts if prompts and isinstance(prompts[0], str) else None
+        sampling = dict(sampling or {})
+        if texts is not None:
+            prompts = [self.tokenizer(t).input_ids for t in texts]
+            if self.tokenizer.eos_token_id is not None:
+                sampling.setdefault("stop_token_ids", [self.tokenizer.eos_token_id])
         out = self.engine.generate(prompts, sampling)
         out.meta["weight_version"] = self.version
+        if texts is not None:
+            out["prompt_text"] = [t for t in texts for _ in range(len(out) // len(texts))]
+            out["completion"] = self.tokenizer.batch_decode(list(out[C.RESPONSE_IDS]), skip_special_tokens=True)
         if pad_id is not None:
             out.tensors.update(pack_sequences(out[C.PROMPT_IDS], out[C.RESPONSE_IDS], pad_id).tensors)
         return out
+
+    @property
+    def tokenizer(self):
+        """The model directory's tokenizer (for text prompts), loaded on first use."""
+        if getattr(self, "_tokenizer", None) is None:
+            from transformers import AutoTokenizer
+
+            try:
+                self._tokenizer = AutoTokenizer.from_pretrained(self.config["model_dir"])
+            except (OSError, ValueError) as exc:
+                raise ValueError(f"text prompts need a tokenizer in {self.config['model_dir']} ({exc}); "
+                                 "pass token-id lists instead") from None
+        return self._tokenizer
 
     @fanout(dispatch="slice", collect="flatten")
     def logprobs(self, sequences: list[list[int]], prompt_lens: list[int]) -> list[list[float]]:

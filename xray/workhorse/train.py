@@ -63,9 +63,11 @@ class TrainWorkhorse(Workhorse):
         return None if out is None else Batch(dict(out))
 
     @fanout(dispatch="slice", collect=_replica_metrics, reads=train_step_columns)
-    def train_step(self, batch: Batch, loss_fn: LossFn, micro_batch_size: int) -> dict[str, float]:
-        """One optimizer step over the whole batch (each replica takes its slice)."""
-        return self.engine.train_step(batch, loss_fn, micro_batch_size)
+    def train_step(self, batch: Batch, loss_fn: LossFn, micro_batch_size: int | None = None) -> dict[str, float]:
+        """One optimizer step over the whole batch (each replica takes its slice), in micro-batches
+        of `micro_batch_size` rows (default: the whole slice). `loss_fn(outputs, batch)` returns
+        the loss, or (loss, metrics); give it a `reads` attribute to ship fewer columns."""
+        return self.engine.train_step(batch, loss_fn, micro_batch_size or len(batch))
 
     @fanout(dispatch="all", collect=_exported)
     def state_dict(self) -> dict | None:
@@ -74,6 +76,19 @@ class TrainWorkhorse(Workhorse):
         for bucket in self.engine.export_weights():
             full.update(bucket)
         return full if self.engine.exports() else None
+
+    @fanout(dispatch="all", collect=_exported, deadline_s=1800.0)
+    def save_pretrained(self, directory: str) -> str | None:
+        """Write the full weights (gathered from every TP/PP/ZeRO shard) as a Hugging Face directory
+        that transformers and vLLM load, with the source model's config and tokenizer; returns it."""
+        from xray.backends.hf_dir import save_hf_model
+
+        full: dict = {}
+        for bucket in self.engine.export_weights():
+            full.update(bucket)
+        if not self.engine.exports():
+            return None
+        return str(save_hf_model(full, self.config["model_dir"], directory))
 
     @fanout(dispatch="all", collect=_exported, deadline_s=1800.0)
     def push_weights(self, targets: list, version: int, bucket_bytes: int = 64 << 20,

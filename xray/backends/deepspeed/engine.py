@@ -21,7 +21,7 @@ import deepspeed
 import torch
 import torch.distributed as dist
 
-from xray.backends.base import LossFn, OptimConfig, ShardInfo, TrainEngine, WeightBucket, layout_of
+from xray.backends.base import LossFn, OptimConfig, ShardInfo, TrainEngine, WeightBucket, apply_loss, layout_of
 from xray.backends.deepspeed.config import ZeroOptions, deepspeed_config
 from xray.backends.deepspeed.export import iter_weight_buckets
 from xray.backends.deepspeed.model import load_model, role_outputs
@@ -93,7 +93,7 @@ class DeepSpeedEngine(TrainEngine):
         sums: dict[str, float] = {}
         for i, mb in enumerate(micro):
             self.engine.set_gradient_accumulation_boundary(i == len(micro) - 1)
-            loss, metrics = loss_fn(role_outputs(self.engine, mb, self.role), mb)
+            loss, metrics = apply_loss(loss_fn, role_outputs(self.engine, mb, self.role), mb)
             self.engine.backward(loss)
             self.engine.step()
             for k, v in {"loss": float(loss.detach()), **metrics}.items():

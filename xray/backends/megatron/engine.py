@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from xray.backends import cpu_compat
-from xray.backends.base import LossFn, OptimConfig, ShardInfo, TrainEngine, WeightBucket, layout_of
+from xray.backends.base import LossFn, OptimConfig, ShardInfo, TrainEngine, WeightBucket, apply_loss, layout_of
 from xray.backends.megatron import checkpoint, grads
 from xray.backends.megatron.convert import Entry, Kind
 from xray.backends.megatron.export import export_full
@@ -122,7 +122,7 @@ class MegatronEngine(TrainEngine):
         micro = batch.to(self.device).chunks(micro_batch_size)
 
         def loss_func(mb: Batch, output: torch.Tensor):
-            loss, metrics = loss_fn(self._head_outputs(output, mb), mb)
+            loss, metrics = apply_loss(loss_fn, self._head_outputs(output, mb), mb)
             return loss, {"loss": float(loss.detach()), **{k: float(v) for k, v in metrics.items()}}
 
         self.model.train()
