@@ -36,7 +36,7 @@ def test_quickstart_notebook_runs(tmp_path):
 
 def test_grpo_loop_by_hand_raises_the_reward(tmp_path):
     r = run_notebook("grpo_by_hand", tmp_path)
-    history = ast.literal_eval(r[2])
+    history = ast.literal_eval(r[1])
     assert len(history) == 20
-    first, last, rose = ast.literal_eval(r[3])
-    assert rose and last > first
+    first, last, rose = ast.literal_eval(r[2])
+    assert rose and last > first + 0.3  # the share of 7s: ~0.15 in the first 5 steps, ~1 in the last 5

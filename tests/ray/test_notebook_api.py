@@ -61,9 +61,13 @@ def test_mistakes_fail_before_anything_starts(model_dir, options, fix):
     assert cluster_state() == before
 
 
-def test_missing_config_says_what_the_directory_needs(tmp_path):
-    with pytest.raises(PretrainedError, match="no config.json"):
-        WholeModel.from_pretrained(tmp_path, backend="hf")
+def test_missing_config_says_what_the_directory_needs(local_ray, tmp_path):
+    before = cluster_state()
+    t0 = time.perf_counter()
+    with pytest.raises(PretrainedError, match="no config.json; pass the directory a Hugging Face model"):
+        WholeModel.from_pretrained(tmp_path, backend="megatron", tp=2)
+    assert time.perf_counter() - t0 < 3.0
+    assert cluster_state() == before
 
 
 def test_a_failed_setup_leaves_nothing_behind(model_dir, tmp_path):
