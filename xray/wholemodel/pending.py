@@ -32,8 +32,10 @@ def shard_failure(role: str, rank: int, exc: BaseException) -> tuple[ShardFailur
                                   "gone); shut this WholeModel down and build it again", str(exc)), True
     if isinstance(exc, RayTaskError):
         cause = exc.cause
-        if isinstance(cause, RayActorError):  # a task that waited on a dead Workhorse's answer
-            return shard_failure(role, rank, cause)
+        if isinstance(cause, RayActorError):  # an input passed by reference whose producer died
+            return ShardFailure(rank, f"an input passed by reference was lost: the Workhorse that produced it "
+                                      f"died ({type(cause).__name__}); call the producing model again",
+                                str(exc)), False
         return ShardFailure(rank, f"{type(cause).__name__}: {cause}",
                             getattr(exc, "traceback_str", None) or str(exc)), False
     return ShardFailure(rank, f"{type(exc).__name__}: {exc}", repr(exc)), False
