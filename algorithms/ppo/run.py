@@ -84,17 +84,31 @@ async def train(trainer: PPOTrainer, run: RunDir, data: RunData, resume: str | N
     if trainer.state.eval_before is None:
         trainer.state.eval_before = await trainer.evaluate(data.eval_rows)
     log.info("eval before training: %.3f", trainer.state.eval_before)
-    bar = tqdm(range(trainer.state.step + 1, cfg.trainer.steps + 1), desc="ppo", unit="step",
-               file=sys.stderr, mininterval=1.0)
-    for step in bar:
-        metrics = await trainer.step(data.next_train_rows())
-        bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", kl=f"{metrics['kl']:.4f}",
-                        s_per_step=f"{sum(v for k, v in metrics.items() if k.startswith('time/')):.1f}",
-                        refresh=False)
+    steps = range(trainer.state.step + 1, cfg.trainer.steps + 1)
+    bar = tqdm(steps, desc=f"ppo ({cfg.trainer.mode})", unit="step", file=sys.stderr, mininterval=1.0)
+
+    async def on_step(step: int, metrics: dict) -> None:
+        bar.update(1)
+        shown = dict(reward=f"{metrics['reward/mean']:.3f}", kl=f"{metrics['kl']:.4f}")
+        if cfg.trainer.mode == "async":
+            shown.update(samples_per_s=f"{metrics['samples_per_s']:.0f}",
+                         staleness=f"{metrics['async/staleness']:.0f}")
+        else:
+            shown.update(s_per_step=f"{sum(v for k, v in metrics.items() if k.startswith('time/')):.1f}")
+        bar.set_postfix(shown, refresh=False)
         if step % cfg.trainer.log_every == 0:
             run.log_metrics(step, metrics)
         if cfg.trainer.save_every and step % cfg.trainer.save_every == 0:
             await save_checkpoint(trainer, run, data)
+
+    if cfg.trainer.mode == "async":
+        from algorithms.ppo.detached import Detached
+
+        await Detached(trainer, data.next_train_rows).run(steps, on_step)
+    else:
+        for step in steps:
+            await on_step(step, await trainer.step(data.next_train_rows()))
+    bar.close()
     eval_after = await trainer.evaluate(data.eval_rows)
     save_hf_model(await trainer.models.actor.state_dict(), data.model_dir, run.path / "final" / "actor")
     return eval_after

@@ -68,7 +68,8 @@ class PPOTrainer:
         self.pad_id, self.stop_ids = pad_id, stop_ids
         ppo = cfg.ppo
         self.kl = build_kl_controller(ppo.kl_coef, ppo.kl_target, ppo.kl_horizon)
-        self.policy_loss = PolicyLoss(cliprange=ppo.cliprange)
+        cap = cfg.async_.behaviour_weight_cap if cfg.trainer.mode == "async" else None
+        self.policy_loss = PolicyLoss(cliprange=ppo.cliprange, behaviour_weight_cap=cap)
         self.value_loss = ValueLoss(cliprange_value=ppo.cliprange_value, vf_coef=ppo.vf_coef)
         self.state = PPOState()
 

@@ -103,7 +103,19 @@ def _check_sft_batches(cfg: RunConfig, plan: Plan) -> None:
                           f"actor.micro_batch_size = {unit}; make it a multiple of {unit}")
 
 
+def _check_async(cfg: RunConfig) -> None:
+    a = cfg.async_
+    if a.push_every > a.max_staleness + 1:
+        raise ConfigError(f"async.push_every={a.push_every} with async.max_staleness={a.max_staleness}: between "
+                          "pushes the makers' weights fall further behind than allowed, and the run would stall; "
+                          f"set async.push_every <= {a.max_staleness + 1} or raise async.max_staleness")
+    if a.buffer_capacity < 1 or a.behaviour_weight_cap <= 0:
+        raise ConfigError("async.buffer_capacity must be >= 1 and async.behaviour_weight_cap > 0")
+
+
 def _check_batches(cfg: RunConfig, plan: Plan) -> None:
+    if cfg.trainer.mode == "async":
+        _check_async(cfg)
     ppo = cfg.ppo
     samples = ppo.rollout_batch_size * cfg.rollout.n_samples
     rollout_dp = plan.role("rollout").parallel.dp

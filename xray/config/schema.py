@@ -163,11 +163,33 @@ class SFTConfig:
 
 
 @dataclass(frozen=True)
+class AsyncConfig:
+    """Detached asynchronous training (`trainer.mode: async`): experience makers (the rollout's
+    replicas, with the reference and the reward) and the trainer (actor and critic) joined by an
+    experience buffer."""
+
+    push_every: int = 1
+    """Trainer steps (experience batches trained on) between weight pushes to the makers."""
+    max_staleness: int = 1
+    """Largest allowed gap, in weight versions, between the weights that generated an experience
+    and the trainer's when it trains on it."""
+    on_stale: Literal["wait", "drop"] = "wait"
+    """`wait`: a maker whose next batch would be too stale waits for new weights; `drop`: makers
+    never wait, and the trainer drops too-stale batches. Both are counted in metrics."""
+    buffer_capacity: int = 2
+    """Experience batches the buffer holds; a maker waits while it is full."""
+    behaviour_weight_cap: float = 2.0
+    """Truncation of the importance weight pi_proximal / pi_behaviour of the decoupled PPO loss."""
+
+
+@dataclass(frozen=True)
 class TrainerConfig:
     """The run loop."""
 
+    mode: Literal["sync", "async"] = "sync"
+    """`sync`: the lockstep PPO step. `async`: makers and trainer run detached (see `async`)."""
     steps: int = 20
-    """PPO steps."""
+    """PPO steps (trainer steps in async mode)."""
     save_every: int = 10
     """Checkpoint every this many steps (0: only at the end)."""
     log_every: int = 1
@@ -204,5 +226,7 @@ class RunConfig:
     """Prompts."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """Run loop."""
+    async_: AsyncConfig = field(default_factory=AsyncConfig)
+    """Asynchronous mode (YAML key `async`)."""
     sft: SFTConfig = field(default_factory=SFTConfig)
     """Supervised warm start."""

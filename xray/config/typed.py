@@ -90,6 +90,11 @@ def convert(tp: Any, value: Any, path: str) -> Any:
     return _check_scalar(tp, value, path)
 
 
+def yaml_key(field_name: str) -> str:
+    """A field's key in YAML: its name without a trailing underscore (`async_` is `async`)."""
+    return field_name.rstrip("_")
+
+
 def build(cls: type, data: Any, path: str = "") -> Any:
     """Build dataclass `cls` from mapping `data`, naming `path` in every error."""
     where = path or "the config"
@@ -102,7 +107,7 @@ def build(cls: type, data: Any, path: str = "") -> Any:
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: expected a mapping of keys, got {type(data).__name__} {data!r}")
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    fields = {yaml_key(f.name): f for f in dataclasses.fields(cls) if f.init}
     for key in data:
         if key not in fields:
             full = f"{path}.{key}" if path else str(key)
@@ -114,7 +119,7 @@ def build(cls: type, data: Any, path: str = "") -> Any:
     for name, f in fields.items():
         full = f"{path}.{name}" if path else name
         if name in data:
-            kwargs[name] = convert(hints[name], data[name], full)
+            kwargs[f.name] = convert(hints[f.name], data[name], full)
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             raise ConfigError(f"missing key {full!r}: it has no default, set it in the YAML or with --{full}=...")
     try:
@@ -136,7 +141,7 @@ def to_dict(obj: Any) -> Any:
     if hasattr(obj, "to_plain"):
         return obj.to_plain()
     if dataclasses.is_dataclass(obj):
-        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        return {yaml_key(f.name): to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
     if isinstance(obj, (list, tuple)):
         return [to_dict(v) for v in obj]
     if isinstance(obj, dict):

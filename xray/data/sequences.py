@@ -14,9 +14,11 @@ from xray.data import columns as C
 from xray.data.batch import Batch
 
 
-def pack_sequences(prompt_ids: Sequence[list[int]], response_ids: Sequence[list[int]], pad_id: int = 0) -> Batch:
+def pack_sequences(prompt_ids: Sequence[list[int]], response_ids: Sequence[list[int]], pad_id: int = 0,
+                   response_logprobs: Sequence[list[float]] | None = None) -> Batch:
     """INPUT_IDS / ATTENTION_MASK `[B, T]` and LOSS_MASK `[B, T-1]` (1 where token t+1 belongs to
-    the response), plus list columns PROMPT_IDS and RESPONSE_IDS."""
+    the response), plus list columns PROMPT_IDS and RESPONSE_IDS; with `response_logprobs` (the
+    sampler's log-prob of each response token) also BEHAVIOUR_LOGPROBS `[B, T-1]` at LOSS_MASK."""
     if len(prompt_ids) != len(response_ids):
         raise ValueError(f"{len(prompt_ids)} prompts but {len(response_ids)} responses; pair each prompt "
                          "with exactly one response (repeat prompts for several samples)")
@@ -31,5 +33,11 @@ def pack_sequences(prompt_ids: Sequence[list[int]], response_ids: Sequence[list[
         ids[i, :len(s)] = torch.tensor(s, dtype=torch.long)
         attn[i, :len(s)] = 1
         loss_mask[i, len(p) - 1:len(s) - 1] = 1.0
-    return Batch({C.INPUT_IDS: ids, C.ATTENTION_MASK: attn, C.LOSS_MASK: loss_mask},
+    tensors = {C.INPUT_IDS: ids, C.ATTENTION_MASK: attn, C.LOSS_MASK: loss_mask}
+    if response_logprobs is not None:
+        behaviour = torch.zeros(len(seqs), width - 1, dtype=torch.float32)
+        for i, (p, lp) in enumerate(zip(prompt_ids, response_logprobs)):
+            behaviour[i, len(p) - 1:len(p) - 1 + len(lp)] = torch.tensor(list(lp), dtype=torch.float32)
+        tensors[C.BEHAVIOUR_LOGPROBS] = behaviour
+    return Batch(tensors,
                  {C.PROMPT_IDS: [list(p) for p in prompt_ids], C.RESPONSE_IDS: [list(r) for r in response_ids]})

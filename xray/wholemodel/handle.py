@@ -214,6 +214,24 @@ class WholeModel:
                                        probe, prompt_lens))
         return dataclasses.asdict(report)
 
+    def replica(self, dp_rank: int) -> "WholeModel":
+        """A view of one data-parallel replica (its TP/PP shards) as a model of dp=1: calls on it
+        reach only that replica (an experience maker drives one rollout replica this way). The
+        view shares the model's Workhorses; shut the model down, not the view."""
+        import copy
+        import dataclasses
+
+        shards = [s for s in self.layout if s.dp_rank == dp_rank]
+        if not shards:
+            raise ValueError(f"{self.role} has replicas 0..{self.parallel.dp - 1}, not {dp_rank}")
+        view = copy.copy(self)
+        view.parallel = ParallelDims(self.parallel.tp, self.parallel.pp, 1)
+        view.layout = [dataclasses.replace(s, rank=i, world_size=len(shards), dp_rank=0, dp_size=1)
+                       for i, s in enumerate(shards)]
+        view.shards = [self.shards[s.rank] for s in shards]
+        view._view_of = self
+        return view
+
     def shard_handles(self) -> list:
         """The Workhorse Ray actors in rank order (direct calls: weight sync, benchmarks)."""
         return list(self.shards)
@@ -225,6 +243,9 @@ class WholeModel:
     def _release(self) -> None:
         """Stop the Workhorses, kill the WholeModel actor, free its own reservation."""
         import ray
+
+        if self.__dict__.get("_view_of") is not None:
+            raise RuntimeError(f"this is a view of one {self.role} replica; shut down the model it came from")
 
         try:
             _unwrapped(self._actor.shutdown.remote(), 30)

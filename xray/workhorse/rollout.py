@@ -56,7 +56,7 @@ class RolloutWorkhorse(Workhorse):
         has a tokenizer: then the answer also holds `prompt_text` and `completion`); rows carry
         the weight version. `sampling`: temperature, top_p, top_k, max_new_tokens, n,
         stop_token_ids, seed (defaults: the engine's). With `pad_id`, also the model inputs
-        (INPUT_IDS, ATTENTION_MASK, LOSS_MASK of prompt + response, as
+        (INPUT_IDS, ATTENTION_MASK, LOSS_MASK, and the engine's BEHAVIOUR_LOGPROBS, as
         `xray.data.sequences.pack_sequences` lays them out), so the answer can go by reference
         straight to the forwards of other WholeModels."""
         texts = prompts if prompts and isinstance(prompts[0], str) else None
@@ -71,7 +71,8 @@ class RolloutWorkhorse(Workhorse):
             out["prompt_text"] = [t for t in texts for _ in range(len(out) // len(texts))]
             out["completion"] = self.tokenizer.batch_decode(list(out[C.RESPONSE_IDS]), skip_special_tokens=True)
         if pad_id is not None:
-            out.tensors.update(pack_sequences(out[C.PROMPT_IDS], out[C.RESPONSE_IDS], pad_id).tensors)
+            packed = pack_sequences(out[C.PROMPT_IDS], out[C.RESPONSE_IDS], pad_id, out["response_logprobs"])
+            out.tensors.update(packed.tensors)
         return out
 
     @property

@@ -1,0 +1,97 @@
+"""Asynchronous against synchronous PPO: the same model, task, devices and batch sizes, in one run.
+
+    .venv/bin/python benchmarks/async_vs_sync.py [--steps 20] [--warmup 2] [--backend megatron-vllm]
+                                                 [--config FILE] [--a.b=VALUE ...]
+
+For each mode in turn (sync, then async) the default job is prepared as `python -m xray.train ppo`
+prepares it (the built-in warm-started tiny Llama; configs/ppo_tiny_cpu.yaml: makers on the rollout
+device, trainer on the training device; any key overridable), fresh WholeModels start, and
+`--warmup` + `--steps` PPO steps run (trainer steps in async mode: one experience batch each).
+Throughput = samples trained in the timed steps / wall seconds from the end of the last warm-up
+step to the end of the last step. Then greedy accuracy on the held-out prompts (the same number of
+samples trained in both modes). The sync run's median seconds of generation and of scoring +
+training + sync are printed: overlap can at best hide the shorter of the two.
+Last line: `async_over_sync=<async samples/s / sync samples/s> eval_sync=<x> eval_async=<y>`.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import statistics
+import tempfile
+import time
+
+from algorithms.ppo.detached import Detached
+from algorithms.ppo.trainer import PPOTrainer
+from xray.config import DEFAULT_CONFIGS
+from xray.rewards.model import ModelScorer
+from xray.run.models import build_models
+from xray.run.outputs import RunDir
+from xray.run.task import prepare
+from xray.train import resolve
+
+
+async def run_mode(trainer: PPOTrainer, data, steps: int, warmup: int) -> tuple[list[float], list[dict], float]:
+    """Step end times, per-step metrics, and the eval after training."""
+    ends, rows = [], []
+
+    async def on_step(step: int, metrics: dict) -> None:
+        ends.append(time.perf_counter())
+        rows.append(metrics)
+
+    span = range(1, warmup + steps + 1)
+    if trainer.cfg.trainer.mode == "async":
+        await Detached(trainer, data.next_train_rows).run(span, on_step)
+    else:
+        for step in span:
+            await on_step(step, await trainer.step(data.next_train_rows()))
+    return ends, rows, await trainer.evaluate(data.eval_rows)
+
+
+def measure(mode: str, args, overrides: list[str]) -> dict:
+    _, cfg, plan, _, _ = resolve(["ppo", "--backend", args.backend, "--config", args.config,
+                                  f"--trainer.mode={mode}", *overrides])
+    with tempfile.TemporaryDirectory() as tmp:
+        data = prepare(cfg, plan, RunDir(tmp), None)
+        models = build_models(cfg, plan, data.model_dir)
+        try:
+            score = data.score or ModelScorer(models.reward, cfg.reward.on_nonfinite)
+            trainer = PPOTrainer(cfg, models, score, data.pad_id, data.stop_ids)
+            ends, rows, evaluated = asyncio.run(run_mode(trainer, data, args.steps, args.warmup))
+        finally:
+            models.shutdown()
+    samples = cfg.ppo.rollout_batch_size * cfg.rollout.n_samples * args.steps
+    out = {"samples_per_s": samples / (ends[-1] - ends[args.warmup - 1]), "eval": evaluated}
+    timed = rows[args.warmup:]
+    if mode == "sync":
+        out["generate_s"] = statistics.median(r["time/generate_s"] for r in timed)
+        out["score_train_sync_s"] = statistics.median(r["time/score_s"] + r["time/train_s"] + r["time/sync_s"]
+                                                      for r in timed)
+    else:
+        out["staleness"] = statistics.mean(r["async/staleness"] for r in timed)
+        out["trainer_busy"] = statistics.median(r["async/trainer_busy"] for r in timed)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per mode")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (at least 1)")
+    parser.add_argument("--backend", default="megatron-vllm", help="TRAIN-GENERATION backend pair")
+    parser.add_argument("--config", default=str(DEFAULT_CONFIGS["ppo"]), help="the run's YAML config")
+    args, overrides = parser.parse_known_args()
+    args.warmup = max(1, args.warmup)
+    logging.basicConfig(level=logging.WARNING)
+    sync = measure("sync", args, overrides)
+    asynchronous = measure("async", args, overrides)
+    print(f"sync:  {sync['samples_per_s']:.1f} samples/s; per step: generation {sync['generate_s']:.3f} s, "
+          f"scoring + training + sync {sync['score_train_sync_s']:.3f} s")
+    print(f"async: {asynchronous['samples_per_s']:.1f} samples/s; mean staleness {asynchronous['staleness']:.2f}, "
+          f"trainer busy {asynchronous['trainer_busy']:.2f}")
+    print(f"async_over_sync={asynchronous['samples_per_s'] / sync['samples_per_s']:.3f} "
+          f"eval_sync={sync['eval']:.4f} eval_async={asynchronous['eval']:.4f}")
+
+
+if __name__ == "__main__":
+    main()
