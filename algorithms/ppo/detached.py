@@ -173,6 +173,9 @@ class Detached:
             for task in makers:
                 task.cancel()
             await asyncio.gather(*makers, return_exceptions=True)
+            import ray
+
+            ray.kill(self.buffer)
         if self.versions != [self.version] * len(self.makers) and getattr(self, "last", None) is not None:
             await self.push(self.last)  # the makers end on the trainer's last weights (for the eval)
 
