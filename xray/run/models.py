@@ -30,13 +30,19 @@ class Models:
     reference: WholeModel
     rollout: WholeModel
     reward: Optional[WholeModel] = None
+    placement_groups: tuple = ()
+    """The run's device reservations, freed by `shutdown`."""
 
     def all(self) -> list[WholeModel]:
         return [m for m in (self.actor, self.critic, self.reference, self.rollout, self.reward) if m is not None]
 
     def shutdown(self) -> None:
+        import ray
+
         for m in self.all():
             m.shutdown()
+        for pg in self.placement_groups:
+            ray.util.remove_placement_group(pg)
 
 
 def role_init_kwargs(cfg: RunConfig, role: str, backend: str, model_dir: str) -> dict[str, Any]:
@@ -88,6 +94,7 @@ def build_models(cfg: RunConfig, plan: Plan, model_dir: str, ray_address: str | 
                         init_kwargs=role_init_kwargs(cfg, role, role_plan.backend, model_dir))
         return role, wm
 
+    groups = tuple({id(b.placement_group): b.placement_group for b in bundles.values()}.values())
     with ThreadPoolExecutor(max_workers=len(plan.roles)) as pool:
         started = dict(pool.map(start, plan.roles))
-    return Models(**started)
+    return Models(**started, placement_groups=groups)

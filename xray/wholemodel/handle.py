@@ -17,7 +17,6 @@ comes back as a `Pending` of object refs that the caller collects, or passes on 
 from __future__ import annotations
 
 import logging
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,7 +87,7 @@ class WholeModel:
         self.init_kwargs = dict(init_kwargs or {})
         self._own_pg = bundles is None
         if bundles is None:
-            bundles = reserve(f"{role}-{uuid.uuid4().hex[:8]}", parallel.world_size, self.device, threads)
+            bundles = reserve(role, parallel.world_size, self.device, threads)
         if len(bundles.indices) != parallel.world_size:
             raise ValueError(f"{role}: {len(bundles.indices)} devices given for tp*pp*dp = {parallel.world_size}")
         self.bundles = bundles

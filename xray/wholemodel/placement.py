@@ -8,6 +8,7 @@ order, so a group larger than a node spans nodes.
 from __future__ import annotations
 
 import logging
+import uuid
 
 from xray.wholemodel.handle import Bundles
 
@@ -25,7 +26,8 @@ def reserve(name: str, count: int, device: str, threads: int = 1, timeout_s: flo
     from ray.util.placement_group import placement_group
 
     bundle = {"GPU": 1} if device.upper() == "GPU" else {"CPU": threads}
-    pg = placement_group([dict(bundle) for _ in range(count)], strategy="PACK", name=f"xray-{name}")
+    pg = placement_group([dict(bundle) for _ in range(count)], strategy="PACK",
+                         name=f"xray-{name}-{uuid.uuid4().hex[:8]}")  # unique: runs and models coexist
     ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
     if not ready:
         ray.util.remove_placement_group(pg)
