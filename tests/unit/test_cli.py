@@ -84,3 +84,11 @@ def test_bad_layout_fails_before_any_workhorse(tmp_path):
     assert "actor: tp=3 does not divide the model's 4 attention heads" in p.stderr
     assert "Traceback" not in p.stderr and "ray" not in p.stderr.lower().split("error:")[0]
     assert seconds < 30
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_resolves_and_plans(path):
+    from xray.train import resolve
+
+    _, cfg, plan, _, _ = resolve(["ppo", "--config", str(path)])
+    assert plan.roles and cfg.trainer.steps > 0
