@@ -23,12 +23,10 @@ import tempfile
 import time
 
 from algorithms.ppo.detached import Detached
+from algorithms.ppo.run import ppo_trainer
 from algorithms.ppo.trainer import PPOTrainer
 from xray.config import DEFAULT_CONFIGS
-from xray.rewards.model import ModelScorer
-from xray.run.models import build_models
 from xray.run.outputs import RunDir
-from xray.run.task import prepare
 from xray.train import resolve
 
 
@@ -52,15 +50,8 @@ async def run_mode(trainer: PPOTrainer, data, steps: int, warmup: int) -> tuple[
 def measure(mode: str, args, overrides: list[str]) -> dict:
     _, cfg, plan, _, _ = resolve(["ppo", "--backend", args.backend, "--config", args.config,
                                   f"--trainer.mode={mode}", *overrides])
-    with tempfile.TemporaryDirectory() as tmp:
-        data = prepare(cfg, plan, RunDir(tmp), None)
-        models = build_models(cfg, plan, data.model_dir)
-        try:
-            score = data.score or ModelScorer(models.reward, cfg.reward.on_nonfinite)
-            trainer = PPOTrainer(cfg, models, score, data.pad_id, data.stop_ids)
-            ends, rows, evaluated = asyncio.run(run_mode(trainer, data, args.steps, args.warmup))
-        finally:
-            models.shutdown()
+    with tempfile.TemporaryDirectory() as tmp, ppo_trainer(cfg, plan, RunDir(tmp)) as (trainer, data):
+        ends, rows, evaluated = asyncio.run(run_mode(trainer, data, args.steps, args.warmup))
     samples = cfg.ppo.rollout_batch_size * cfg.rollout.n_samples * args.steps
     out = {"samples_per_s": samples / (ends[-1] - ends[args.warmup - 1]), "eval": evaluated}
     timed = rows[args.warmup:]

@@ -33,12 +33,11 @@ import time
 from contextlib import contextmanager
 
 import algorithms.ppo.trainer as ppo_trainer
+from algorithms.ppo.run import ppo_trainer as started_trainer
 from algorithms.ppo.trainer import PPOTrainer
 from xray.config import DEFAULT_CONFIGS
-from xray.rewards.model import ModelScorer
-from xray.run.models import Models, build_models
+from xray.run.models import Models
 from xray.run.outputs import RunDir
-from xray.run.task import prepare
 from xray.train import resolve
 from xray.workhorse.base import covered_seconds
 
@@ -128,20 +127,13 @@ def main() -> None:
     small = SMALL if args.small else []
     _, cfg, plan, _, _ = resolve(["ppo", "--backend", args.backend, "--config", args.config, *small, *overrides])
     ppo_trainer.PhaseTimer = WindowedPhaseTimer
-    with tempfile.TemporaryDirectory() as tmp:
-        data = prepare(cfg, plan, RunDir(tmp), None)
-        models = build_models(cfg, plan, data.model_dir)
-        try:
-            score = data.score or ModelScorer(models.reward, cfg.reward.on_nonfinite)
-            trainer = PPOTrainer(cfg, models, score, data.pad_id, data.stop_ids)
-            steps = []
-            for i in range(args.warmup + args.steps):
-                result = measure_step(trainer, models, data.next_train_rows())
-                if i >= args.warmup:
-                    steps.append(result)
-            roles = [m.role for m in models.all()]
-        finally:
-            models.shutdown()
+    with tempfile.TemporaryDirectory() as tmp, started_trainer(cfg, plan, RunDir(tmp)) as (trainer, data):
+        steps = []
+        for i in range(args.warmup + args.steps):
+            result = measure_step(trainer, trainer.models, data.next_train_rows())
+            if i >= args.warmup:
+                steps.append(result)
+        roles = [m.role for m in trainer.models.all()]
     report(steps, roles)
 
 

@@ -19,8 +19,6 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from algorithms.ppo.buffer import maker_must_wait
 from algorithms.ppo.gae import gae, whiten
 from algorithms.ppo.kl import sequence_kl

@@ -10,7 +10,9 @@ import asyncio
 import logging
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 from tqdm import tqdm
 
@@ -51,6 +53,19 @@ async def resume_from(trainer: PPOTrainer, directory: Path, data: RunData) -> No
     log.info("resumed at step %d from %s", trainer.state.step, directory)
 
 
+@contextmanager
+def ppo_trainer(cfg: RunConfig, plan: Plan, run: RunDir, ray_address: str | None = None) -> Iterator:
+    """Prepare the model and prompts, start the run's WholeModels, and yield (PPOTrainer, RunData);
+    the WholeModels are shut down on the way out (the run command and the benchmarks use it)."""
+    data = prepare(cfg, plan, run, ray_address)
+    models = build_models(cfg, plan, data.model_dir, ray_address)
+    try:
+        score = data.score or ModelScorer(models.reward, cfg.reward.on_nonfinite)
+        yield PPOTrainer(cfg, models, score, data.pad_id, data.stop_ids), data
+    finally:
+        models.shutdown()
+
+
 def run_ppo(cfg: RunConfig, plan: Plan, output_dir: Path, resume: str | None,
             ray_address: str | None) -> tuple[float, float]:
     t_start = time.perf_counter()
@@ -58,14 +73,10 @@ def run_ppo(cfg: RunConfig, plan: Plan, output_dir: Path, resume: str | None,
         check_layouts(cfg, plan, cfg.model.path)  # before anything is built or started
     run = RunDir(Path(resume) if resume not in (None, "latest") else output_dir)
     run.write_config(to_dict(cfg))
-    data = prepare(cfg, plan, run, ray_address)
-    models = build_models(cfg, plan, data.model_dir, ray_address)
     try:
-        score = data.score or ModelScorer(models.reward, cfg.reward.on_nonfinite)
-        trainer = PPOTrainer(cfg, models, score, data.pad_id, data.stop_ids)
-        eval_after = asyncio.run(train(trainer, run, data, resume))
+        with ppo_trainer(cfg, plan, run, ray_address) as (trainer, data):
+            eval_after = asyncio.run(train(trainer, run, data, resume))
     finally:
-        models.shutdown()
         run.close()
     log.info("run finished in %.0f s; outputs in %s", time.perf_counter() - t_start, run.path)
     return trainer.state.eval_before, eval_after
