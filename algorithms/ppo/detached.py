@@ -1,28 +1,35 @@
-"""Detached asynchronous PPO (`trainer.mode: async`): experience makers and a trainer joined by a buffer.
+"""Detached asynchronous PPO (`trainer.mode: async`): experience makers and trainers joined by a buffer.
 
 ColossalChat's design on xray's WholeModels, all on the run's one event loop:
-- each **experience maker** drives one rollout replica (`rollout.replica(d)`): it takes prompts,
-  samples with the weights it holds (recording their version and the engine's own log-probs, the
-  behaviour policy), has the reference model score them by reference and the reward score them,
-  and puts the experience batch into the buffer (`algorithms.ppo.buffer`), then goes on;
-- the **trainer** (the actor and critic WholeModels, whatever their data-parallel size) takes the
-  oldest fresh-enough batch, recomputes log-probs (the proximal policy) and values with its current
-  weights, computes advantages, trains with the decoupled PPO loss (`PolicyLoss` with a truncated
-  behaviour weight), and every `async.push_every` steps pushes its weights to every maker, each
-  push verified and made under that maker's lock only, so the other makers keep sampling.
+- each **experience maker** drives one rollout replica (`rollout.replica(m)`): it takes one
+  trainer's share of a rollout batch of prompts, samples with the weights it holds (recording
+  their version and the engine's own log-probs, the behaviour policy), has the reference model
+  score them by reference and the reward score them, and puts the experience batch into the
+  buffer (`algorithms.ppo.buffer`) for the trainer the graph (`async.feeds`) and the queues pick;
+- the **trainers** are the actor's data-parallel replicas (with the critic): a trainer step takes
+  one batch per trainer, so each replica trains on its own makers' experience; it recomputes
+  log-probs (the proximal policy) and values with the current weights, computes advantages, trains
+  with the decoupled PPO loss (`PolicyLoss` with a truncated behaviour weight), and every
+  `async.push_every` steps trainer d pushes its weights to the makers `async.pushes` gives it,
+  each push verified and made under that maker's lock only, so the other makers keep sampling.
 With `on_stale: wait` a maker whose weights are more than `max_staleness` versions behind the
-trainer's waits for a push. Interleaving is not deterministic: runs are not bitwise repeatable.
+trainers' waits for a push. A checkpoint holds the buffer's experiences (with their versions and
+behaviour log-probs) and the prompts of batches still being made; a resume queues both again,
+and the makers start from the checkpoint's weights. Interleaving is not deterministic: runs are
+not bitwise repeatable.
 """
 from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
-from algorithms.ppo.buffer import maker_must_wait
+from algorithms.ppo.buffer import Entry, maker_must_wait
 from algorithms.ppo.gae import gae, whiten
 from algorithms.ppo.kl import sequence_kl
 from algorithms.ppo.rewards import kl_penalized_rewards, shape_scores
+from xray.config.graph import build_graph
 from xray.data import columns as C
 from xray.data.batch import Batch
 from xray.sync import sync_weights
@@ -36,21 +43,23 @@ class MakerStats:
     samples: int = 0
     waited: int = 0
     """Times a maker waited for new weights (on_stale: wait)."""
+    full_waits: int = 0
+    """Times a maker waited for room in its trainers' queues."""
 
 
 @dataclass
 class Detached:
-    """Makers and trainer of one asynchronous run around a PPOTrainer (its models, losses, data)."""
+    """Makers and trainers of one asynchronous run around a PPOTrainer (its models, losses, data)."""
 
     trainer: object
     next_rows: object
-    """Callable giving the next batch of prompt rows."""
+    """Callable giving the next rollout batch of prompt rows."""
     makers: list = field(default_factory=list)
     locks: list = field(default_factory=list)
     versions: list = field(default_factory=list)
     """The weight version each maker holds."""
     version: int = 0
-    """The trainer's weight version: trainer steps done."""
+    """The trainers' weight version: trainer steps done."""
     stats: MakerStats = field(default_factory=MakerStats)
 
     def __post_init__(self) -> None:
@@ -58,34 +67,77 @@ class Detached:
 
         from algorithms.ppo.buffer import BufferActor
 
-        cfg = self.trainer.cfg
-        rollout = self.trainer.models.rollout
-        self.makers = [rollout.replica(d) for d in range(rollout.parallel.dp)]
+        cfg, models = self.trainer.cfg, self.trainer.models
+        self.makers = [models.rollout.replica(d) for d in range(models.rollout.parallel.dp)]
+        self.graph = build_graph(cfg.async_.feeds, cfg.async_.pushes, len(self.makers), models.actor.parallel.dp)
         self.locks = [asyncio.Lock() for _ in self.makers]
         self.versions = [self.trainer.state.step] * len(self.makers)
         self.version = self.trainer.state.step
-        self.pushed = asyncio.Event()
+        self.share = cfg.ppo.rollout_batch_size // self.graph.trainers
+        """Prompts per maker batch: one trainer's share of a rollout batch."""
+        self.rows: deque = deque()
+        """Prompt rows drawn from the sampler and not yet taken by a maker."""
+        self.in_flight: dict[int, tuple[int, list]] = {}
+        """Maker -> (serial, prompt rows) of the batch it is making."""
+        self.serial = 0
+        self.claimed = [self.version] * self.graph.trainers
+        """Per trainer, the last index claimed (the trainer step its batch is for)."""
+        self.outstanding = [0] * self.graph.trainers
+        """Per trainer, batches claimed and not yet taken: being made or in the buffer."""
+        self.changed = asyncio.Condition()
+        """Notified when a claim may have become possible: a take, a push."""
         self.buffer = ray.remote(BufferActor).options(num_cpus=0).remote(
-            cfg.async_.buffer_capacity, cfg.async_.max_staleness)
+            cfg.async_.buffer_capacity, cfg.async_.max_staleness, self.graph.trainers, self.version + 1)
 
     # -- makers ----------------------------------------------------------------------------------
+    def _take_rows(self) -> list[dict]:
+        while len(self.rows) < self.share:
+            self.rows.extend(self.next_rows())
+        return [self.rows.popleft() for _ in range(self.share)]
+
+    def _claimable(self, i: int) -> tuple[int, int] | str:
+        """Maker i's place: (trainer, index) with room (the fewest outstanding of its trainers),
+        or why it must wait: "full", or "stale" (its weights too old for that index)."""
+        acfg = self.trainer.cfg.async_
+        open_ = [d for d in self.graph.feeds[i] if self.outstanding[d] < acfg.buffer_capacity]
+        if not open_:
+            return "full"
+        d = min(open_, key=lambda d: (self.outstanding[d], d))
+        if maker_must_wait(acfg.on_stale, self.claimed[d] + 1, self.versions[i], acfg.max_staleness):
+            return "stale"
+        return d, self.claimed[d] + 1
+
+    async def claim(self, i: int) -> tuple[int, int]:
+        """Wait until maker i may begin a batch; claim its place in a trainer's queue."""
+        async with self.changed:
+            while isinstance(found := self._claimable(i), str):
+                if found == "stale":
+                    self.stats.waited += 1
+                else:
+                    self.stats.full_waits += 1
+                await self.changed.wait()
+            d, index = found
+            self.claimed[d], self.outstanding[d] = index, self.outstanding[d] + 1
+            return d, index
+
+    async def _notify(self) -> None:
+        async with self.changed:
+            self.changed.notify_all()
+
     async def maker(self, i: int) -> None:
-        """Maker `i`'s loop: sample, score, put; forever (cancelled at the end of the run)."""
-        acfg, t = self.trainer.cfg.async_, self.trainer
-        calls = 0
+        """Maker `i`'s loop: claim, sample, score, put; forever (cancelled at the end of the run)."""
+        t = self.trainer
         while True:
-            while maker_must_wait(acfg.on_stale, self.version, self.versions[i], acfg.max_staleness):
-                self.stats.waited += 1
-                self.pushed.clear()
-                await self.pushed.wait()
-            await self.buffer.room.remote()
-            rows = self.next_rows()
+            trainer, index = await self.claim(i)
+            rows = self._take_rows()
+            self.serial += 1
+            serial = self.serial
+            self.in_flight[i] = (serial, rows)
             start = time.perf_counter()
             async with self.locks[i]:
                 version = self.versions[i]
-                calls += 1
                 gen = self.makers[i].generate([r["prompt_ids"] for r in rows],
-                                              t.sampling(1_000_003 * (i + 1) + calls), pad_id=t.pad_id)
+                                              t.sampling(1_000_003 * (i + 1) + serial), pad_id=t.pad_id)
                 ref = t.models.reference.forward(gen)  # by reference, queued before the answer is in
                 exp = await gen
             rows = [rows[j // t.cfg.rollout.n_samples] for j in range(len(exp))]
@@ -97,11 +149,13 @@ class Detached:
                           {C.PROMPT_IDS: exp[C.PROMPT_IDS], C.RESPONSE_IDS: exp[C.RESPONSE_IDS]})
             self.stats.busy_s += time.perf_counter() - start
             self.stats.samples += len(batch)
-            await self.buffer.put.remote([_put(batch)], version)
+            await self.buffer.put.remote(Entry([_put(batch)], version, i, serial, index), trainer)
+            del self.in_flight[i]
 
-    # -- trainer ---------------------------------------------------------------------------------
-    async def take(self, makers: list[asyncio.Task]) -> tuple[Batch, int]:
-        """The next batch for the trainer; a maker that failed stops the run with its error."""
+    # -- trainers --------------------------------------------------------------------------------
+    async def take(self, makers: list[asyncio.Task]) -> tuple[list[Entry], int]:
+        """One entry per trainer, and the largest staleness among them; a maker that failed stops
+        the run with its error."""
         taking = asyncio.ensure_future(self.buffer.take.remote(self.version))
         done, _ = await asyncio.wait([taking, *makers], return_when=asyncio.FIRST_COMPLETED)
         for task in makers:
@@ -109,14 +163,18 @@ class Detached:
                 taking.cancel()
                 task.result()  # raises the maker's error
                 raise RuntimeError("an experience maker stopped without an error")
-        (ref,), version, staleness = taking.result()
-        return await ref, staleness
+        taken, dropped = taking.result()
+        for d in range(self.graph.trainers):
+            self.outstanding[d] -= 1 + dropped[d]
+        await self._notify()
+        return [entry for entry, _ in taken], max(staleness for _, staleness in taken)
 
     async def step(self, step: int, makers: list[asyncio.Task]) -> dict[str, float]:
-        """One trainer step: take a batch, recompute, train, push every `push_every` steps."""
+        """One trainer step: take a batch per trainer, recompute, train, push every `push_every` steps."""
         t, ppo, acfg = self.trainer, self.trainer.cfg.ppo, self.trainer.cfg.async_
         start = time.perf_counter()
-        exp, staleness = await self.take(makers)
+        entries, staleness = await self.take(makers)
+        exp = Batch.concat(await asyncio.gather(*[e.item[0] for e in entries]), pad_width=True)
         self.last = exp
         waited_s = time.perf_counter() - start
         proximal, values = await asyncio.gather(t.models.actor.forward(exp), t.models.critic.forward(exp))
@@ -129,7 +187,8 @@ class Detached:
         train = await t.train(Batch({
             C.INPUT_IDS: exp[C.INPUT_IDS], C.ATTENTION_MASK: exp[C.ATTENTION_MASK], C.LOSS_MASK: mask,
             C.OLD_LOGPROBS: proximal[C.LOGPROBS], C.BEHAVIOUR_LOGPROBS: exp[C.BEHAVIOUR_LOGPROBS],
-            C.OLD_VALUES: values[C.VALUES], C.ADVANTAGES: advantages, C.RETURNS: returns}), step)
+            C.OLD_VALUES: values[C.VALUES], C.ADVANTAGES: advantages, C.RETURNS: returns}), step,
+            parts=len(entries))
         kl, kl_coef = sequence_kl(proximal[C.LOGPROBS], exp[C.REF_LOGPROBS], mask), t.kl.value
         t.kl.update(kl, len(exp))
         self.version = t.state.step = step
@@ -140,26 +199,65 @@ class Detached:
         return {"reward/mean": float(scores.mean()), "reward/std": float(scores.std()) if len(scores) > 1 else 0.0,
                 "kl": kl, "kl_coef": kl_coef, **train,
                 "response_length": float(mask.sum(1).mean()), "async/staleness": float(staleness),
-                "async/waited": float(made.waited), "async/trainer_busy": 1.0 - waited_s / wall,
+                **{f"async/trainer{d}_maker": float(e.maker) for d, e in enumerate(entries)},
+                "async/waited": float(made.waited), "async/buffer_full_waits": float(made.full_waits),
+                "async/trainer_busy": 1.0 - waited_s / wall,
                 "async/maker_busy": min(1.0, made.busy_s / (wall * len(self.makers))),
                 "samples_per_s": len(exp) / wall, **sync, **(await self.buffer.stats.remote())}
 
     async def push(self, exp: Batch) -> dict[str, float]:
-        """The trainer's weights to every maker at its version, each verified, each under its lock."""
+        """The trainers' weights to every maker at their version, each from the trainer the graph
+        names (`async.pushes`), each verified, each under its maker's lock."""
         sequences, prompt_lens = self.trainer.probe(exp)
 
         async def one(i: int):
             async with self.locks[i]:
                 report = await sync_weights(self.trainer.models.actor, self.makers[i], self.version,
-                                            self.trainer.cfg.sync, sequences, prompt_lens)
+                                            self.trainer.cfg.sync, sequences, prompt_lens,
+                                            replica=self.graph.pusher[i])
                 self.versions[i] = self.version
                 return report
 
         reports = await asyncio.gather(*[one(i) for i in range(len(self.makers))])
-        self.pushed.set()
+        await self._notify()
         return {"sync/max_abs_logprob_diff": max(r.max_abs_logprob_diff for r in reports),
                 "sync/verify_s": max(r.verify_s for r in reports), "async/version": float(self.version)}
 
+    # -- checkpoints -----------------------------------------------------------------------------
+    def capture(self) -> dict:
+        """What must be read at the checkpoint's instant, synchronously (no maker runs meanwhile):
+        the batches being made and the prompts drawn but not taken. `state_dict` completes it."""
+        return {"in_flight": dict(self.in_flight), "rows": list(self.rows), "serial": self.serial}
+
+    async def state_dict(self, captured: dict) -> dict:
+        """The async part of a checkpoint: the buffer's experiences made before the capture (as
+        batches, with version, maker and trainer) and the prompts of every batch made after it or
+        not finished, to be made again; the makers' weight versions, for the record."""
+        entries = [(t, e) for t, e in await self.buffer.snapshot.remote() if e.serial <= captured["serial"]]
+        queued = {e.serial for _, e in entries}
+        batches = await asyncio.gather(*[e.item[0] for _, e in entries])
+        again = [row for serial, rows in sorted(captured["in_flight"].values(), key=lambda sr: sr[0])
+                 if serial not in queued for row in rows]
+        return {"entries": [{"trainer": t, "version": e.version, "maker": e.maker, "serial": e.serial,
+                             "index": e.index, "batch": b} for (t, e), b in zip(entries, batches)],
+                "rows": again + captured["rows"], "maker_versions": list(self.versions)}
+
+    async def load_state_dict(self, state: dict, version: int) -> None:
+        """Resume at trainer `version` (before `run`): the makers hold its weights, and the
+        checkpoint's experiences are queued again, in their order, for the next steps; its
+        prompts are made again first."""
+        self.version, self.versions = version, [version] * len(self.makers)
+        self.claimed, self.outstanding = [version] * self.graph.trainers, [0] * self.graph.trainers
+        entries = []
+        for e in sorted(state["entries"], key=lambda e: (e["trainer"], e["index"])):
+            d = e["trainer"]
+            self.claimed[d], self.outstanding[d] = self.claimed[d] + 1, self.outstanding[d] + 1
+            entries.append((d, Entry([_put(e["batch"])], e["version"], e["maker"], e["serial"], self.claimed[d])))
+        await self.buffer.restore.remote(entries, version + 1)
+        self.rows = deque(state["rows"])
+        self.serial = max([e["serial"] for e in state["entries"]], default=0)
+
+    # -- the run ---------------------------------------------------------------------------------
     async def run(self, steps: range, on_step) -> None:
         """Trainer steps `steps` with the makers running beside them; awaits `on_step(step, metrics)`
         after each (metrics, checkpoints)."""
@@ -175,7 +273,7 @@ class Detached:
 
             ray.kill(self.buffer)
         if self.versions != [self.version] * len(self.makers) and getattr(self, "last", None) is not None:
-            await self.push(self.last)  # the makers end on the trainer's last weights (for the eval)
+            await self.push(self.last)  # the makers end on the trainers' last weights (for the eval)
 
 
 def _put(batch: Batch):

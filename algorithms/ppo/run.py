@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
+import torch
 from tqdm import tqdm
 
 from algorithms.ppo.trainer import PPOTrainer, PPOState
@@ -27,21 +28,27 @@ from xray.run.outputs import RunDir, read_trainer_state
 from xray.run.task import BUILTIN_MODEL, RunData, prepare
 
 log = logging.getLogger(__name__)
+ASYNC_STATE = "async.pt"
+"""An async run's checkpoint file for the buffer's experiences and the prompts in the making."""
 
 
-async def save_checkpoint(trainer: PPOTrainer, run: RunDir, data: RunData) -> Path:
+async def save_checkpoint(trainer: PPOTrainer, run: RunDir, data: RunData, detached=None) -> Path:
+    """The actor and critic, the trainer's state and, in async mode, the buffer's experiences and
+    the prompts of batches in the making (`Detached.state_dict`)."""
+    sampler, captured = data.sampler.state_dict(), detached.capture() if detached else None  # one instant
     directory = run.checkpoint_dir(trainer.state.step)
     directory.mkdir(parents=True, exist_ok=True)
     await asyncio.gather(trainer.models.actor.save(str(directory / "actor")),
                          trainer.models.critic.save(str(directory / "critic")))
+    if detached is not None:
+        torch.save(await detached.state_dict(captured), directory / ASYNC_STATE)
     run.write_trainer_state(directory, {"step": trainer.state.step, "kl": trainer.kl.state_dict(),
-                                        "eval_before": trainer.state.eval_before,
-                                        "sampler": data.sampler.state_dict()})
+                                        "eval_before": trainer.state.eval_before, "sampler": sampler})
     log.info("checkpoint step %d -> %s", trainer.state.step, directory)
     return directory
 
 
-async def resume_from(trainer: PPOTrainer, directory: Path, data: RunData) -> None:
+async def resume_from(trainer: PPOTrainer, directory: Path, data: RunData, detached=None) -> None:
     state = read_trainer_state(directory)
     await asyncio.gather(trainer.models.actor.load(str(directory / "actor")),
                          trainer.models.critic.load(str(directory / "critic")))
@@ -50,6 +57,14 @@ async def resume_from(trainer: PPOTrainer, directory: Path, data: RunData) -> No
     trainer.state = PPOState(step=state["step"], kl=state["kl"], eval_before=state["eval_before"])
     # the rollout engine starts from the base weights: bring it to the checkpoint's
     await trainer.resync(data.eval_rows, trainer.state.step)
+    if detached is not None:
+        if not (directory / ASYNC_STATE).exists():
+            raise FileNotFoundError(f"{directory / ASYNC_STATE} is missing: the checkpoint was written by a "
+                                    "synchronous run; resume it with trainer.mode=sync")
+        saved = torch.load(directory / ASYNC_STATE, weights_only=False)
+        await detached.load_state_dict(saved, trainer.state.step)
+        log.info("async: %d buffered experience batches and %d prompts in the making queued again",
+                 len(saved["entries"]), len(saved["rows"]))
     log.info("resumed at step %d from %s", trainer.state.step, directory)
 
 
@@ -90,8 +105,13 @@ async def train(trainer: PPOTrainer, run: RunDir, data: RunData, resume: str | N
     if resume and latest is None:
         raise FileNotFoundError(f"--resume: no complete checkpoint under {run.checkpoints}; "
                                 "start without --resume")
+    detached = None
+    if cfg.trainer.mode == "async":
+        from algorithms.ppo.detached import Detached
+
+        detached = Detached(trainer, data.next_train_rows)
     if latest is not None:
-        await resume_from(trainer, latest, data)
+        await resume_from(trainer, latest, data, detached)
     if trainer.state.eval_before is None:
         trainer.state.eval_before = await trainer.evaluate(data.eval_rows)
     log.info("eval before training: %.3f", trainer.state.eval_before)
@@ -110,12 +130,10 @@ async def train(trainer: PPOTrainer, run: RunDir, data: RunData, resume: str | N
         if step % cfg.trainer.log_every == 0:
             run.log_metrics(step, metrics)
         if cfg.trainer.save_every and step % cfg.trainer.save_every == 0:
-            await save_checkpoint(trainer, run, data)
+            await save_checkpoint(trainer, run, data, detached)
 
-    if cfg.trainer.mode == "async":
-        from algorithms.ppo.detached import Detached
-
-        await Detached(trainer, data.next_train_rows).run(steps, on_step)
+    if detached is not None:
+        await detached.run(steps, on_step)
     else:
         for step in steps:
             await on_step(step, await trainer.step(data.next_train_rows()))

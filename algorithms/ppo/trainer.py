@@ -60,6 +60,16 @@ class PhaseTimer:
         self.seconds[f"time/{phase}_s"] = time.perf_counter() - t0
 
 
+def mini_batch_rows(n: int, mini_batch_size: int, parts: int, seed: int) -> list[torch.Tensor]:
+    """One epoch's mini-batches of rows 0..n-1, shuffled: each is the concatenation, in part order,
+    of `mini_batch_size / parts` rows of each of `parts` equal contiguous parts (with one part,
+    a plain seeded shuffle cut in order)."""
+    size, share = n // parts, mini_batch_size // parts
+    orders = [p * size + torch.randperm(size, generator=torch.Generator().manual_seed(seed + 104_729 * p))
+              for p in range(parts)]
+    return [torch.cat([order[start:start + share] for order in orders]) for start in range(0, size, share)]
+
+
 class PPOTrainer:
     """Drives the actor, critic, reference and rollout WholeModels through PPO steps."""
 
@@ -121,16 +131,16 @@ class PPOTrainer:
             return await self.score_fn.ascore(rows, pending)
         return await asyncio.to_thread(self.score_fn, rows, list(generated[C.RESPONSE_IDS]))
 
-    async def train(self, exp: Batch, step: int) -> dict[str, float]:
+    async def train(self, exp: Batch, step: int, parts: int = 1) -> dict[str, float]:
         """`ppo_epochs` shuffled passes of mini-batches through actor and critic. Every mini-batch
-        is queued on both at once: each model runs its steps in order, back to back."""
-        ppo, n = self.cfg.ppo, len(exp)
+        is queued on both at once: each model runs its steps in order, back to back. `parts`: `exp`
+        is that many equal parts, one per actor replica in dp order (an asynchronous run's trainers),
+        and each replica's slice of every mini-batch comes from its own part."""
+        ppo = self.cfg.ppo
         calls = []
         for epoch in range(ppo.ppo_epochs):
-            g = torch.Generator().manual_seed(self.cfg.seed * 7919 + step * 31 + epoch)
-            order = torch.randperm(n, generator=g)
-            for start in range(0, n, ppo.mini_batch_size):
-                mb = exp.index(order[start:start + ppo.mini_batch_size])
+            for rows in mini_batch_rows(len(exp), ppo.mini_batch_size, parts, self.cfg.seed * 7919 + step * 31 + epoch):
+                mb = exp.index(rows)
                 calls.append(self.models.actor.train_step(mb, self.policy_loss, self.cfg.actor.micro_batch_size))
                 calls.append(self.models.critic.train_step(mb, self.value_loss, self.cfg.critic.micro_batch_size))
         results = await asyncio.gather(*calls)

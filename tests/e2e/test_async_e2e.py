@@ -1,14 +1,17 @@
-"""Six-step asynchronous PPO runs (ColossalChat's shapes) through the real command.
+"""Six-step asynchronous PPO runs (ColossalChat's shapes) through the real command, each resumed.
 
-2 makers x 1 trainer on megatron-vllm, then resumed from its step-3 checkpoint; 2 makers x 2
-trainers (actor and critic at dp=2) on deepspeed-dsinfer. Each: finite metrics, a verified sync at
-every push, staleness never above the bound, changed weights.
+2 makers x 1 trainer and 2 makers x 2 trainers (actor and critic at dp=2, each trainer fed by its
+own maker and trainer 1 pushing to both makers), on both backend pairs. Each: finite metrics, a
+verified sync at every push, staleness never above the bound, changed weights, the graph obeyed;
+the step-3 checkpoint holds every prompt drawn (trained, buffered, or in the making), and a resume
+from it queues them again and completes steps 4-6.
 """
 import math
 import shutil
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from tests.e2e.test_ppo_e2e import config, metrics, tiny_model, train  # noqa: F401 - tiny_model: fixture
@@ -28,34 +31,56 @@ def async_config(tmp_path: Path, model_dir: Path, backend: str, trainers: int) -
         cfg[role].update({"tp": 1, "dp": trainers} if backend.startswith("megatron") else {"dp": trainers})
     cfg["trainer"].update(mode="async", steps=6, save_every=3)
     cfg["async"] = {"push_every": 1, "max_staleness": 1, "on_stale": "wait", "buffer_capacity": 2}
+    if trainers == 2:
+        cfg["async"].update(feeds={"maker0": ["trainer0"], "maker1": ["trainer1"]},
+                            pushes={"trainer1": ["maker0", "maker1"]})
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return path
 
 
-def check(steps: dict[int, dict], expected: list[int]) -> None:
+def check(steps: dict[int, dict], expected: list[int], trainers: int) -> None:
     assert sorted(steps) == expected
     for row in steps.values():
         assert all(math.isfinite(v) for v in row.values() if isinstance(v, float)), row
         assert row["async/staleness"] <= 1  # the bound
         assert row["sync/max_abs_logprob_diff"] <= 1e-3 and row["async/version"] == row["step"]  # pushed, verified
         assert 0.0 <= row["async/trainer_busy"] <= 1.0 and row["samples_per_s"] > 0
+        assert [row[f"async/trainer{d}_maker"] for d in range(trainers)] == ([0, 1] if trainers == 2 else
+                                                                             [row["async/trainer0_maker"]])
 
 
-@pytest.mark.parametrize("backend, trainers", [("megatron-vllm", 1), ("deepspeed-dsinfer", 2)])
-def test_two_makers_six_steps(tmp_path, tiny_model, backend, trainers):  # noqa: F811 - the fixture
+def check_nothing_lost(checkpoint: Path, cfg: dict) -> int:
+    """Prompts drawn from the sampler by step 3 = trained + buffered + in the making; the buffered count."""
+    import json
+
+    sampler = json.loads((checkpoint / "trainer_state.json").read_text())["sampler"]
+    per_epoch = sampler["size"] // sampler["batch_size"] * sampler["batch_size"]
+    drawn = sampler["epoch"] * per_epoch + sampler["position"]
+    saved = torch.load(checkpoint / "async.pt", weights_only=False)
+    buffered = sum(len(e["batch"]) for e in saved["entries"]) // cfg["rollout"]["n_samples"]
+    assert drawn == 3 * cfg["ppo"]["rollout_batch_size"] + buffered + len(saved["rows"]), (drawn, buffered, saved["rows"])
+    assert all(e["version"] >= 2 for e in saved["entries"])  # within the bound of the trainers' version 3
+    return len(saved["entries"])
+
+
+@pytest.mark.parametrize("backend", ["megatron-vllm", "deepspeed-dsinfer"])
+@pytest.mark.parametrize("trainers", [1, 2])
+def test_two_makers_six_steps_and_resume(tmp_path, tiny_model, backend, trainers):  # noqa: F811 - the fixture
     from safetensors.torch import load_file
 
-    cfg = async_config(tmp_path, tiny_model, backend, trainers)
+    path = async_config(tmp_path, tiny_model, backend, trainers)
+    cfg = yaml.safe_load(path.read_text())
     run_a = tmp_path / "a"
-    out = train("--backend", backend, "--config", str(cfg), "--output-dir", str(run_a))
+    out = train("--backend", backend, "--config", str(path), "--output-dir", str(run_a))
     assert "eval_before=" in out.stdout and "eval_after=" in out.stdout
-    check(metrics(run_a), [1, 2, 3, 4, 5, 6])
+    check(metrics(run_a), [1, 2, 3, 4, 5, 6], trainers)
     before = load_file(str(tiny_model / "model.safetensors"))
     after = load_file(str(run_a / "final/actor/model.safetensors"))
     assert max(float((before[k] - after[k]).abs().max()) for k in before) > 0
-    if trainers == 1:  # resume from the step-3 checkpoint: steps 4-6 run again
-        run_b = tmp_path / "b"
-        (run_b / "checkpoints").mkdir(parents=True)
-        shutil.copytree(run_a / "checkpoints/step-000003", run_b / "checkpoints/step-000003")
-        train("--backend", backend, "--config", str(cfg), "--resume", str(run_b))
-        check(metrics(run_b), [4, 5, 6])
+    entries = check_nothing_lost(run_a / "checkpoints/step-000003", cfg)
+    run_b = tmp_path / "b"  # resume from the step-3 checkpoint: steps 4-6 run again
+    (run_b / "checkpoints").mkdir(parents=True)
+    shutil.copytree(run_a / "checkpoints/step-000003", run_b / "checkpoints/step-000003")
+    out = train("--backend", backend, "--config", str(path), "--resume", str(run_b))
+    assert f"async: {entries} buffered experience batches" in out.stderr
+    check(metrics(run_b), [4, 5, 6], trainers)

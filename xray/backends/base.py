@@ -76,14 +76,16 @@ class TrainEngine(ABC):
         micro-batches and replicas (loss, grad_norm, lr, and the loss function's metrics)."""
 
     @abstractmethod
-    def export_weights(self, bucket_bytes: int = 64 << 20) -> Iterator[WeightBucket]:
+    def export_weights(self, bucket_bytes: int = 64 << 20, replica: int = 0) -> Iterator[WeightBucket]:
         """Yield the full weights with Hugging Face names, in buckets of at most `bucket_bytes`
-        (a single larger tensor is its own bucket). Every shard must iterate (gathers are
-        collective); only shards where `exports()` is true yield tensors."""
+        (a single larger tensor is its own bucket), from data-parallel replica `replica`. Every
+        shard must iterate (gathers are collective); only the shard where `exports(replica)` is
+        true yields tensors."""
 
     @abstractmethod
-    def exports(self) -> bool:
-        """True on the one shard that yields the exported weights (global rank 0)."""
+    def exports(self, replica: int = 0) -> bool:
+        """True on the one shard that yields the weights exported from `replica` (its first rank;
+        global rank 0 for replica 0)."""
 
     @abstractmethod
     def save(self, directory: str) -> None:

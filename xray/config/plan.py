@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from xray.backends import split_pair
 from xray.backends.elastic import ElasticityError, elastic_batch
+from xray.config.graph import build_graph
 from xray.config.parallel import LayoutError, ParallelDims
 from xray.config.schema import RunConfig
 from xray.config.typed import ConfigError
@@ -103,8 +104,18 @@ def _check_sft_batches(cfg: RunConfig, plan: Plan) -> None:
                           f"actor.micro_batch_size = {unit}; make it a multiple of {unit}")
 
 
-def _check_async(cfg: RunConfig) -> None:
+def _check_async(cfg: RunConfig, plan: Plan) -> None:
     a = cfg.async_
+    trainers = plan.role("actor").parallel.dp
+    build_graph(a.feeds, a.pushes, plan.role("rollout").parallel.dp, trainers)
+    if cfg.ppo.rollout_batch_size % trainers:
+        raise ConfigError(f"ppo.rollout_batch_size={cfg.ppo.rollout_batch_size} is not divisible by the {trainers} "
+                          f"trainers (actor.dp): each maker batch is one trainer's share; use a multiple of {trainers}")
+    share = cfg.ppo.rollout_batch_size // trainers * cfg.rollout.n_samples
+    for role in ("reference", "reward"):
+        if role in {r.role for r in plan.roles} and share % plan.role(role).parallel.dp:
+            raise ConfigError(f"a maker batch of {share} samples (rollout_batch_size x n_samples / actor.dp) is "
+                              f"not divisible by {role}.dp={plan.role(role).parallel.dp}; change one of them")
     if a.push_every > a.max_staleness + 1:
         raise ConfigError(f"async.push_every={a.push_every} with async.max_staleness={a.max_staleness}: between "
                           "pushes the makers' weights fall further behind than allowed, and the run would stall; "
@@ -115,7 +126,7 @@ def _check_async(cfg: RunConfig) -> None:
 
 def _check_batches(cfg: RunConfig, plan: Plan) -> None:
     if cfg.trainer.mode == "async":
-        _check_async(cfg)
+        _check_async(cfg, plan)
     ppo = cfg.ppo
     samples = ppo.rollout_batch_size * cfg.rollout.n_samples
     rollout_dp = plan.role("rollout").parallel.dp

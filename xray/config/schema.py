@@ -174,12 +174,21 @@ class AsyncConfig:
     """Largest allowed gap, in weight versions, between the weights that generated an experience
     and the trainer's when it trains on it."""
     on_stale: Literal["wait", "drop"] = "wait"
-    """`wait`: a maker whose next batch would be too stale waits for new weights; `drop`: makers
-    never wait, and the trainer drops too-stale batches. Both are counted in metrics."""
+    """`wait`: a maker whose next batch would be too stale when trained on waits for new weights
+    (nothing is dropped); `drop`: makers never wait, and the trainers drop too-stale batches (their
+    prompts are lost). Both are counted in metrics."""
     buffer_capacity: int = 2
-    """Experience batches the buffer holds; a maker waits while it is full."""
+    """Experience batches each trainer's queue holds, counting those being made for it; a maker
+    waits for room before it samples."""
     behaviour_weight_cap: float = 2.0
     """Truncation of the importance weight pi_proximal / pi_behaviour of the decoupled PPO loss."""
+    feeds: dict[str, list[str]] = field(default_factory=dict)
+    """Which trainers each maker delivers experience to, e.g. `{maker0: [trainer0]}` (makers are
+    the rollout's replicas, trainers the actor's); a maker left out feeds every trainer. Each
+    batch goes to the maker's trainer with the shortest queue (see `xray/config/graph.py`)."""
+    pushes: dict[str, list[str]] = field(default_factory=dict)
+    """Which makers each trainer sends its weights to, e.g. `{trainer1: [maker1]}`; a maker left
+    out is updated by trainer (its index mod the trainers)."""
 
 
 @dataclass(frozen=True)
@@ -204,6 +213,10 @@ class RunConfig:
     """Run seed; each Workhorse seeds from (seed, role, rank)."""
     threads_per_worker: int = 1
     """torch threads per CPU Workhorse."""
+    pin_cpu_devices: bool = False
+    """Pin each CPU Workhorse to its device's cores (device index r of a node: cores r x
+    threads_per_worker onwards), so roles placed on one CPU device share it as roles on one GPU
+    do. Off: the OS spreads every Workhorse over all cores."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """Starting weights."""
     device_groups: DeviceGroups = field(default_factory=DeviceGroups)

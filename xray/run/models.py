@@ -88,10 +88,12 @@ def build_models(cfg: RunConfig, plan: Plan, model_dir: str, ray_address: str | 
 
     def start(role_plan) -> tuple[str, WholeModel]:
         role = role_plan.role
+        kwargs = role_init_kwargs(cfg, role, role_plan.backend, model_dir)
+        if cfg.pin_cpu_devices and role_plan.device.upper() == "CPU":
+            kwargs["cpu_devices"] = [r % plan.nproc_per_node for r in role_plan.ranks]
         wm = WholeModel(workhorse_class(role_plan.backend, role), role=role, parallel=role_plan.parallel,
                         device=role_plan.device, bundles=bundles[role], seed=cfg.seed,
-                        threads=cfg.threads_per_worker,
-                        init_kwargs=role_init_kwargs(cfg, role, role_plan.backend, model_dir))
+                        threads=cfg.threads_per_worker, init_kwargs=kwargs)
         return role, wm
 
     groups = tuple({id(b.placement_group): b.placement_group for b in bundles.values()}.values())

@@ -125,8 +125,10 @@ def check_logprobs(actor_logp: torch.Tensor, engine_logp: list[list[float]], pro
 
 
 async def sync_weights(actor, rollout, version: int, cfg: SyncConfig, probe: list[list[int]] | None = None,
-                       prompt_lens: list[int] | None = None, corrupt: str | None = None) -> SyncReport:
-    """Push the actor's weights to every rollout replica at `version`, then verify (cfg.verify).
+                       prompt_lens: list[int] | None = None, corrupt: str | None = None,
+                       replica: int = 0) -> SyncReport:
+    """Push the actor's weights (exported from its data-parallel `replica`) to every rollout
+    replica at `version`, then verify (cfg.verify).
 
     Everything is queued at once: the actor's probe forward runs on the actor right after its
     push, and the engine's probe waits (inside Ray) for the push to finish, so the two sides are
@@ -134,7 +136,7 @@ async def sync_weights(actor, rollout, version: int, cfg: SyncConfig, probe: lis
     if cfg.verify and not probe:
         raise ValueError("verification needs probe sequences; pass probe= and prompt_lens=")
     t0 = time.perf_counter()
-    push = actor.push_weights(rollout.shard_handles(), version, cfg.bucket_mb << 20, corrupt)
+    push = actor.push_weights(rollout.shard_handles(), version, cfg.bucket_mb << 20, corrupt, replica)
     if cfg.verify:
         actor_call = actor.forward(pad_sequences(probe))
         engine_call = rollout.call("logprobs", probe, prompt_lens, after=(push,))

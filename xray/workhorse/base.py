@@ -107,6 +107,18 @@ def _resolved(value: Any) -> Any:
     return assemble(ray.get(list(value.parts)), value)
 
 
+def pin_to_cpu_device(index: int, threads: int) -> list[int]:
+    """Pin this process to CPU device `index` of its node: cores [index x threads, (index + 1) x
+    threads), wrapped around the cores the process may use (`pin_cpu_devices` in the run config),
+    so Workhorses placed on one CPU device share its cores as roles placed on one GPU share it."""
+    import os
+
+    allowed = sorted(os.sched_getaffinity(0))
+    cores = sorted({allowed[(index * threads + k) % len(allowed)] for k in range(threads)})
+    os.sched_setaffinity(0, cores)
+    return cores
+
+
 class Workhorse:
     """One shard of one model. Subclasses add `setup()` and `@fanout` methods."""
 
@@ -121,6 +133,9 @@ class Workhorse:
         self.role, self.rank, self.parallel = role, rank, parallel
         self.device = device.lower()
         self.threads = threads
+        cpu_devices = config.pop("cpu_devices", None)
+        if cpu_devices is not None:
+            pin_to_cpu_device(cpu_devices[rank], threads)
         self.config = config
         self.seed = shard_seed(seed, role, rank)
         self.log = logging.LoggerAdapter(log, {"role": role, "rank": rank})

@@ -92,10 +92,12 @@ class TrainWorkhorse(Workhorse):
 
     @fanout(dispatch="all", collect=_exported, deadline_s=1800.0)
     def push_weights(self, targets: list, version: int, bucket_bytes: int = 64 << 20,
-                     corrupt: str | None = None) -> dict | None:
+                     corrupt: str | None = None, replica: int = 0) -> dict | None:
         """Stream the full weights, bucket by bucket, to rollout Workhorses (Ray actor handles).
 
         Every shard takes part in the export (its gathers are collective); the exporting shard
+        (the first of data-parallel replica `replica`: an asynchronous run's trainer d pushes to
+        its own makers)
         puts each bucket in the object store once, in its wire form, and exports the next bucket
         while the targets load this one: at most two buckets are in flight. `corrupt` names a
         tensor to perturb on the way: a fault-injection knob for testing the verification, never
@@ -106,8 +108,9 @@ class TrainWorkhorse(Workhorse):
         sent = count = 0
         t0 = time.perf_counter()
         in_flight: list[list] = []
-        for bucket in self.timed(self.engine.export_weights(bucket_bytes)):
-            if not self.engine.exports() or not bucket:
+        exports = self.engine.exports(replica)
+        for bucket in self.timed(self.engine.export_weights(bucket_bytes, replica)):
+            if not exports or not bucket:
                 continue
             if corrupt is not None:
                 bucket = [(n, t + 1e-2 if n == corrupt else t) for n, t in bucket]
@@ -119,7 +122,7 @@ class TrainWorkhorse(Workhorse):
             count += len(bucket)
         for loads in in_flight:
             ray.get(loads)
-        if not self.engine.exports():
+        if not exports:
             return None
         replicas = ray.get([t.finish_sync.remote(version) for t in targets])
         return {"version": version, "bytes": sent, "tensors": count, "replicas": len(replicas),

@@ -73,8 +73,8 @@ class DeepSpeedEngine(TrainEngine):
     def shard_info(self) -> ShardInfo:
         return layout_of(self.parallel, self.rank)
 
-    def exports(self) -> bool:
-        return self.rank == 0
+    def exports(self, replica: int = 0) -> bool:
+        return self.rank == replica  # every rank is one data-parallel replica
 
     @torch.no_grad()
     def forward(self, batch: Batch, entropy: bool = False) -> dict[str, torch.Tensor] | None:
@@ -104,12 +104,12 @@ class DeepSpeedEngine(TrainEngine):
         averaged.update(grad_norm=float(norm) if norm is not None else float("nan"), lr=lr)
         return averaged
 
-    def export_weights(self, bucket_bytes: int = 64 << 20) -> Iterator[WeightBucket]:
+    def export_weights(self, bucket_bytes: int = 64 << 20, replica: int = 0) -> Iterator[WeightBucket]:
         if self.zero_stage == 3:
             # A forward-only pass leaves ZeRO-3's prefetched parameters in flight; gathering them
             # again then fails ("Cannot partition a param in flight"). Release them first.
             self.engine.empty_partition_cache()
-        return iter_weight_buckets(self.engine.module, bucket_bytes, self.zero_stage == 3, self.exports())
+        return iter_weight_buckets(self.engine.module, bucket_bytes, self.zero_stage == 3, self.exports(replica))
 
     def save(self, directory: str) -> None:
         tag = f"step{self.step_count}"

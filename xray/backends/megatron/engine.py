@@ -158,13 +158,13 @@ class MegatronEngine(TrainEngine):
             dist.broadcast_object_list(metrics, src=last, group=ps.get_pipeline_model_parallel_group())
         return metrics[0]
 
-    def export_weights(self, bucket_bytes: int = 64 << 20) -> Iterator[WeightBucket]:
+    def export_weights(self, bucket_bytes: int = 64 << 20, replica: int = 0) -> Iterator[WeightBucket]:
         with torch.no_grad():
             yield from export_full(self.model, self.spec, self.parallel, self.role == "critic",
-                                   bucket_bytes)
+                                   bucket_bytes, replica)
 
-    def exports(self) -> bool:
-        return self.rank == 0
+    def exports(self, replica: int = 0) -> bool:
+        return self.rank == self.parallel.rank_of(0, 0, replica)
 
     def _header(self) -> dict[str, Any]:
         return checkpoint.header_of(self.spec, self.parallel, self.role)

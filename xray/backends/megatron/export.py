@@ -1,11 +1,12 @@
-"""Streaming the full weights, with Hugging Face names, from all shards to global rank 0.
+"""Streaming the full weights, with Hugging Face names, from one replica's shards to its first.
 
 Used by `MegatronEngine.export_weights` (weight sync to the rollout engine, HF checkpoints). Every
 rank computes the same plan from the model spec alone: the exported entries of every pipeline
-stage in order, cut into buckets of bounded size. For each bucket, each shard of the first
-data-parallel replica that holds part of it packs its pieces into one flat buffer and sends it to
-rank 0 (point-to-point, so ranks that hold nothing of a bucket stay idle); rank 0 unpacks the
-buffers, rebuilds the HF tensors with `convert.from_shards` and yields them.
+stage in order, cut into buckets of bounded size. For each bucket, each shard of the exporting
+data-parallel replica (the first, unless asked) that holds part of it packs its pieces into one
+flat buffer and sends it to that replica's first rank (point-to-point, so ranks that hold nothing
+of a bucket stay idle), which unpacks the buffers, rebuilds the HF tensors with
+`convert.from_shards` and yields them.
 """
 from __future__ import annotations
 
@@ -53,23 +54,23 @@ def _numel(entry: Entry, spec: ModelSpec, tp: int) -> int:
     return math.prod(shard_shape(entry, spec, tp))
 
 
-def _send_bucket(bucket: list[Planned], params: dict[str, torch.Tensor], stage: int) -> None:
+def _send_bucket(bucket: list[Planned], params: dict[str, torch.Tensor], stage: int, dst: int) -> None:
     mine = [params[p.entry.megatron_name].detach().reshape(-1) for p in bucket if p.stage == stage]
     if mine:
-        dist.send(torch.cat(mine), dst=0)
+        dist.send(torch.cat(mine), dst=dst)
 
 
 def _receive_bucket(bucket: list[Planned], params: dict[str, torch.Tensor], spec: ModelSpec,
-                    parallel: ParallelDims) -> dict[tuple[int, int], list[torch.Tensor]]:
-    """Rank 0: the shards of every entry of the bucket, keyed by (stage, index in bucket)."""
+                    parallel: ParallelDims, replica: int) -> dict[tuple[int, int], list[torch.Tensor]]:
+    """The exporting rank: the shards of every entry of the bucket, keyed by (stage, index in bucket)."""
     shards: dict[tuple[int, int], list[torch.Tensor]] = {}
     first = next(iter(params.values()))
     dtype, device = first.dtype, first.device
     for stage in sorted({p.stage for p in bucket}):
         indexed = [(i, p.entry) for i, p in enumerate(bucket) if p.stage == stage]
         for tp_rank in range(parallel.tp):
-            src = parallel.rank_of(tp_rank, stage, 0)
-            if src == 0:
+            src = parallel.rank_of(tp_rank, stage, replica)
+            if src == dist.get_rank():
                 pieces = [params[e.megatron_name].detach().clone() for _, e in indexed]
             else:
                 sizes = [_numel(e, spec, parallel.tp) for _, e in indexed]
@@ -83,20 +84,22 @@ def _receive_bucket(bucket: list[Planned], params: dict[str, torch.Tensor], spec
 
 
 def export_full(model: torch.nn.Module, spec: ModelSpec, parallel: ParallelDims, critic: bool,
-                bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Collective over all ranks: rank 0 yields buckets of (HF name, full CPU tensor); others
-    send their shards and yield nothing."""
+                bucket_bytes: int, replica: int = 0) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Collective over all ranks: the first shard of data-parallel replica `replica` (global rank
+    0 for replica 0) yields buckets of (HF name, full CPU tensor); that replica's other shards
+    send it their pieces, and every other rank yields nothing."""
     rank = dist.get_rank()
     coords = parallel.coords(rank)
+    exporter = parallel.rank_of(0, 0, replica)
     params = dict(model.named_parameters())
     element_size = next(model.parameters()).element_size()
     for bucket in plan_buckets(spec, parallel, critic, bucket_bytes, element_size):
-        if rank == 0:
-            shards = _receive_bucket(bucket, params, spec, parallel)
+        if rank == exporter:
+            shards = _receive_bucket(bucket, params, spec, parallel, replica)
             out: list[tuple[str, torch.Tensor]] = []
             for i, planned in enumerate(bucket):
                 full = from_shards(planned.entry, shards[(planned.stage, i)], spec)
                 out += [(n, t.cpu()) for n, t in zip(planned.entry.hf_names, full)]
             yield out
-        elif coords.dp_rank == 0:
-            _send_bucket(bucket, params, coords.pp_rank)
+        elif coords.dp_rank == replica:
+            _send_bucket(bucket, params, coords.pp_rank, exporter)
