@@ -32,7 +32,7 @@ from algorithms.ppo.rewards import kl_penalized_rewards, shape_scores
 from xray.config.graph import build_graph
 from xray.data import columns as C
 from xray.data.batch import Batch
-from xray.sync import sync_weights
+from xray.sync import deliver, stage
 
 
 @dataclass
@@ -86,6 +86,8 @@ class Detached:
         """Per trainer, batches claimed and not yet taken: being made or in the buffer."""
         self.changed = asyncio.Condition()
         """Notified when a claim may have become possible: a take, a push."""
+        self.deliveries: list[asyncio.Future] = []
+        """The last push's deliveries to the makers, in flight."""
         self.buffer = ray.remote(BufferActor).options(num_cpus=0).remote(
             cfg.async_.buffer_capacity, cfg.async_.max_staleness, self.graph.trainers, self.version + 1)
 
@@ -191,8 +193,10 @@ class Detached:
             parts=len(entries))
         kl, kl_coef = sequence_kl(proximal[C.LOGPROBS], exp[C.REF_LOGPROBS], mask), t.kl.value
         t.kl.update(kl, len(exp))
+        sync = await self.delivered()  # the previous push travelled while this step trained
         self.version = t.state.step = step
-        sync = await self.push(exp) if step % acfg.push_every == 0 else {}
+        if step % acfg.push_every == 0:
+            self.push(exp)
         wall = time.perf_counter() - start
         made, self.stats = self.stats, MakerStats()
         scores = exp[C.SCORES]
@@ -205,23 +209,33 @@ class Detached:
                 "async/maker_busy": min(1.0, made.busy_s / (wall * len(self.makers))),
                 "samples_per_s": len(exp) / wall, **sync, **(await self.buffer.stats.remote())}
 
-    async def push(self, exp: Batch) -> dict[str, float]:
-        """The trainers' weights to every maker at their version, each from the trainer the graph
-        names (`async.pushes`), each verified, each under its maker's lock."""
+    def push(self, exp: Batch) -> None:
+        """Stage the trainers' weights at their version (one export per pushing trainer, queued on
+        the actor before anything else, so the next step trains on while they travel) and deliver
+        each maker its trainer's copy (`async.pushes`) as soon as the maker is between batches,
+        verified, under that maker's lock: no maker stops the others or the trainers."""
         sequences, prompt_lens = self.trainer.probe(exp)
+        cfg, actor = self.trainer.cfg.sync, self.trainer.models.actor
+        staged = {d: stage(actor, self.version, cfg, sequences, prompt_lens, replica=d)
+                  for d in sorted(set(self.graph.pusher))}
 
         async def one(i: int):
             async with self.locks[i]:
-                report = await sync_weights(self.trainer.models.actor, self.makers[i], self.version,
-                                            self.trainer.cfg.sync, sequences, prompt_lens,
-                                            replica=self.graph.pusher[i])
-                self.versions[i] = self.version
-                return report
+                report = await deliver(staged[self.graph.pusher[i]], self.makers[i], cfg)
+                self.versions[i] = report.version
+            await self._notify()
+            return report
 
-        reports = await asyncio.gather(*[one(i) for i in range(len(self.makers))])
-        await self._notify()
+        self.deliveries = [asyncio.ensure_future(one(i)) for i in range(len(self.makers))]
+
+    async def delivered(self) -> dict[str, float]:
+        """Wait for the last push's deliveries; their verification, for the step's metrics."""
+        if not self.deliveries:
+            return {}
+        reports = await asyncio.gather(*self.deliveries)
+        self.deliveries = []
         return {"sync/max_abs_logprob_diff": max(r.max_abs_logprob_diff for r in reports),
-                "sync/verify_s": max(r.verify_s for r in reports), "async/version": float(self.version)}
+                "sync/verify_s": max(r.verify_s for r in reports), "sync/version": float(reports[0].version)}
 
     # -- checkpoints -----------------------------------------------------------------------------
     def capture(self) -> dict:
@@ -272,8 +286,10 @@ class Detached:
             import ray
 
             ray.kill(self.buffer)
+        await self.delivered()
         if self.versions != [self.version] * len(self.makers) and getattr(self, "last", None) is not None:
-            await self.push(self.last)  # the makers end on the trainers' last weights (for the eval)
+            self.push(self.last)  # the makers end on the trainers' last weights (for the eval)
+            await self.delivered()
 
 
 def _put(batch: Batch):

@@ -2,7 +2,7 @@
 
 2 makers x 1 trainer and 2 makers x 2 trainers (actor and critic at dp=2, each trainer fed by its
 own maker and trainer 1 pushing to both makers), on both backend pairs. Each: finite metrics, a
-verified sync at every push, staleness never above the bound, changed weights, the graph obeyed;
+verified sync at every push (each arrives while the next step trains), staleness never above the bound, changed weights, the graph obeyed;
 the step-3 checkpoint holds every prompt drawn (trained, buffered, or in the making), and a resume
 from it queues them again and completes steps 4-6.
 """
@@ -40,10 +40,11 @@ def async_config(tmp_path: Path, model_dir: Path, backend: str, trainers: int) -
 
 def check(steps: dict[int, dict], expected: list[int], trainers: int) -> None:
     assert sorted(steps) == expected
-    for row in steps.values():
+    for step, row in steps.items():
         assert all(math.isfinite(v) for v in row.values() if isinstance(v, float)), row
         assert row["async/staleness"] <= 1  # the bound
-        assert row["sync/max_abs_logprob_diff"] <= 1e-3 and row["async/version"] == row["step"]  # pushed, verified
+        if step - 1 in steps:  # the previous step's push arrived, verified, while this one trained
+            assert row["sync/version"] == step - 1 and row["sync/max_abs_logprob_diff"] <= 1e-3, row
         assert 0.0 <= row["async/trainer_busy"] <= 1.0 and row["samples_per_s"] > 0
         assert [row[f"async/trainer{d}_maker"] for d in range(trainers)] == ([0, 1] if trainers == 2 else
                                                                              [row["async/trainer0_maker"]])

@@ -150,3 +150,53 @@ async def sync_weights(actor, rollout, version: int, cfg: SyncConfig, probe: lis
     log.debug("weight sync v%d: %.1f MB in %.2f s, verify %.2f s (max diff %.2e)", version,
               pushed["bytes"] / 1e6, sync_s, verify_s, diff)
     return SyncReport(version, pushed["bytes"], sync_s, verify_s, diff)
+
+
+@dataclass
+class Staged:
+    """A weight version exported into the object store (`stage`), with the actor's probe log-probs
+    at that instant, waiting to be delivered to rollout replicas (`deliver`)."""
+
+    version: int
+    export: object
+    """Pending answer of `stage_weights`: {"buckets": [ref, ...], "bytes": n}."""
+    actor_probe: object | None
+    """Pending actor forward over the probe (None when verification is off)."""
+    probe: list[list[int]] | None
+    prompt_lens: list[int] | None
+    started: float
+
+
+def stage(actor, version: int, cfg: SyncConfig, probe: list[list[int]] | None = None,
+          prompt_lens: list[int] | None = None, replica: int = 0) -> Staged:
+    """Queue, on the actor, the export of its current weights (from data-parallel `replica`) into
+    the object store and the probe forward that will verify them, and return at once. Whatever
+    the caller queues on the actor afterwards (the next training step) runs after both, so they
+    see exactly this version, while the rollout replicas take it whenever they are free."""
+    if cfg.verify and not probe:
+        raise ValueError("verification needs probe sequences; pass probe= and prompt_lens=")
+    export = actor.stage_weights(cfg.bucket_mb << 20, replica)
+    actor_probe = actor.forward(pad_sequences(probe)) if cfg.verify else None
+    return Staged(version, export, actor_probe, probe, prompt_lens, time.perf_counter())
+
+
+async def deliver(staged: Staged, rollout, cfg: SyncConfig) -> SyncReport:
+    """Load a staged version into every replica of `rollout`, then verify it as `sync_weights`
+    does (the engine's probe log-probs against the actor's of the same instant)."""
+    t0 = time.perf_counter()
+    export = await staged.export
+    targets = rollout.shard_handles()
+    for ref in export["buckets"]:  # in order; each target loads one bucket after the other
+        await asyncio.gather(*[t.load_bucket.remote(ref) for t in targets])
+    await asyncio.gather(*[t.finish_sync.remote(staged.version) for t in targets])
+    sync_s = time.perf_counter() - t0
+    diff, verify_s = float("nan"), 0.0
+    if cfg.verify:
+        engine_logp = await rollout.call("logprobs", staged.probe, staged.prompt_lens)
+        actor_out = await staged.actor_probe
+        diff = check_logprobs(actor_out[C.LOGPROBS], engine_logp, staged.probe, staged.prompt_lens,
+                              staged.version, cfg.tolerance)
+        verify_s = time.perf_counter() - t0 - sync_s
+    log.debug("weight sync v%d (staged): %.1f MB in %.2f s, verify %.2f s (max diff %.2e)", staged.version,
+              export["bytes"] / 1e6, sync_s, verify_s, diff)
+    return SyncReport(staged.version, export["bytes"], sync_s, verify_s, diff)

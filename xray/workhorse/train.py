@@ -128,6 +128,22 @@ class TrainWorkhorse(Workhorse):
         return {"version": version, "bytes": sent, "tensors": count, "replicas": len(replicas),
                 "push_s": time.perf_counter() - t0}
 
+    @fanout(dispatch="all", collect=_exported, deadline_s=1800.0)
+    def stage_weights(self, bucket_bytes: int = 64 << 20, replica: int = 0) -> dict | None:
+        """Export the full weights into the object store, every bucket at once, and return their
+        references (`{"buckets": [ref, ...], "bytes": n}` from the exporting shard): the weights of
+        this instant, for rollout replicas to load whenever they are free (`xray.sync.deliver`).
+        The object store holds the whole model until the references are dropped."""
+        import ray
+
+        refs, sent = [], 0
+        exports = self.engine.exports(replica)
+        for bucket in self.engine.export_weights(bucket_bytes, replica):
+            if exports and bucket:
+                refs.append(ray.put(pack_bucket(bucket)))
+                sent += sum(t.numel() * t.element_size() for _, t in bucket)
+        return {"buckets": refs, "bytes": sent} if exports else None
+
     @fanout(dispatch="all", collect=lambda layout, results: None)
     def save(self, directory: str) -> None:
         self.engine.save(directory)
