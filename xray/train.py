@@ -82,8 +82,15 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.algo == "ppo":
             from algorithms.ppo.run import run_ppo
+            from xray.run.graceful import RunInterrupted
 
-            before, after = run_ppo(cfg, plan, output_dir, args.resume, args.ray_address)
+            try:
+                before, after = run_ppo(cfg, plan, output_dir, args.resume, args.ray_address)
+            except RunInterrupted as stop:
+                shutdown_ray()
+                sys.stdout.write(f"stopped: the latest checkpoint is step {stop.step}; continue with:\n"
+                                 f"  {stop.resume}\n")
+                return 0
             shutdown_ray()  # no Workhorse log line may land after the result
             sys.stdout.write(f"eval_before={before:.4f} eval_after={after:.4f}\n")
         else:

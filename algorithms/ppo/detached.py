@@ -272,13 +272,21 @@ class Detached:
         self.serial = max([e["serial"] for e in state["entries"]], default=0)
 
     # -- the run ---------------------------------------------------------------------------------
-    async def run(self, steps: range, on_step) -> None:
+    async def run(self, steps: range, on_step, stop=None, on_stop=None) -> None:
         """Trainer steps `steps` with the makers running beside them; awaits `on_step(step, metrics)`
-        after each (metrics, checkpoints)."""
+        after each (metrics, checkpoints); ends early when `stop` (a `GracefulStop`) is requested,
+        awaiting `on_stop()` (the last checkpoint) while the buffer still stands."""
         makers = [asyncio.ensure_future(self.maker(i)) for i in range(len(self.makers))]
         try:
             for step in steps:
-                await on_step(step, await self.step(step, makers))
+                if stop is not None and stop.requested:
+                    break
+                metrics = await (stop.guard(self.step(step, makers)) if stop is not None else self.step(step, makers))
+                if metrics is None:
+                    break
+                await on_step(step, metrics)
+            if stop is not None and stop.requested and on_stop is not None:
+                await on_stop()
         finally:
             for task in makers:
                 task.cancel()

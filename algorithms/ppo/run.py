@@ -24,6 +24,8 @@ from xray.config.typed import to_dict
 from xray.rewards.model import ModelScorer
 from xray.run.models import build_models, check_layouts
 from xray.backends.hf_dir import save_hf_model
+from xray.run.checkpoints import FlashCheckpoints
+from xray.run.graceful import GracefulStop, RunInterrupted
 from xray.run.outputs import RunDir, read_trainer_state
 from xray.run.task import BUILTIN_MODEL, RunData, prepare
 
@@ -32,20 +34,16 @@ ASYNC_STATE = "async.pt"
 """An async run's checkpoint file for the buffer's experiences and the prompts in the making."""
 
 
-async def save_checkpoint(trainer: PPOTrainer, run: RunDir, data: RunData, detached=None) -> Path:
-    """The actor and critic, the trainer's state and, in async mode, the buffer's experiences and
-    the prompts of batches in the making (`Detached.state_dict`)."""
+async def save_checkpoint(trainer: PPOTrainer, checkpoints: FlashCheckpoints, data: RunData,
+                          detached=None) -> float:
+    """A flash checkpoint of the actor and critic, with the trainer's state and, in async mode, the
+    buffer's experiences and the prompts of batches in the making (`Detached.state_dict`); returns
+    the seconds training stopped for it."""
     sampler, captured = data.sampler.state_dict(), detached.capture() if detached else None  # one instant
-    directory = run.checkpoint_dir(trainer.state.step)
-    directory.mkdir(parents=True, exist_ok=True)
-    await asyncio.gather(trainer.models.actor.save(str(directory / "actor")),
-                         trainer.models.critic.save(str(directory / "critic")))
-    if detached is not None:
-        torch.save(await detached.state_dict(captured), directory / ASYNC_STATE)
-    run.write_trainer_state(directory, {"step": trainer.state.step, "kl": trainer.kl.state_dict(),
-                                        "eval_before": trainer.state.eval_before, "sampler": sampler})
-    log.info("checkpoint step %d -> %s", trainer.state.step, directory)
-    return directory
+    files = {ASYNC_STATE: await detached.state_dict(captured)} if detached is not None else {}
+    state = {"step": trainer.state.step, "kl": trainer.kl.state_dict(), "eval_before": trainer.state.eval_before,
+             "sampler": sampler}
+    return await checkpoints.take(trainer.state.step, state, files)
 
 
 async def resume_from(trainer: PPOTrainer, directory: Path, data: RunData, detached=None) -> None:
@@ -98,8 +96,9 @@ def run_ppo(cfg: RunConfig, plan: Plan, output_dir: Path, resume: str | None,
 
 
 async def train(trainer: PPOTrainer, run: RunDir, data: RunData, resume: str | None) -> float:
-    """The run's one event loop: resume, evaluate, PPO steps with progress, evaluate again, and
-    export the actor as a Hugging Face directory."""
+    """The run's one event loop: resume, evaluate, PPO steps with progress, metrics and flash
+    checkpoints, evaluate again, and export the actor as a Hugging Face directory. A signal ends
+    it at a step boundary with a checkpoint (`RunInterrupted`)."""
     cfg = trainer.cfg
     latest = run.latest_checkpoint() if resume else None
     if resume and latest is None:
@@ -115,6 +114,24 @@ async def train(trainer: PPOTrainer, run: RunDir, data: RunData, resume: str | N
     if trainer.state.eval_before is None:
         trainer.state.eval_before = await trainer.evaluate(data.eval_rows)
     log.info("eval before training: %.3f", trainer.state.eval_before)
+    checkpoints = FlashCheckpoints(run, trainer.models)
+    stop = GracefulStop(cfg.trainer.on_signal, cfg.trainer.exit_grace_s).install()
+    try:
+        await train_steps(trainer, run, data, detached, checkpoints, stop)
+        if stop.requested:
+            await stopped(checkpoints, run)
+    finally:
+        stop.uninstall()
+    await checkpoints.finish()
+    eval_after = await trainer.evaluate(data.eval_rows)
+    save_hf_model(await trainer.models.actor.state_dict(), data.model_dir, run.path / "final" / "actor")
+    return eval_after
+
+
+async def train_steps(trainer: PPOTrainer, run: RunDir, data: RunData, detached, checkpoints: FlashCheckpoints,
+                      stop: GracefulStop) -> None:
+    """The steps from the one after the resumed (or 0) to `trainer.steps`, or to a signal."""
+    cfg = trainer.cfg
     steps = range(trainer.state.step + 1, cfg.trainer.steps + 1)
     bar = tqdm(steps, desc=f"ppo ({cfg.trainer.mode})", unit="step", file=sys.stderr, mininterval=1.0)
 
@@ -127,17 +144,65 @@ async def train(trainer: PPOTrainer, run: RunDir, data: RunData, resume: str | N
         else:
             shown.update(s_per_step=f"{sum(v for k, v in metrics.items() if k.startswith('time/')):.1f}")
         bar.set_postfix(shown, refresh=False)
+        if checkpoints.written_s is not None:
+            metrics["checkpoint/write_s"], checkpoints.written_s = checkpoints.written_s, None
+        if cfg.trainer.save_every and step % cfg.trainer.save_every == 0:
+            metrics["checkpoint/stall_s"] = await save_checkpoint(trainer, checkpoints, data, detached)
         if step % cfg.trainer.log_every == 0:
             run.log_metrics(step, metrics)
-        if cfg.trainer.save_every and step % cfg.trainer.save_every == 0:
-            await save_checkpoint(trainer, run, data, detached)
+
+    async def on_stop() -> None:  # a signal: checkpoint the last finished step unless saved or abandoned
+        if not stop.abandoned and checkpoints.last_step != trainer.state.step and trainer.state.step > 0:
+            await save_checkpoint(trainer, checkpoints, data, detached)
 
     if detached is not None:
-        await detached.run(steps, on_step)
+        await detached.run(steps, on_step, stop, on_stop)
     else:
-        for step in steps:
-            await on_step(step, await trainer.step(data.next_train_rows()))
+        await sync_steps(trainer, run, data, checkpoints, stop, on_step)
+        if stop.requested:
+            await on_stop()
     bar.close()
-    eval_after = await trainer.evaluate(data.eval_rows)
-    save_hf_model(await trainer.models.actor.state_dict(), data.model_dir, run.path / "final" / "actor")
-    return eval_after
+
+
+async def sync_steps(trainer: PPOTrainer, run: RunDir, data: RunData, checkpoints: FlashCheckpoints,
+                     stop: GracefulStop, on_step) -> None:
+    """Synchronous steps to `trainer.steps`; a step that loses a Workhorse is recovered
+    (`algorithms.ppo.recovery`), from a step-0 checkpoint if none is newer."""
+    from algorithms.ppo.recovery import recover
+    from xray.wholemodel.errors import WholeModelError
+
+    cfg, restarts = trainer.cfg, 0
+    if cfg.trainer.max_restarts and run.latest_checkpoint() is None:
+        await save_checkpoint(trainer, checkpoints, data)  # somewhere to go back to
+    while trainer.state.step < cfg.trainer.steps and not stop.requested:
+        sampler_state = data.sampler.state_dict()
+        try:
+            metrics = await stop.guard(trainer.step(data.next_train_rows()))
+            if metrics is None:
+                break
+            await on_step(trainer.state.step, metrics)
+        except WholeModelError as exc:
+            restarts += 1
+            await recover(exc, trainer, data, checkpoints, run, sampler_state, restarts)
+
+
+async def stopped(checkpoints: FlashCheckpoints, run: RunDir) -> None:
+    """After a signal (and its checkpoint): wait until the checkpoint is on disk, and raise
+    `RunInterrupted` with the resume command."""
+    await checkpoints.finish()
+    latest = run.latest_checkpoint()
+    raise RunInterrupted(int(latest.name.split("-")[1]) if latest else 0,
+                         resume_command(run.path) if latest else "nothing to resume (no checkpoint was complete)")
+
+
+def resume_command(run_path: Path) -> str:
+    """This command line again, with `--resume RUN_DIR` in place of any `--resume`."""
+    import shlex
+
+    args, skip = [], False
+    for arg in sys.argv[1:]:
+        if skip or arg == "--resume" or arg.startswith("--resume="):
+            skip = arg == "--resume"
+            continue
+        args.append(arg)
+    return " ".join(["python -m xray.train", *map(shlex.quote, args), "--resume", shlex.quote(str(run_path))])

@@ -56,7 +56,12 @@ class PhaseTimer:
     @contextmanager
     def __call__(self, phase: str):
         t0 = time.perf_counter()
-        yield
+        try:
+            yield
+        except Exception as exc:
+            if not hasattr(exc, "phase"):
+                exc.phase = phase  # where the step failed: recovery (algorithms.ppo.recovery) asks
+            raise
         self.seconds[f"time/{phase}_s"] = time.perf_counter() - t0
 
 

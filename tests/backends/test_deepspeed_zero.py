@@ -3,8 +3,9 @@
 One spawn (2 gloo processes) builds the three stages one after the other (spawns dominate the
 cost: each process imports torch, transformers and DeepSpeed) and, per stage, checks log-probs
 and entropy against `xray.check.reference`, one train step against `reference_train_step` (loss,
-grad norm, lr, every exported weight), then saves at step 1 and runs two more steps. A second
-spawn (fresh processes) loads each stage's checkpoint and must reproduce those two steps bitwise.
+grad norm, lr, every exported weight), then takes a flash checkpoint at step 1 and runs two more
+steps before writing it. A second spawn (fresh processes) loads each stage's checkpoint and must
+reproduce those two steps bitwise.
 Each stage also checks the critic (values against the unsharded trunk + value head, three steps
 lower its loss) and the optimizer-free reference role (stages 1 and 2 run it as stage 0).
 
@@ -92,8 +93,9 @@ def _train_and_save(rank, world, model_dir, ckpt_root, batches):
         out = {"logprobs": fwd[C.LOGPROBS].numpy(), "entropy": fwd[C.ENTROPY].numpy(),
                "metrics": engine.train_step(part[0], policy_loss, MICRO), "buckets": []}
         out["weights1"] = _export(engine, out["buckets"])
-        engine.save(f"{ckpt_root}/zero{stage}")
+        persist = engine.snapshot(f"{ckpt_root}/zero{stage}")  # a flash checkpoint, written late:
         out["losses_after"] = [engine.train_step(p, policy_loss, MICRO)["loss"] for p in part[1:]]
+        persist()  # after two more steps, it must still hold step 1
         out["weights_end"] = _export(engine)
         out["exports"] = engine.exports()
         del engine

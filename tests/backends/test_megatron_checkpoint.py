@@ -2,7 +2,8 @@
 
 Run A trains K steps, saves, then trains two more; run B (new processes) builds a fresh engine,
 loads A's checkpoint and trains the same two steps: both losses must be bitwise equal (the second
-one also checks the AdamW state and the warm-up schedule came back).
+one also checks the AdamW state and the warm-up schedule came back). A flash checkpoint
+(`snapshot`) is written only after the two further steps: what lands on disk is still step K's.
 """
 from __future__ import annotations
 
@@ -29,13 +30,18 @@ def _train(engine, steps):
     return [engine.train_step(_batch(s), R.policy_loss, 2) for s in steps]
 
 
-def _run_a(rank, world_size, model_dir, ckpt_dir):
+def _run_a(rank, world_size, model_dir, ckpt_dir, flash):
     from xray.backends.megatron import build_engine
 
     engine = build_engine(model_dir, ParallelDims(*DIMS), "actor", OPTIM, seed=0)
     _train(engine, range(K))
-    engine.save(ckpt_dir)
-    return _train(engine, range(K, K + 2))
+    if not flash:
+        engine.save(ckpt_dir)
+        return _train(engine, range(K, K + 2))
+    persist = engine.snapshot(ckpt_dir)
+    after = _train(engine, range(K, K + 2))
+    persist()  # the write lags the training: it must hold the snapshot's instant
+    return after
 
 
 def _run_b(rank, world_size, model_dir, ckpt_dir):
@@ -46,10 +52,11 @@ def _run_b(rank, world_size, model_dir, ckpt_dir):
     return engine.step, _train(engine, range(K, K + 2))
 
 
-def test_resume_is_bitwise(tmp_path):
+@pytest.mark.parametrize("flash", [False, True], ids=["save", "flash"])
+def test_resume_is_bitwise(tmp_path, flash):
     model_dir = str(build_tiny_model(tmp_path / "model", TinySpec(), seed=0))
     ckpt = str(tmp_path / "ckpt")
-    a = run_distributed(_run_a, 2, model_dir, ckpt)
+    a = run_distributed(_run_a, 2, model_dir, ckpt, flash)
     b = run_distributed(_run_b, 2, model_dir, ckpt)
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["rank00000.pt", "rank00001.pt"]
     for rank in range(2):

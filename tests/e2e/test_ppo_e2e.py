@@ -3,14 +3,18 @@
 megatron-vllm: actor/critic/reference on Megatron with tp=2, a vLLM rollout of 2 replicas.
 deepspeed-dsinfer: actor/critic/reference on DeepSpeed ZeRO-3 with dp=2, DeepSpeed-Inference
 rollout of 2 replicas. Each run: metrics finite, every step's sync verified, actor weights
-changed; then the step-2 checkpoint, resumed in a fresh run, gives the same step-3 metrics.
+changed; then the step-2 (flash) checkpoint, resumed in a fresh run, gives the same step-3
+metrics. On megatron-vllm a second run gets SIGTERM after its first step: it exits 0 within 15 s
+printing the resume command, and resumed, its remaining steps equal the uninterrupted run's.
 """
 import json
 import math
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -19,7 +23,7 @@ import yaml
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
-VOLATILE = ("time/", "tokens_per_s", "sync/verify_s")
+VOLATILE = ("time/", "tokens_per_s", "sync/verify_s", "checkpoint/")
 
 
 @pytest.fixture(scope="module")
@@ -95,6 +99,31 @@ def test_three_steps_then_exact_resume(tmp_path, tiny_model, backend):
     resumed = metrics(run_b)
     assert sorted(resumed) == [3]
     assert stable(resumed[3]) == stable(steps[3])
+    if backend == "megatron-vllm":
+        check_sigterm_then_resume(tmp_path / "c", backend, cfg, steps)
+
+
+def check_sigterm_then_resume(run: Path, backend: str, cfg: Path, uninterrupted: dict[int, dict]) -> None:
+    command = [sys.executable, "-m", "xray.train", "ppo", "--backend", backend, "--config", str(cfg)]
+    p = subprocess.Popen([*command, "--output-dir", str(run)], cwd=ROOT, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 600
+    while not ((run / "metrics.jsonl").is_file() and (run / "metrics.jsonl").read_text().strip()):
+        assert p.poll() is None and time.monotonic() < deadline, "the run ended before its first step was logged"
+        time.sleep(0.05)
+    t0 = time.monotonic()
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=120)
+    took = time.monotonic() - t0
+    assert p.returncode == 0, err[-6000:]
+    assert took < 15, took
+    assert "--resume" in out and "SIGTERM received" in err, out
+    stopped_at = sorted(metrics(run))
+    train("--backend", backend, "--config", str(cfg), "--resume", str(run))
+    steps = metrics(run)
+    assert sorted(steps) == [1, 2, 3] and stopped_at[-1] < 3  # the signal stopped it early
+    for step in range(stopped_at[-1] + 1, 4):
+        assert stable(steps[step]) == stable(uninterrupted[step]), step
 
 
 def test_final_actor_loads_in_transformers(tmp_path, tiny_model):

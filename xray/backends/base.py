@@ -92,6 +92,12 @@ class TrainEngine(ABC):
         """Save this shard's full training state (weights, optimizer, scheduler, RNG)."""
 
     @abstractmethod
+    def snapshot(self, directory: str) -> "Callable[[], None]":
+        """Copy this shard's full training state into host memory now (blocking) and return the
+        function that writes it to `directory` as `save` would, to run in the background (a
+        flash checkpoint; see `xray/backends/snapshot.py`)."""
+
+    @abstractmethod
     def load(self, directory: str) -> None:
         """Load what `save` wrote, into a freshly built engine of the same layout."""
 

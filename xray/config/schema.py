@@ -200,7 +200,17 @@ class TrainerConfig:
     steps: int = 20
     """PPO steps (trainer steps in async mode)."""
     save_every: int = 10
-    """Checkpoint every this many steps (0: only at the end)."""
+    """Flash-checkpoint every this many steps (0: never; a signal still takes one): a short copy into host memory,
+    written to disk in the background; it becomes the latest once all of it is on disk."""
+    on_signal: Literal["finish", "abandon"] = "finish"
+    """SIGTERM/SIGINT: `finish` the step under way (within `exit_grace_s`), checkpoint it and exit
+    0; `abandon` it at once and exit 0 (the last complete checkpoint stands)."""
+    exit_grace_s: float = 10.0
+    """Seconds a step under way may take to finish after a signal before it is abandoned."""
+    max_restarts: int = 2
+    """Times a synchronous run replaces a dead Workhorse's model and goes on (see
+    `algorithms/ppo/recovery.py`); one more death ends the run. A run that may restart takes a
+    flash checkpoint of step 0 to go back to."""
     log_every: int = 1
     """Write metrics every this many steps."""
 

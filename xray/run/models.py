@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from xray.config.plan import Plan
 from xray.config.schema import RunConfig
@@ -32,6 +32,24 @@ class Models:
     reward: Optional[WholeModel] = None
     placement_groups: tuple = ()
     """The run's device reservations, freed by `shutdown`."""
+    starter: Optional[Callable[[str], WholeModel]] = None
+    """Starts one role's WholeModel anew on the role's reserved devices (`replace`)."""
+
+    def replace(self, role: str) -> WholeModel:
+        """Stop what is left of `role`'s WholeModel and start a new one on the same devices (a
+        Workhorse died: its replacement joins fresh process groups with the surviving shards'
+        replacements). The new model holds the initial weights: the caller restores its state."""
+        if self.starter is None:
+            raise RuntimeError("these models were not built by build_models; rebuild them yourself")
+        old = getattr(self, role)
+        try:
+            old.shutdown(release=False, grace_s=0.0)  # its survivors may hang in a collective
+        except Exception as exc:  # noqa: BLE001 - the old model is broken: report and go on
+            log.warning("%s: stopping the broken model: %s", role, exc)
+        new = self.starter(role)
+        setattr(self, role, new)
+        log.warning("%s: replaced (a new WholeModel of %d Workhorses on the same devices)", role, len(new.layout))
+        return new
 
     def all(self) -> list[WholeModel]:
         return [m for m in (self.actor, self.critic, self.reference, self.rollout, self.reward) if m is not None]
@@ -39,8 +57,9 @@ class Models:
     def shutdown(self) -> None:
         import ray
 
-        for m in self.all():
-            m.shutdown()
+        models = list(self.all())
+        with ThreadPoolExecutor(max_workers=max(1, len(models))) as pool:  # a busy model waits its own grace only
+            list(pool.map(lambda m: m.shutdown(), models))
         for pg in self.placement_groups:
             ray.util.remove_placement_group(pg)
 
@@ -86,17 +105,17 @@ def build_models(cfg: RunConfig, plan: Plan, model_dir: str, ray_address: str | 
     ensure_ray(ray_address, num_cpus=plan.nproc_per_node * plan.nnodes * cfg.threads_per_worker)
     bundles = reserve_plan(plan, cfg.threads_per_worker)
 
-    def start(role_plan) -> tuple[str, WholeModel]:
-        role = role_plan.role
+    def start(role: str) -> WholeModel:
+        role_plan = plan.role(role)
         kwargs = role_init_kwargs(cfg, role, role_plan.backend, model_dir)
         if cfg.pin_cpu_devices and role_plan.device.upper() == "CPU":
             kwargs["cpu_devices"] = [r % plan.nproc_per_node for r in role_plan.ranks]
-        wm = WholeModel(workhorse_class(role_plan.backend, role), role=role, parallel=role_plan.parallel,
-                        device=role_plan.device, bundles=bundles[role], seed=cfg.seed,
-                        threads=cfg.threads_per_worker, init_kwargs=kwargs)
-        return role, wm
+        return WholeModel(workhorse_class(role_plan.backend, role), role=role, parallel=role_plan.parallel,
+                          device=role_plan.device, bundles=bundles[role], seed=cfg.seed,
+                          threads=cfg.threads_per_worker, init_kwargs=kwargs)
 
     groups = tuple({id(b.placement_group): b.placement_group for b in bundles.values()}.values())
-    with ThreadPoolExecutor(max_workers=len(plan.roles)) as pool:
-        started = dict(pool.map(start, plan.roles))
-    return Models(**started, placement_groups=groups)
+    roles = [r.role for r in plan.roles]
+    with ThreadPoolExecutor(max_workers=len(roles)) as pool:
+        started = dict(zip(roles, pool.map(start, roles)))
+    return Models(**started, placement_groups=groups, starter=start)

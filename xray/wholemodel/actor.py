@@ -103,10 +103,11 @@ class WholeModelActor:
         """The Ray node this actor runs on (rank 0's)."""
         return ray.get_runtime_context().get_node_id()
 
-    async def shutdown(self) -> None:
+    async def shutdown(self, grace_s: float = 10.0) -> None:
+        """Ask every Workhorse to stop (up to `grace_s` seconds), then kill them all."""
         refs = [s.shutdown.remote() for s in self.shards]
         try:
-            await asyncio.wait_for(asyncio.gather(*[_as_future(r) for r in refs], return_exceptions=True), 10)
+            await asyncio.wait_for(asyncio.gather(*[_as_future(r) for r in refs], return_exceptions=True), grace_s)
         except asyncio.TimeoutError:
             pass
         for s in self.shards:

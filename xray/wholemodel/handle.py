@@ -231,15 +231,34 @@ class WholeModel:
         view._view_of = self
         return view
 
+    def dead_ranks(self, wait_s: float = 1.0) -> list[int]:
+        """The ranks whose Workhorse process is gone (a ping answered by Ray with the actor's death
+        within `wait_s`; a busy Workhorse answers later and counts as alive)."""
+        import ray
+        from ray.exceptions import RayActorError
+
+        refs = [s.pid.remote() for s in self.shards]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=wait_s, fetch_local=False)
+        dead = []
+        for rank, ref in enumerate(refs):
+            if ref in ready:
+                try:
+                    ray.get(ref)
+                except RayActorError:
+                    dead.append(rank)
+        return dead
+
     def shard_handles(self) -> list:
         """The Workhorse Ray actors in rank order (direct calls: weight sync, benchmarks)."""
         return list(self.shards)
 
-    def shutdown(self) -> None:
-        """Stop the Workhorses and the WholeModel actor, and free the devices it reserved."""
-        self._release()
+    def shutdown(self, release: bool = True, grace_s: float = 10.0) -> None:
+        """Stop the Workhorses (each given `grace_s` seconds to finish its work, then killed) and
+        the WholeModel actor, and free the devices it reserved (kept with `release=False`, for a
+        replacement on the same devices)."""
+        self._release(release, grace_s)
 
-    def _release(self) -> None:
+    def _release(self, release: bool = True, grace_s: float = 10.0) -> None:
         """Stop the Workhorses, kill the WholeModel actor, free its own reservation."""
         import ray
 
@@ -247,11 +266,11 @@ class WholeModel:
             raise RuntimeError(f"this is a view of one {self.role} replica; shut down the model it came from")
 
         try:
-            _unwrapped(self._actor.shutdown.remote(), 30)
+            _unwrapped(self._actor.shutdown.remote(grace_s), grace_s + 20)
         except Exception as exc:  # noqa: BLE001 - shutting down: report and go on
             log.warning("%s: shutdown of Workhorses failed: %s", self.role, exc)
         ray.kill(self._actor)
-        if self._own_pg:
+        if self._own_pg and release:
             ray.util.remove_placement_group(self.bundles.placement_group)
 
     def __enter__(self) -> "WholeModel":

@@ -127,11 +127,21 @@ class Pending:
         if self._answer is not _UNSET:
             return self._answer
         futures = [asyncio.ensure_future(_awaited(ref)) for ref in self.refs]
-        done, unfinished = await asyncio.wait(futures, timeout=self._remaining(None))
-        if unfinished:
-            for f in unfinished:
-                f.cancel()
-            raise self._deadline_passed([r for r, f in zip(self.refs, futures) if f in unfinished])
+        unfinished = set(futures)
+        while unfinished:
+            done, unfinished = await asyncio.wait(unfinished, timeout=self._remaining(None),
+                                                  return_when=asyncio.FIRST_EXCEPTION)
+            if not done:
+                for f in unfinished:
+                    f.cancel()
+                raise self._deadline_passed([r for r, f in zip(self.refs, futures) if f in unfinished])
+            dead = [(rank, f.exception()) for rank, f in zip(self.ranks, futures) if f in done
+                    and f.exception() is not None and shard_failure(self.role, rank, f.exception())[1]]
+            if dead and unfinished:  # the others may wait on the dead one in a collective: do not wait
+                for f in unfinished:
+                    f.cancel()
+                raise WorkhorseDied(self.role, self.method, [shard_failure(self.role, r, e)[0] for r, e in dead],
+                                    len(self.layout))
         outcomes = [(True, f.result()) if f.exception() is None else (False, f.exception()) for f in futures]
         return self._answer_of(outcomes)
 

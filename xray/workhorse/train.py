@@ -144,6 +144,45 @@ class TrainWorkhorse(Workhorse):
                 sent += sum(t.numel() * t.element_size() for _, t in bucket)
         return {"buckets": refs, "bytes": sent} if exports else None
 
+    @fanout(dispatch="all", collect=lambda layout, results: max(results))
+    def snapshot(self, directory: str) -> float:
+        """A flash checkpoint: this shard's state copied into host memory now, written to
+        `directory` by a background thread while training goes on (a previous write is finished
+        first). Returns the seconds the copy blocked (the slowest shard's, collected)."""
+        import threading
+
+        self.wait_persisted()
+        t0 = time.perf_counter()
+        persist = self.engine.snapshot(directory)
+        blocked = time.perf_counter() - t0
+        self._persist_error: BaseException | None = None
+
+        def write() -> None:
+            try:
+                persist()
+            except BaseException as exc:  # noqa: BLE001 - reported by persisted()
+                self._persist_error = exc
+
+        self._writer = threading.Thread(target=write, name=f"persist-{self.role}-{self.rank}", daemon=True)
+        self._writer.start()
+        return blocked
+
+    @fanout(dispatch="all", collect=lambda layout, results: all(results))
+    def persisted(self) -> bool:
+        """Whether the last snapshot is on disk (its write's error, if it failed)."""
+        writer = getattr(self, "_writer", None)
+        if writer is not None and not writer.is_alive() and self._persist_error is not None:
+            raise self._persist_error
+        return writer is None or not writer.is_alive()
+
+    @fanout(dispatch="all", collect=lambda layout, results: all(results))
+    def wait_persisted(self) -> bool:
+        """Block until the last snapshot is on disk."""
+        writer = getattr(self, "_writer", None)
+        if writer is not None:
+            writer.join()
+        return self.persisted()
+
     @fanout(dispatch="all", collect=lambda layout, results: None)
     def save(self, directory: str) -> None:
         self.engine.save(directory)

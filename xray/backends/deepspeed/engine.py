@@ -26,6 +26,7 @@ from xray.backends.deepspeed.config import ZeroOptions, deepspeed_config
 from xray.backends.deepspeed.export import iter_weight_buckets
 from xray.backends.deepspeed.model import load_model, role_outputs
 from xray.backends.optim import build_optimizer, build_scheduler
+from xray.backends.snapshot import Persist, capture_engine, write_atomically
 from xray.config.parallel import LayoutError, ParallelDims
 from xray.data.batch import Batch
 
@@ -114,11 +115,34 @@ class DeepSpeedEngine(TrainEngine):
     def save(self, directory: str) -> None:
         tag = f"step{self.step_count}"
         self.engine.save_checkpoint(directory, tag=tag, client_state={"xray_step": self.step_count})
+        torch.save(self._rng(), os.path.join(directory, tag, _RNG_FILE.format(rank=self.rank)))
+        dist.barrier()
+
+    def snapshot(self, directory: str) -> Persist:
+        """DeepSpeed's own checkpoint, taken into host memory through a capture engine."""
+        tag, capture = f"step{self.step_count}", capture_engine()
+        writer, self.engine.checkpoint_engine = self.engine.checkpoint_engine, capture
+        try:
+            self.engine.save_checkpoint(directory, tag=tag, client_state={"xray_step": self.step_count},
+                                        save_latest=False)
+        finally:
+            self.engine.checkpoint_engine = writer
+        files, rng, rank = capture.files, self._rng(), self.rank
+
+        def persist() -> None:
+            for path, state in files:
+                write_atomically(state, path)
+            write_atomically(rng, os.path.join(directory, tag, _RNG_FILE.format(rank=rank)))
+            if rank == 0:  # DeepSpeed's "latest", last: this shard's files are all in
+                with open(os.path.join(directory, "latest"), "w") as f:
+                    f.write(tag)
+        return persist
+
+    def _rng(self) -> dict:
         rng = {"cpu": torch.get_rng_state()}
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state()
-        torch.save(rng, os.path.join(directory, tag, _RNG_FILE.format(rank=self.rank)))
-        dist.barrier()
+        return rng
 
     def load(self, directory: str) -> None:
         trains = self.optimizer is not None

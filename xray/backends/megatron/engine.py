@@ -26,6 +26,7 @@ from xray.backends.megatron.logprobs import PolicyOutputs, token_logprobs
 from xray.backends.megatron.model import ATTENTIONS, ROLES, build_and_load
 from xray.backends.megatron.spec import ModelSpec, check_layout
 from xray.backends.optim import build_optimizer, build_scheduler
+from xray.backends.snapshot import Persist, host_copy
 from xray.config.parallel import LayoutError, ParallelDims
 from xray.data import columns as C
 from xray.data.batch import Batch
@@ -178,6 +179,15 @@ class MegatronEngine(TrainEngine):
         path = checkpoint.save_shard(directory, self.rank, self._header(), state)
         logger.info("saved step %d to %s", self.step, path)
         dist.barrier()
+
+    def snapshot(self, directory: str) -> Persist:
+        state = {"model": {k: v.detach().to("cpu", copy=True) for k, v in self.model.named_parameters()},
+                 "step": self.step, "rng": checkpoint.rng_state(self.device)}
+        if self.optimizer is not None:
+            state["optimizer"] = host_copy(self.optimizer.state_dict())
+            state["scheduler"] = host_copy(self.scheduler.state_dict())
+        rank, header = self.rank, self._header()
+        return lambda: checkpoint.save_shard(directory, rank, header, state)
 
     def load(self, directory: str) -> None:
         state = checkpoint.load_shard(directory, self.rank, self._header())

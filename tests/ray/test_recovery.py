@@ -1,0 +1,69 @@
+"""A synchronous PPO run survives losing Workhorses: the dead model is replaced and the run goes on.
+
+In one 10-step run per backend pair (the e2e tier's tiny model and layout, checkpoints every 3
+steps), a training Workhorse's process is SIGKILLed during step 5 (the actor's on megatron-vllm,
+the critic's on deepspeed-dsinfer): the run replaces that model, goes back to the step-3
+checkpoint and finishes; steps up to the checkpoint ran once, and none ran more than twice. On
+megatron-vllm a rollout Workhorse is also killed during step 8: it is replaced and step 8 runs
+again without going back (steps 6 and 7 ran once).
+"""
+import asyncio
+import collections
+import json
+import logging
+import os
+import signal
+
+import pytest
+
+from tests.e2e.test_ppo_e2e import config, tiny_model  # noqa: F401 - tiny_model: fixture
+
+pytestmark = pytest.mark.ray
+
+
+async def kill_during(trainer, kills: list[tuple[int, str, int]], done: list) -> None:
+    """SIGKILL each (step, role, pid) as that step begins (before its generation is queued)."""
+    for step, role, pid in kills:
+        while trainer.state.step < step - 1:
+            await asyncio.sleep(0.002)
+        logging.getLogger(__name__).warning("killing %s Workhorse pid %d during step %d", role, pid, step)
+        os.kill(pid, signal.SIGKILL)
+        done.append(role)
+
+
+@pytest.mark.parametrize("backend, trained", [("megatron-vllm", "actor"), ("deepspeed-dsinfer", "critic")])
+def test_dead_workhorses_are_replaced(tmp_path, tiny_model, backend, trained, caplog, local_ray):  # noqa: F811
+    import ray
+
+    from algorithms.ppo.run import ppo_trainer, train
+    from xray.run.outputs import RunDir
+    from xray.train import resolve
+
+    path = config(tmp_path, tiny_model, backend)
+    _, cfg, plan, _, _ = resolve(["ppo", "--backend", backend, "--config", str(path), "--trainer.steps=10",
+                                  "--trainer.save_every=3"])
+    run = RunDir(tmp_path / "run")
+    caplog.set_level(logging.WARNING)
+    with ppo_trainer(cfg, plan, run) as (trainer, data):
+        pid = {role: ray.get(getattr(trainer.models, role).shard_handles()[0].pid.remote())
+               for role in (trained, "rollout")}
+        kills = [(5, trained, pid[trained])] + ([(8, "rollout", pid["rollout"])] if trained == "actor" else [])
+
+        killed: list[str] = []
+
+        async def main() -> float:
+            killer = asyncio.ensure_future(kill_during(trainer, kills, killed))
+            try:
+                return await train(trainer, run, data, None)
+            finally:
+                killer.cancel()
+        asyncio.run(main())
+    assert killed == [role for _, role, _ in kills] and trainer.state.step == 10
+    rows = collections.Counter(json.loads(line)["step"] for line in (run.path / "metrics.jsonl").read_text().splitlines())
+    assert sorted(rows) == list(range(1, 11))
+    assert all(rows[s] == 1 for s in (1, 2, 3)) and max(rows.values()) <= 2, rows  # back to step 3, not further
+    if trained == "actor":
+        assert rows[6] == rows[7] == 1  # the rollout's death did not touch training
+    log = caplog.text
+    assert f"{trained}: replaced" in log and "back at the checkpoint of step 3" in log
+    assert ("rollout: replaced" in log) == (trained == "actor")

@@ -1,0 +1,114 @@
+"""Flash checkpoints of a run: a short blocking copy to host memory, the disk write behind it.
+
+Every `trainer.save_every` steps the algorithm calls `FlashCheckpoints.take`: each trained
+WholeModel's Workhorses copy their state into host memory (`TrainWorkhorse.snapshot`; the only
+time training stops) and write it to `checkpoints/step-N/<role>/` from a background thread, while
+the run's own files (the async buffer, for instance) are written off the event loop. The
+checkpoint becomes the run's latest only when all of it is on disk: a watcher polls the writers
+(`poll`), or `finish` waits for them (before the run ends), and then writes `trainer_state.json`,
+the marker `RunDir.latest_checkpoint` looks for, atomically. A crash while writing leaves the previous
+checkpoint the latest. One checkpoint is written at a time: a new one first finishes the last.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from xray.backends.snapshot import write_atomically
+from xray.run.outputs import RunDir
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Writing:
+    directory: Path
+    trainer_state: dict[str, Any]
+    files: asyncio.Future
+    started: float
+
+
+class FlashCheckpoints:
+    """Takes and completes the flash checkpoints of one run's trained WholeModels."""
+
+    def __init__(self, run: RunDir, models: Any, roles: tuple[str, ...] = ("actor", "critic")):
+        self.run, self._models, self.roles = run, models, roles
+        """`models` holds the WholeModels as attributes named by `roles` (read at each use: a
+        replaced model is checkpointed, not the one it replaced)."""
+        self.writing: _Writing | None = None
+        self._watcher: asyncio.Future | None = None
+        self.written_s: float | None = None
+        """Seconds from snapshot to on disk of the last checkpoint completed (for the step's metrics)."""
+        self.last_step: int | None = None
+        """The step of the last checkpoint taken (complete or being written)."""
+
+    @property
+    def models(self) -> dict[str, Any]:
+        return {role: getattr(self._models, role) for role in self.roles}
+
+    async def take(self, step: int, trainer_state: dict[str, Any], files: dict[str, Any] | None = None) -> float:
+        """Snapshot every model at `step` and start writing; returns the seconds training stopped."""
+        await self.finish()
+        directory = self.run.checkpoint_dir(step)
+        directory.mkdir(parents=True, exist_ok=True)
+        t0 = time.perf_counter()
+        await asyncio.gather(*[m.snapshot(str(directory / role)) for role, m in self.models.items()])
+        stall = time.perf_counter() - t0
+        writes = [asyncio.to_thread(write_atomically, obj, str(directory / name)) for name, obj in (files or {}).items()]
+        self.writing = _Writing(directory, trainer_state, asyncio.ensure_future(asyncio.gather(*writes)), t0)
+        self.last_step = step
+        self._watcher = asyncio.ensure_future(self._watch())
+        log.debug("checkpoint step %d: training stopped %.3f s; writing %s", step, stall, directory)
+        return stall
+
+    async def _watch(self, every_s: float = 0.05) -> None:
+        """Mark the checkpoint complete soon after its last byte is written (each poll waits behind
+        the Workhorses' current call); a failure is left to `settle`/`finish`."""
+        try:
+            while self.writing is not None:
+                await asyncio.sleep(every_s)
+                await self.poll()
+        except Exception:  # noqa: BLE001 - a dead writer: recovery settles the checkpoint
+            pass
+
+    async def poll(self) -> float | None:
+        """Mark the checkpoint being written complete if it is all on disk; its write's seconds then."""
+        if self.writing is None or not self.writing.files.done():
+            return None
+        flags = await asyncio.gather(*[m.persisted() for m in self.models.values()])
+        return self._complete() if all(flags) else None
+
+    async def finish(self) -> float | None:
+        """Wait until the checkpoint being written is on disk, and mark it complete."""
+        watcher = getattr(self, "_watcher", None)
+        if watcher is not None and not watcher.done():
+            watcher.cancel()
+            await asyncio.gather(watcher, return_exceptions=True)
+        if self.writing is None:
+            return None
+        await self.writing.files
+        await asyncio.gather(*[m.wait_persisted() for m in self.models.values()])
+        return self._complete()
+
+    async def settle(self) -> None:
+        """After a Workhorse died: finish the checkpoint being written if every writer lives, else
+        abandon it (never marked complete: the previous one stays the latest)."""
+        if self.writing is None:
+            return
+        try:
+            await self.finish()
+        except Exception as exc:  # noqa: BLE001 - a writer died with its Workhorse
+            log.warning("checkpoint %s abandoned: %s", self.writing.directory, str(exc).splitlines()[0])
+            self.writing = None
+
+    def _complete(self) -> float:
+        w, self.writing = self.writing, None
+        w.files.result()  # a failed write of the run's own files raises here
+        self.run.write_trainer_state(w.directory, w.trainer_state)
+        seconds = self.written_s = time.perf_counter() - w.started
+        log.info("checkpoint complete: %s (written in %.1f s)", w.directory, seconds)
+        return seconds
