@@ -120,6 +120,9 @@ async def train(trainer: PPOTrainer, run: RunDir, data: RunData, resume: str | N
         await train_steps(trainer, run, data, detached, checkpoints, stop)
         if stop.requested:
             await stopped(checkpoints, run)
+    except Exception:
+        await checkpoints.settle()  # a checkpoint taken before the failure is whole: complete it
+        raise
     finally:
         stop.uninstall()
     await checkpoints.finish()
