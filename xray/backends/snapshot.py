@@ -35,11 +35,21 @@ def host_copy(value: Any) -> Any:
     return copy.deepcopy(value)
 
 
-def write_atomically(state: Any, path: str) -> None:
-    """torch.save to a temporary name, then rename: a crash leaves no half file under `path`."""
+def write_atomically(state: Any, path: str | os.PathLike) -> None:
+    """torch.save to a temporary name, flushed to the disk, then renamed (and the rename flushed):
+    a crash leaves either no file or the whole file under `path`, never half of one."""
+    path = os.fspath(path)
     tmp = f"{path}.tmp"
-    torch.save(state, tmp)
+    with open(tmp, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
+    directory = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
 
 
 def capture_engine():

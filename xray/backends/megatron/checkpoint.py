@@ -39,12 +39,12 @@ def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
 
 
 def save_shard(directory: str | Path, rank: int, header: dict[str, Any], state: dict[str, Any]) -> Path:
-    """Write this rank's file (atomically: a temporary name, then a rename)."""
+    """Write this rank's file (atomically and durably: `xray.backends.snapshot.write_atomically`)."""
+    from xray.backends.snapshot import write_atomically
+
     path = shard_path(directory, rank)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    torch.save({"header": header, **state}, tmp)
-    tmp.replace(path)
+    write_atomically({"header": header, **state}, path)
     return path
 
 
