@@ -107,6 +107,19 @@ def test_batch_divisibility():
         plan_run(cfg, "megatron-vllm")
 
 
+def test_sampling_and_lengths_the_engines_refuse(tmp_path):
+    from xray.run.models import check_layouts
+
+    cfg = load_config(DEFAULT, [("rollout.temperature", 3.0)])
+    with pytest.raises(ConfigError, match="temperatures from 0 to 2"):
+        plan_run(cfg, "megatron-vllm")
+    plan_run(cfg, "deepspeed-dsinfer")  # DeepSpeed-Inference samples at any temperature
+    cfg = load_config(DEFAULT, [("rollout.max_new_tokens", 200)])
+    (tmp_path / "config.json").write_text('{"max_position_embeddings": 128}')
+    with pytest.raises(ConfigError, match=r"= \d+ exceeds the model's max_position_embeddings=128"):
+        check_layouts(cfg, plan_run(cfg, "deepspeed-dsinfer"), str(tmp_path))
+
+
 def test_elasticity_block_is_accepted_and_checked():
     block = {"max_train_batch_size": 32, "micro_batch_sizes": [2, 4], "min_gpus": 1, "max_gpus": 4}
     cfg = load_config(DEFAULT, [("actor.elasticity", block)])

@@ -124,7 +124,14 @@ def _check_async(cfg: RunConfig, plan: Plan) -> None:
         raise ConfigError("async.buffer_capacity must be >= 1 and async.behaviour_weight_cap > 0")
 
 
+def _check_sampling(cfg: RunConfig, plan: Plan) -> None:
+    if plan.role("rollout").backend == "vllm" and not 0.0 <= cfg.rollout.temperature <= 2.0:
+        raise ConfigError(f"rollout.temperature={cfg.rollout.temperature}: vLLM samples at temperatures from 0 "
+                          "to 2; choose one in that range")
+
+
 def _check_batches(cfg: RunConfig, plan: Plan) -> None:
+    _check_sampling(cfg, plan)
     if cfg.trainer.mode == "async":
         _check_async(cfg, plan)
     ppo = cfg.ppo

@@ -84,9 +84,20 @@ def role_init_kwargs(cfg: RunConfig, role: str, backend: str, model_dir: str) ->
 
 
 def check_layouts(cfg: RunConfig, plan: Plan, model_dir: str) -> None:
-    """Layouts the model cannot take fail here, before any Workhorse starts."""
+    """Layouts and lengths the model cannot take fail here, before any Workhorse starts."""
+    import json
+    from pathlib import Path
+
     from xray.backends import load_backend
 
+    config_file = Path(model_dir) / "config.json"
+    if config_file.is_file():
+        limit = json.loads(config_file.read_text()).get("max_position_embeddings")
+        needed = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens + 8  # the rollout's max_model_len
+        if limit is not None and needed > limit:
+            raise ConfigError(f"data.max_prompt_tokens + rollout.max_new_tokens + 8 = {needed} exceeds the model's "
+                              f"max_position_embeddings={limit}; lower rollout.max_new_tokens or "
+                              "data.max_prompt_tokens")
     for r in plan.roles:
         if r.backend != "megatron":
             continue
