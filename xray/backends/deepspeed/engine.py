@@ -25,6 +25,7 @@ from xray.backends.base import LossFn, OptimConfig, ShardInfo, TrainEngine, Weig
 from xray.backends.deepspeed.config import ZeroOptions, deepspeed_config
 from xray.backends.deepspeed.export import iter_weight_buckets
 from xray.backends.deepspeed.model import load_model, role_outputs
+from xray.backends.deepspeed.reshard import ensure_universal, load_universal, saved_dp
 from xray.backends.optim import build_optimizer, build_scheduler
 from xray.backends.snapshot import Persist, capture_engine, write_atomically
 from xray.config.parallel import LayoutError, ParallelDims
@@ -145,19 +146,30 @@ class DeepSpeedEngine(TrainEngine):
         return rng
 
     def load(self, directory: str) -> None:
+        """Restore a checkpoint of this role, saved at this data-parallel size or at another (then
+        through DeepSpeed's universal checkpoint: `xray/backends/deepspeed/reshard.py`)."""
         trains = self.optimizer is not None
-        path, client = self.engine.load_checkpoint(directory, tag=None, load_optimizer_states=trains,
-                                                   load_lr_scheduler_states=trains)
-        if path is None:
+        latest = os.path.join(directory, "latest")
+        if not os.path.isfile(latest):
             raise CheckpointError(f"no DeepSpeed checkpoint in {directory} (no 'latest' file); "
                                   "pass the directory given to save()")
-        self.step_count = int(client.get("xray_step", 0))
-        with open(os.path.join(directory, "latest")) as f:
+        with open(latest) as f:
             tag = f.read().strip()
-        rng_path = os.path.join(directory, tag, _RNG_FILE.format(rank=self.rank))
+        saved = saved_dp(directory, tag)
+        if saved and saved != self.parallel.dp:
+            ensure_universal(directory, tag, self.rank)
+            _, client = load_universal(self.engine, directory, trains)
+            client = client or torch.load(os.path.join(directory, tag, "mp_rank_00_model_states.pt"),
+                                          map_location="cpu", weights_only=False)
+            logger.info("restored a dp=%d checkpoint at dp=%d (universal checkpoint)", saved, self.parallel.dp)
+        else:
+            _, client = self.engine.load_checkpoint(directory, tag=None, load_optimizer_states=trains,
+                                                    load_lr_scheduler_states=trains)
+        self.step_count = int(client.get("xray_step", 0))
+        rng_rank = self.rank % saved if saved else self.rank  # another dp: a saved rank's stream
+        rng_path = os.path.join(directory, tag, _RNG_FILE.format(rank=rng_rank))
         if not os.path.exists(rng_path):
-            raise CheckpointError(f"{rng_path} is missing: the checkpoint was saved by another layout or "
-                                  "not by xray; load it with the same world size it was saved with")
+            raise CheckpointError(f"{rng_path} is missing: the checkpoint was not written by xray")
         rng = torch.load(rng_path, weights_only=True)
         torch.set_rng_state(rng["cpu"])
         if "cuda" in rng and torch.cuda.is_available():

@@ -65,6 +65,14 @@ def load_shard(directory: str | Path, rank: int, header: dict[str, Any]) -> dict
     return state
 
 
+def header_in(directory: str | Path) -> dict[str, Any] | None:
+    """The header of rank 0's file in `directory` (what wrote the checkpoint); None without one."""
+    path = shard_path(directory, 0)
+    if not path.is_file():
+        return None
+    return torch.load(path, map_location="cpu", weights_only=False).get("header")
+
+
 def header_of(spec, parallel, role: str) -> dict[str, Any]:
     """What must agree between the saving and the loading engine."""
     return {"spec": dataclasses.asdict(spec), "parallel": dataclasses.asdict(parallel), "role": role}

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from xray.backends import cpu_compat
 from xray.backends.base import LossFn, OptimConfig, ShardInfo, TrainEngine, WeightBucket, apply_loss, layout_of
-from xray.backends.megatron import checkpoint, grads
+from xray.backends.megatron import checkpoint, grads, reshard
 from xray.backends.megatron.convert import Entry, Kind
 from xray.backends.megatron.export import export_full
 from xray.backends.megatron.logprobs import PolicyOutputs, token_logprobs
@@ -190,7 +190,19 @@ class MegatronEngine(TrainEngine):
         return lambda: checkpoint.save_shard(directory, rank, header, state)
 
     def load(self, directory: str) -> None:
-        state = checkpoint.load_shard(directory, self.rank, self._header())
+        """Restore a checkpoint of this model and role, written in this layout or in another
+        (resharded: `xray/backends/megatron/reshard.py`)."""
+        header = self._header()
+        saved = checkpoint.header_in(directory)
+        if saved is not None and saved != header and {k: saved[k] for k in ("spec", "role")} == \
+                {k: header[k] for k in ("spec", "role")}:
+            full, first = reshard.read_full(directory, self.spec, ParallelDims(**saved["parallel"]),
+                                            self.role == "critic")
+            state = reshard.shard_state(full, first, self.spec, self.parallel, self.rank, self.role == "critic",
+                                        [n for n, _ in self.model.named_parameters()])
+            logger.info("resharding a checkpoint of %s into %s", saved["parallel"], header["parallel"])
+        else:
+            state = checkpoint.load_shard(directory, self.rank, header)
         params = dict(self.model.named_parameters())
         with torch.no_grad():
             for name, value in state["model"].items():
