@@ -5,7 +5,8 @@ deepspeed-dsinfer: actor/critic/reference on DeepSpeed ZeRO-3 with dp=2, DeepSpe
 rollout of 2 replicas. Each run: metrics finite, every step's sync verified, actor weights
 changed. deepspeed-dsinfer: the step-2 (flash) checkpoint, resumed in a fresh run, gives the same
 step-3 metrics. megatron-vllm: a second run gets SIGTERM after its first step; it exits 0 within
-15 s printing the resume command, and resumed, its remaining steps equal the uninterrupted run's.
+15 s printing the resume command, and resumed, its remaining steps equal the uninterrupted run's;
+its first run's exported actor loads in `transformers` and gives finite logits.
 """
 import json
 import math
@@ -93,6 +94,7 @@ def test_three_steps_then_exact_resume(tmp_path, tiny_model, backend):
     assert max(float((before[k] - after[k]).abs().max()) for k in before) > 0
 
     if backend == "megatron-vllm":  # resumed after a signal: the same exactness, one run fewer
+        final_actor_loads_in_transformers(run_a / "final/actor")
         check_sigterm_then_resume(tmp_path / "c", backend, cfg, steps)
         return
     run_b = tmp_path / "b"
@@ -127,15 +129,12 @@ def check_sigterm_then_resume(run: Path, backend: str, cfg: Path, uninterrupted:
         assert stable(steps[step]) == stable(uninterrupted[step]), step
 
 
-def test_final_actor_loads_in_transformers(tmp_path, tiny_model):
+def final_actor_loads_in_transformers(directory: Path) -> None:
     """The exported actor of a run is a Hugging Face directory that gives finite logits."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    cfg = config(tmp_path, tiny_model, "megatron-vllm")
-    run = tmp_path / "run"
-    train("--config", str(cfg), "--output-dir", str(run), "--trainer.steps=1", "--trainer.save_every=0")
-    model = AutoModelForCausalLM.from_pretrained(run / "final/actor", dtype=torch.float32)
-    tok = AutoTokenizer.from_pretrained(run / "final/actor")
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(directory)
     logits = model(torch.tensor([tok("12+7=").input_ids])).logits
     assert logits.shape[-1] == model.config.vocab_size and torch.isfinite(logits).all()
 
