@@ -1,22 +1,28 @@
-"""Goodput of a synchronous PPO run that loses a training Workhorse, against the same run unharmed.
+"""Goodput of a synchronous PPO run that loses a training Workhorse and a node, against the same run unharmed.
 
     .venv/bin/python benchmarks/fault_injection.py [--steps 200] [--backend megatron-vllm] [--seed 0]
                                                    [--config FILE] [--a.b=VALUE ...]
 
 The default job (`python -m xray.train ppo`'s preparation, configs/ppo_tiny_cpu.yaml) lengthened
-to `--steps` steps with a flash checkpoint every 10 (`--trainer.save_every`), run twice in one
-process: uninterrupted, then with the actor's rank-0 Workhorse SIGKILLed as a step begins, at a
-step drawn (seeded) from the middle 60% of the run; the run replaces the actor, goes back to its
-latest complete checkpoint and goes on (`algorithms/ppo/recovery.py`). Figures, of the faulted run:
+to `--steps` steps with a flash checkpoint every 10 (`--trainer.save_every`), on two Ray nodes of
+this machine (`ray.cluster_utils.Cluster`): the train group (actor, critic, reference) is elastic
+over two devices, one per node (`elasticity` {max_train_batch_size: 32, micro_batch_sizes: [16]}:
+the default job's mini-batch of 32 at dp=2 and dp=1), the rollout on the head node. Run twice in
+one process: uninterrupted, then faulted: the actor's rank-0 Workhorse is SIGKILLed as a step
+drawn (seeded) from the 20%-50% stretch of the run begins (the run replaces the train group and
+goes back to its latest complete checkpoint, `algorithms/ppo/recovery.py`), the second node is
+removed as a step drawn from the 55%-75% stretch begins (the group shrinks to dp=1 and goes back
+to its checkpoint, `algorithms/ppo/elastic.py`), and added back 10 steps later (the group grows to
+dp=2 at the next step boundary, from that step's checkpoint). Figures, of the faulted run:
 - goodput = seconds of the steps that were kept (each step's last run: the sum of its phases) /
   wall seconds from the first step's start to the last step's end;
-- recovery_s = seconds from the kill to the end of the first step after it that was kept;
+- recovery_s = the slowest of the two faults: seconds from the fault to the end of the first step
+  after it that was kept;
 - eval_gap = greedy accuracy on the held-out prompts after the uninterrupted run minus after the
   faulted one;
 - checkpoint_stall = median seconds training stopped for a flash checkpoint (the faulted run's) /
   median seconds of a synchronous save of the same actor and critic (`WholeModel.save`, 3 times,
   measured at the end of the same run).
-Node loss (elastic data parallelism) is not built: no node is removed.
 Last line: `goodput=<x> recovery_s=<y> eval_gap=<z> checkpoint_stall=<w>`.
 """
 from __future__ import annotations
@@ -40,12 +46,35 @@ from xray.run.outputs import RunDir
 from xray.train import resolve
 
 
-async def steps_with_fault(trainer, data, run: RunDir, kill_at: int | None) -> dict:
-    """Run the steps; (end time, duration) of each step's every run, the kill time, the stalls."""
+WORKER = {"num_cpus": 2, "resources": {"xray_trainer": 1}}
+
+
+def elastic_config(path: str, tmp: Path) -> str:
+    """The config at `path` with the train group elastic over two nodes (see the docstring)."""
+    import yaml
+
+    cfg = yaml.safe_load(Path(path).read_text())
+    groups = cfg["device_groups"]
+    groups["nproc_per_node"] = 3
+    groups["train_group"].update(ranks=[0, 1], resources={"xray_trainer": 1})
+    groups["rollout_group"].update(ranks=[2], resources={"xray_head": 1})
+    mini, micro = cfg["ppo"]["mini_batch_size"], cfg["actor"]["micro_batch_size"]
+    for role in ("actor", "critic", "reference"):
+        cfg[role]["dp"] = 2
+    for role in ("actor", "critic"):
+        cfg[role]["elasticity"] = {"max_train_batch_size": mini, "micro_batch_sizes": [micro],
+                                   "min_gpus": 1, "max_gpus": 2}
+    out = tmp / "elastic.yaml"
+    out.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return str(out)
+
+
+async def steps_with_fault(trainer, data, run: RunDir, cluster, faults: dict | None) -> dict:
+    """Run the steps; (end time, duration) of each step's every run, the fault times, the stalls."""
     checkpoints = FlashCheckpoints(run, trainer.models)
     ends: list[tuple[int, float, float]] = []
     stalls: list[float] = []
-    killed: list[float] = []
+    times: list[float] = []
 
     async def on_step(step: int, metrics: dict) -> None:
         ends.append((step, time.perf_counter(), sum(v for k, v in metrics.items() if k.startswith("time/"))))
@@ -54,21 +83,29 @@ async def steps_with_fault(trainer, data, run: RunDir, kill_at: int | None) -> d
 
             stalls.append(await save_checkpoint(trainer, checkpoints, data))
 
-    async def killer() -> None:
-        pid = await trainer.models.actor.shard_handles()[0].pid.remote()
-        while trainer.state.step < kill_at - 1:
+    async def at_step(step: int) -> None:
+        while trainer.state.step < step - 1:
             await asyncio.sleep(0.002)
-        killed.append(time.perf_counter())
+
+    async def injector() -> None:
+        pid = await trainer.models.actor.shard_handles()[0].pid.remote()
+        await at_step(faults["kill"])
+        times.append(time.perf_counter())
         os.kill(pid, signal.SIGKILL)
+        await at_step(faults["remove"])
+        times.append(time.perf_counter())
+        await asyncio.to_thread(cluster.remove_node, next(iter(cluster.worker_nodes)))
+        await at_step(faults["add"])
+        cluster.add_node(**WORKER)  # blocking the run's loop, as a node that joins between steps
 
     trainer.state.eval_before = await trainer.evaluate(data.eval_rows)
-    task = asyncio.ensure_future(killer()) if kill_at else None
+    task = asyncio.ensure_future(injector()) if faults else None
     await sync_steps(trainer, run, data, checkpoints, GracefulStop(), on_step)
     await checkpoints.finish()
     if task is not None:
         task.cancel()
-    return {"ends": ends, "stalls": stalls, "killed": killed[0] if killed else None,
-            "eval": await trainer.evaluate(data.eval_rows)}
+    return {"ends": ends, "stalls": stalls, "faults": times, "eval": await trainer.evaluate(data.eval_rows),
+            "dp": trainer.models.actor.parallel.dp}
 
 
 async def synchronous_saves(trainer, directory: Path, times: int = 3) -> list[float]:
@@ -81,17 +118,35 @@ async def synchronous_saves(trainer, directory: Path, times: int = 3) -> list[fl
     return out
 
 
-def measure(args, overrides: list[str], kill_at: int | None) -> dict:
-    _, cfg, plan, _, _ = resolve(["ppo", "--backend", args.backend, "--config", args.config,
-                                  f"--trainer.steps={args.steps}", *overrides])
-    with tempfile.TemporaryDirectory() as tmp, ppo_trainer(cfg, plan, RunDir(tmp)) as (trainer, data):
-        run = RunDir(Path(tmp) / "run")
+def measure(args, overrides: list[str], cluster, faults: dict | None) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        config = elastic_config(args.config, Path(tmp))
+        _, cfg, plan, _, _ = resolve(["ppo", "--backend", args.backend, "--config", config,
+                                      f"--trainer.steps={args.steps}", *overrides])
+        with ppo_trainer(cfg, plan, RunDir(tmp), cluster.address) as (trainer, data):
+            run = RunDir(Path(tmp) / "run")
 
-        async def both() -> dict:
-            out = await steps_with_fault(trainer, data, run, kill_at)
-            out["saves"] = await synchronous_saves(trainer, Path(tmp) / "sync") if kill_at else []
-            return out
-        return asyncio.run(both())
+            async def both() -> dict:
+                out = await steps_with_fault(trainer, data, run, cluster, faults)
+                out["saves"] = await synchronous_saves(trainer, Path(tmp) / "sync") if faults else []
+                return out
+            return asyncio.run(both())
+
+
+def two_nodes():
+    """A head node (the rollout's device and one train device) and a worker (one train device)."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from xray.wholemodel.cluster import bind_loopback, ensure_ray
+
+    bind_loopback()
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 6, "resources": {"xray_trainer": 1, "xray_head": 1}})
+    cluster.add_node(**WORKER)
+    cluster.wait_for_nodes()
+    ensure_ray(address=cluster.address)
+    return cluster, ray
 
 
 def figures(faulted: dict) -> tuple[float, float]:
@@ -102,8 +157,8 @@ def figures(faulted: dict) -> tuple[float, float]:
     first_start = min(end - seconds for _, end, seconds in faulted["ends"])
     last_end = max(end for end, _ in kept.values())
     goodput = sum(seconds for _, seconds in kept.values()) / (last_end - first_start)
-    after = [end for end, _ in kept.values() if end > faulted["killed"]]
-    return goodput, min(after) - faulted["killed"]
+    recovery = max(min(end for end, _ in kept.values() if end > t) - t for t in faulted["faults"])
+    return goodput, recovery
 
 
 def main() -> None:
@@ -116,12 +171,22 @@ def main() -> None:
     if not any(o.startswith("--trainer.save_every") for o in overrides):
         overrides.insert(0, "--trainer.save_every=10")
     logging.basicConfig(level=logging.WARNING)
-    kill_at = random.Random(args.seed).randint(int(args.steps * 0.2), int(args.steps * 0.8))
-    clean = measure(args, overrides, None)
-    faulted = measure(args, overrides, kill_at)
+    rng = random.Random(args.seed)
+    faults = {"kill": rng.randint(int(args.steps * 0.2), int(args.steps * 0.5))}
+    faults["remove"] = rng.randint(int(args.steps * 0.55), int(args.steps * 0.75))
+    faults["add"] = faults["remove"] + 10
+    cluster, ray = two_nodes()
+    try:
+        clean = measure(args, overrides, cluster, None)
+        faulted = measure(args, overrides, cluster, faults)
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
     goodput, recovery = figures(faulted)
     stall = statistics.median(faulted["stalls"]) / statistics.median(faulted["saves"])
-    print(f"killed the actor's rank 0 as step {kill_at} began; flash stall {statistics.median(faulted['stalls']):.3f} s "
+    print(f"killed the actor's rank 0 as step {faults['kill']} began, removed the second node as step "
+          f"{faults['remove']} began and added it back as step {faults['add']} began (final actor dp "
+          f"{faulted['dp']}); flash stall {statistics.median(faulted['stalls']):.3f} s "
           f"vs synchronous save {statistics.median(faulted['saves']):.3f} s; eval {clean['eval']:.3f} uninterrupted, "
           f"{faulted['eval']:.3f} faulted")
     print(f"goodput={goodput:.3f} recovery_s={recovery:.1f} eval_gap={clean['eval'] - faulted['eval']:.3f} "

@@ -3,7 +3,8 @@
 When a step fails with a WholeModel error, `recover` pings every model's Workhorses
 (`WholeModel.dead_ranks`; a call can fail on a live model because another died), replaces each
 model with a dead Workhorse on the same devices (`Models.replace`: its surviving shards are
-killed too, and the new ones form fresh process groups), then:
+killed too, and the new ones form fresh process groups; an elastic device group that lost a device,
+its node gone, is placed again on what the cluster grants, `algorithms.ppo.elastic`), then:
 - a rollout, reference or reward model that died before the step trained (generation or
   scoring) holds nothing to restore: the rollout gets the actor's current weights (verified),
   the prompt sampler steps back, and the step runs again; training is not touched;
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from xray.wholemodel.errors import WholeModelError
 
@@ -30,18 +32,21 @@ class RestartsExhausted(RuntimeError):
 
 
 def dead_models(models) -> dict[str, list[int]]:
-    """Role -> ranks whose Workhorse process is gone, for every model of the run with a death."""
-    found = {}
-    for role in ("actor", "critic", "reference", "reward", "rollout"):
-        model = getattr(models, role, None)
-        if model is not None and (ranks := model.dead_ranks()):
-            found[role] = ranks
-    return found
+    """Role -> ranks whose Workhorse process is gone, for every model of the run with a death (the
+    models are pinged at once: a busy one answers late, and the waits must not add up)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    roles = [r for r in ("actor", "critic", "reference", "reward", "rollout") if getattr(models, r, None) is not None]
+    with ThreadPoolExecutor(max_workers=len(roles)) as pool:
+        found = dict(zip(roles, pool.map(lambda role: getattr(models, role).dead_ranks(), roles)))
+    return {role: ranks for role, ranks in found.items() if ranks}
 
 
-async def recover(exc: WholeModelError, trainer, data, checkpoints, run, sampler_state: dict, restarts: int) -> None:
+async def recover(exc: WholeModelError, trainer, data, checkpoints, run, sampler_state: dict, restarts: int,
+                  elastic=None) -> None:
     """Replace the dead models and restore what the failure broke (see the module docstring); the
     error again when no Workhorse died (a failure recovery cannot mend)."""
+    t0 = time.perf_counter()
     dead = await asyncio.to_thread(dead_models, trainer.models)
     if not dead:
         raise exc
@@ -53,15 +58,22 @@ async def recover(exc: WholeModelError, trainer, data, checkpoints, run, sampler
     phase = getattr(exc, "phase", None)
     log.warning("Workhorses died during %s (role: ranks %s); replacing %s (restart %d of %d)",
                 phase or "the step", dead, ", ".join(dead), restarts, limit)
+    groups = {g for role in dead if elastic is not None and (g := elastic.group_of(role))
+              and await asyncio.to_thread(elastic.lost_devices, g)}  # else its devices stand: replace
+    for group in groups:
+        await elastic.shrink(group)
     for role in dead:
+        if elastic is not None and elastic.group_of(role) in groups:
+            continue
         new = await asyncio.to_thread(trainer.models.replace, role)
         if role == "reward" and hasattr(trainer.score_fn, "reward"):
             trainer.score_fn.reward = new
-    if not set(dead) & {"actor", "critic"} and phase in UNTRAINED_PHASES:
+    if not groups and not set(dead) & {"actor", "critic"} and phase in UNTRAINED_PHASES:
         data.sampler.load_state_dict(sampler_state)
         if "rollout" in dead:
             await trainer.resync(data.eval_rows, trainer.state.step)
-        log.warning("%s replaced; step %d runs again", ", ".join(dead), trainer.state.step + 1)
+        log.warning("%s replaced in %.1f s; step %d runs again", ", ".join(dead), time.perf_counter() - t0,
+                    trainer.state.step + 1)
         return
     from algorithms.ppo.run import resume_from
 
@@ -69,4 +81,5 @@ async def recover(exc: WholeModelError, trainer, data, checkpoints, run, sampler
     if latest is None:
         raise RestartsExhausted(f"{', '.join(dead)} died and there is no complete checkpoint to go back to") from exc
     await resume_from(trainer, latest, data)
-    log.warning("%s replaced; back at the checkpoint of step %d", ", ".join(dead), trainer.state.step)
+    log.warning("%s replaced; back at the checkpoint of step %d (%.1f s after the failure was seen)",
+                ", ".join(dead), trainer.state.step, time.perf_counter() - t0)

@@ -170,12 +170,15 @@ async def train_steps(trainer: PPOTrainer, run: RunDir, data: RunData, detached,
 async def sync_steps(trainer: PPOTrainer, run: RunDir, data: RunData, checkpoints: FlashCheckpoints,
                      stop: GracefulStop, on_step) -> None:
     """Synchronous steps to `trainer.steps`; a step that loses a Workhorse is recovered
-    (`algorithms.ppo.recovery`), from a step-0 checkpoint if none is newer."""
+    (`algorithms.ppo.recovery`), from a step-0 checkpoint if none is newer; elastic device groups
+    grow at step boundaries when devices join (`algorithms.ppo.elastic`)."""
+    from algorithms.ppo.elastic import Elastic
     from algorithms.ppo.recovery import recover
     from xray.wholemodel.errors import WholeModelError
 
     cfg, restarts = trainer.cfg, 0
-    if cfg.trainer.max_restarts and run.latest_checkpoint() is None:
+    elastic = Elastic(trainer)
+    if (cfg.trainer.max_restarts or elastic.ranges) and run.latest_checkpoint() is None:
         await save_checkpoint(trainer, checkpoints, data)  # somewhere to go back to
     while trainer.state.step < cfg.trainer.steps and not stop.requested:
         sampler_state = data.sampler.state_dict()
@@ -183,10 +186,15 @@ async def sync_steps(trainer: PPOTrainer, run: RunDir, data: RunData, checkpoint
             metrics = await stop.guard(trainer.step(data.next_train_rows()))
             if metrics is None:
                 break
+            if elastic.ranges:
+                metrics.update(elastic.metrics())
             await on_step(trainer.state.step, metrics)
+            if elastic.ranges and trainer.state.step < cfg.trainer.steps and not stop.requested:
+                await elastic.grow(lambda: save_checkpoint(trainer, checkpoints, data), checkpoints,
+                                   lambda directory: resume_from(trainer, directory, data))
         except WholeModelError as exc:
             restarts += 1
-            await recover(exc, trainer, data, checkpoints, run, sampler_state, restarts)
+            await recover(exc, trainer, data, checkpoints, run, sampler_state, restarts, elastic)
 
 
 async def stopped(checkpoints: FlashCheckpoints, run: RunDir) -> None:

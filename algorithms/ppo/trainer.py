@@ -29,6 +29,7 @@ from algorithms.ppo.gae import gae, whiten
 from algorithms.ppo.kl import build_kl_controller, sequence_kl
 from algorithms.ppo.losses import PolicyLoss, ValueLoss
 from algorithms.ppo.rewards import kl_penalized_rewards, shape_scores
+from xray.config.batches import TRAINED, TrainBatches, train_batches
 from xray.config.schema import RunConfig
 from xray.data import columns as C
 from xray.data.batch import Batch
@@ -88,6 +89,12 @@ class PPOTrainer:
         self.value_loss = ValueLoss(cliprange_value=ppo.cliprange_value, vf_coef=ppo.vf_coef)
         self.state = PPOState()
 
+    def batches(self) -> TrainBatches:
+        """Mini- and micro-batches for the models' current layout (elastic groups change it)."""
+        plan = self.models.plan
+        devices = {r.role: r.num_workhorses for r in plan.roles if r.role in TRAINED} if plan else {}
+        return train_batches(self.cfg, devices)
+
     def sampling(self, step: int, greedy: bool = False) -> dict[str, Any]:
         r = self.cfg.rollout
         return dict(temperature=0.0 if greedy else r.temperature, top_p=r.top_p, top_k=r.top_k,
@@ -141,13 +148,13 @@ class PPOTrainer:
         is queued on both at once: each model runs its steps in order, back to back. `parts`: `exp`
         is that many equal parts, one per actor replica in dp order (an asynchronous run's trainers),
         and each replica's slice of every mini-batch comes from its own part."""
-        ppo = self.cfg.ppo
+        ppo, b = self.cfg.ppo, self.batches()
         calls = []
         for epoch in range(ppo.ppo_epochs):
-            for rows in mini_batch_rows(len(exp), ppo.mini_batch_size, parts, self.cfg.seed * 7919 + step * 31 + epoch):
+            for rows in mini_batch_rows(len(exp), b.mini_batch_size, parts, self.cfg.seed * 7919 + step * 31 + epoch):
                 mb = exp.index(rows)
-                calls.append(self.models.actor.train_step(mb, self.policy_loss, self.cfg.actor.micro_batch_size))
-                calls.append(self.models.critic.train_step(mb, self.value_loss, self.cfg.critic.micro_batch_size))
+                calls.append(self.models.actor.train_step(mb, self.policy_loss, b.micro_of("actor")))
+                calls.append(self.models.critic.train_step(mb, self.value_loss, b.micro_of("critic")))
         results = await asyncio.gather(*calls)
         stats = [{**{f"actor/{k}": v for k, v in actor.items()}, **{f"critic/{k}": v for k, v in critic.items()}}
                  for actor, critic in zip(results[::2], results[1::2])]

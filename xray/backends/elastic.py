@@ -136,3 +136,18 @@ def apply_elasticity(ds_config: Mapping[str, Any], world_size: int) -> dict[str,
             "those keys or set elasticity.ignore_non_elastic_batch_info: true")
     out.update(elastic_batch(cfg, world_size).deepspeed_keys())
     return out
+
+
+def device_batch(cfg: ElasticityConfig, devices: int, model_parallel: int = 1) -> ElasticBatch:
+    """The batch for `devices` devices of a model split `model_parallel` ways (tp x pp): the
+    devices must lie in [min_gpus, max_gpus] and be a multiple of `model_parallel`; the batch is
+    that of `devices / model_parallel` data-parallel replicas."""
+    if not cfg.min_gpus <= devices <= cfg.max_gpus:
+        raise ElasticityError(
+            f"{devices} devices are outside elasticity's [min_gpus={cfg.min_gpus}, max_gpus={cfg.max_gpus}]; "
+            "run with a device count in that range or widen the range")
+    if devices % model_parallel:
+        raise ElasticityError(f"{devices} devices do not hold whole replicas of a model split {model_parallel} "
+                              f"ways (tp x pp); use a multiple of {model_parallel}")
+    dp = devices // model_parallel
+    return elastic_batch(ElasticityConfig(cfg.max_train_batch_size, cfg.micro_batch_sizes, 1, max(dp, 1)), dp)

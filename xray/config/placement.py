@@ -9,11 +9,14 @@ Format (DESIGN.md), as in ms-swift's Ray support:
         device: GPU              # GPU or CPU
         ranks: list(range(0, 2)) # device indices: a list, an int count, or list(range(a, b))
         workers: [actor, critic, reference]
+        resources: {trainer_node: 1}  # optional: custom Ray resources each device also takes
 
 Ranks are global device indices in [0, nnodes * nproc_per_node); rank r lives on node
 r // nproc_per_node, so a group may span nodes. An int count `n` takes the next `n` indices after
 the groups written before it. On CPU a "device" is one Workhorse process with a fixed number of
-torch threads. `list(range(...))` is parsed with a pattern, never evaluated.
+torch threads. `list(range(...))` is parsed with a pattern, never evaluated. `resources` are custom
+Ray resources (node labels) each of the group's devices also reserves: a group then lands only on
+nodes started with them (`ray start --resources='{"trainer_node": 1}'`).
 """
 from __future__ import annotations
 
@@ -40,6 +43,8 @@ class DeviceGroup:
     """Global device indices."""
     workers: tuple[str, ...]
     """Roles placed on these devices (they share them: colocation)."""
+    resources: tuple[tuple[str, float], ...] = ()
+    """Custom Ray resources each device of the group also reserves (name, amount)."""
 
     @property
     def size(self) -> int:
@@ -114,6 +119,8 @@ class DeviceGroups:
         out: dict[str, Any] = {"nproc_per_node": self.nproc_per_node, "nnodes": self.nnodes}
         for g in self.groups:
             out[g.name] = {"device": g.device, "ranks": list(g.ranks), "workers": list(g.workers)}
+            if g.resources:
+                out[g.name]["resources"] = dict(g.resources)
         return out
 
 
@@ -156,9 +163,10 @@ def parse_ranks(value: Any, offset: int, path: str) -> tuple[int, ...]:
 def _parse_group(name: str, body: Any, offset: int, path: str) -> DeviceGroup:
     if not isinstance(body, dict):
         raise ConfigError(f"{path}: a device group is a mapping with device, ranks and workers")
-    unknown = set(body) - {"device", "ranks", "workers"}
+    unknown = set(body) - {"device", "ranks", "workers", "resources"}
     if unknown:
-        raise ConfigError(f"unknown key {path}.{sorted(unknown)[0]!r}; a device group has device, ranks, workers")
+        raise ConfigError(f"unknown key {path}.{sorted(unknown)[0]!r}; a device group has device, ranks, workers "
+                          "and optionally resources")
     device = str(body.get("device", "CPU")).upper()
     if device not in ("GPU", "CPU"):
         raise ConfigError(f"{path}.device: must be GPU or CPU, got {body.get('device')!r}")
@@ -175,4 +183,16 @@ def _parse_group(name: str, body: Any, offset: int, path: str) -> DeviceGroup:
         raise ConfigError(f"{path}.workers: unknown roles {bad}; roles are {', '.join(ROLES)}")
     if len(set(workers)) != len(workers):
         raise ConfigError(f"{path}.workers: a role is listed twice in {workers}")
-    return DeviceGroup(name=name, device=device, ranks=ranks, workers=tuple(workers))
+    return DeviceGroup(name=name, device=device, ranks=ranks, workers=tuple(workers),
+                       resources=_parse_resources(body.get("resources") or {}, f"{path}.resources"))
+
+
+def _parse_resources(value: Any, path: str) -> tuple[tuple[str, float], ...]:
+    if not isinstance(value, dict):
+        raise ConfigError(f"{path}: expected a mapping of custom Ray resource names to amounts, e.g. {{trainer_node: 1}}")
+    for name, amount in value.items():
+        if name in ("CPU", "GPU", "memory") or not isinstance(amount, (int, float)) or isinstance(amount, bool) \
+                or amount <= 0:
+            raise ConfigError(f"{path}.{name}: give custom resource names (not CPU, GPU or memory) with positive "
+                              f"amounts, got {amount!r}")
+    return tuple(sorted((str(k), float(v)) for k, v in value.items()))

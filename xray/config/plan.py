@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from xray.backends import split_pair
-from xray.backends.elastic import ElasticityError, elastic_batch
+from xray.backends.elastic import ElasticityError
+from xray.config.batches import elastic_ranges, train_batches
 from xray.config.graph import build_graph
 from xray.config.parallel import LayoutError, ParallelDims
 from xray.config.schema import RunConfig
@@ -37,6 +38,8 @@ class RolePlan:
     """Node of each Workhorse."""
     parallel: ParallelDims
     """tp / pp / dp of the role."""
+    resources: tuple[tuple[str, float], ...] = ()
+    """Custom Ray resources each of its devices also reserves (the group's `resources`)."""
 
     @property
     def num_workhorses(self) -> int:
@@ -134,30 +137,39 @@ def _check_batches(cfg: RunConfig, plan: Plan) -> None:
     _check_sampling(cfg, plan)
     if cfg.trainer.mode == "async":
         _check_async(cfg, plan)
-    ppo = cfg.ppo
-    samples = ppo.rollout_batch_size * cfg.rollout.n_samples
+    samples = cfg.ppo.rollout_batch_size * cfg.rollout.n_samples
     rollout_dp = plan.role("rollout").parallel.dp
-    for key, value in (("ppo.rollout_batch_size", ppo.rollout_batch_size), ("data.eval_size", cfg.data.eval_size)):
+    for key, value in (("ppo.rollout_batch_size", cfg.ppo.rollout_batch_size), ("data.eval_size", cfg.data.eval_size)):
         if value % rollout_dp:
             raise ConfigError(f"{key}={value} is not divisible by the {rollout_dp} rollout replicas "
                               f"(rollout.dp); use a multiple of {rollout_dp}")
-    if samples % ppo.mini_batch_size:
-        raise ConfigError(f"ppo.mini_batch_size={ppo.mini_batch_size} does not divide the "
+    base = {r.role: r.num_workhorses for r in plan.roles if r.role in TRAINED_ROLES}
+    layouts = [base] + [{**base, **{role: n for role in er.roles}}
+                        for er in elastic_ranges(cfg, cfg.device_groups) for n in er.sizes]
+    for devices in layouts:
+        _check_train_batches(cfg, devices, samples)
+
+
+def _check_train_batches(cfg: RunConfig, devices: dict[str, int], samples: int) -> None:
+    """The mini- and micro-batches divide what they must when the trained roles have `devices`."""
+    try:
+        batches = train_batches(cfg, devices)
+    except ElasticityError as exc:
+        raise ConfigError(f"elasticity: {exc}") from None
+    where = "" if batches.mini_batch_size == cfg.ppo.mini_batch_size else \
+        f" (the elastic mini-batch on {devices['actor']} actor devices)"
+    if samples % batches.mini_batch_size:
+        raise ConfigError(f"ppo.mini_batch_size={batches.mini_batch_size}{where} does not divide the "
                           f"{samples} samples of a step (rollout_batch_size x rollout.n_samples); "
                           "choose a divisor")
-    for role in TRAINED_ROLES:
-        rc, dp = getattr(cfg, role), plan.role(role).parallel.dp
-        if rc.elasticity is not None:
-            try:
-                elastic_batch(rc.elasticity, dp)
-            except ElasticityError as exc:
-                raise ConfigError(f"{role}.elasticity: {exc}") from None
-        unit = dp * rc.micro_batch_size
+    for role, n in devices.items():
+        rc, micro = getattr(cfg, role), batches.micro_of(role)
+        unit = n // (rc.tp * rc.pp) * micro
         batch, name = (samples, "rollout_batch_size x n_samples") if role == "reference" else \
-            (ppo.mini_batch_size, "ppo.mini_batch_size")
+            (batches.mini_batch_size, "ppo.mini_batch_size")
         if batch % unit:
             raise ConfigError(f"{name}={batch} is not divisible by {role}.dp x {role}.micro_batch_size = "
-                              f"{dp}x{rc.micro_batch_size}; make it a multiple of {unit} or lower "
+                              f"{unit // micro}x{micro}{where}; make it a multiple of {unit} or lower "
                               f"{role}.micro_batch_size")
 
 
@@ -189,7 +201,7 @@ def plan_run(cfg: RunConfig, backend: str, algo: str = "ppo") -> Plan:
             raise ConfigError(f"{role}: {exc}") from None
         roles.append(RolePlan(role=role, backend=backend_of, group=g.name, device=g.device,
                               ranks=g.ranks, nodes=tuple(groups.node_of(r) for r in g.ranks),
-                              parallel=dims))
+                              parallel=dims, resources=g.resources))
     plan = Plan(backend=backend, roles=tuple(roles), nproc_per_node=groups.nproc_per_node,
                 nnodes=groups.nnodes)
     (_check_sft_batches if algo == "sft" else _check_batches)(cfg, plan)

@@ -44,8 +44,10 @@ class RoleConfig:
     model_path: Optional[str] = None
     """Weights for this role, if not the run's `model.path` (a critic from a reward model, say)."""
     elasticity: Optional[ElasticityConfig] = None
-    """DeepSpeed's `elasticity` block (deepspeed backend): the train batch for the role's world size
-    is computed as micro-batch x gradient accumulation x world size within these bounds."""
+    """DeepSpeed's `elasticity` block (either training backend): the role's device group becomes
+    elastic (its size follows the cluster within [min_gpus, max_gpus], synchronous runs), and the
+    role's batch is micro-batch x gradient accumulation x dp for its current size; the actor's is
+    the PPO mini-batch (it replaces `ppo.mini_batch_size` and the role's `micro_batch_size`)."""
 
 
 @dataclass(frozen=True)

@@ -2,20 +2,24 @@
 
 Each role gets its section of the config and the bundles of its device group (roles of one group
 share devices). Models start concurrently: each WholeModel's Workhorses build while the others
-build, so a run's start-up costs about its slowest model, not the sum.
+build, so a run's start-up costs about its slowest model, not the sum. `Models.replace` starts one
+role anew on its devices (a Workhorse died); `Models.release` and `place` start a device group's
+roles anew on another number of devices (elastic data parallelism, `algorithms/ppo/elastic.py`).
 """
 from __future__ import annotations
 
 import logging
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional
 
-from xray.config.plan import Plan
+from xray.config.batches import TRAINED, role_parallel, train_batches
+from xray.config.plan import Plan, RolePlan
 from xray.config.schema import RunConfig
 from xray.config.typed import ConfigError
 from xray.wholemodel import WholeModel
-from xray.wholemodel.placement import reserve_plan
+from xray.wholemodel.handle import Bundles
+from xray.wholemodel.placement import reserve, reserve_plan
 from xray.workhorse.roles import workhorse_class
 
 log = logging.getLogger(__name__)
@@ -30,10 +34,12 @@ class Models:
     reference: WholeModel
     rollout: WholeModel
     reward: Optional[WholeModel] = None
-    placement_groups: tuple = ()
-    """The run's device reservations, freed by `shutdown`."""
-    starter: Optional[Callable[[str], WholeModel]] = None
-    """Starts one role's WholeModel anew on the role's reserved devices (`replace`)."""
+    bundles: dict[str, Bundles] = field(default_factory=dict)
+    """Each role's devices; roles of one device group share one reservation, freed by `shutdown`."""
+    plan: Optional[Plan] = None
+    """The placement now: `place` changes the placed roles' layouts."""
+    starter: Optional[Callable[[RolePlan, Bundles], WholeModel]] = None
+    """Starts one role's WholeModel on the given layout and devices (`replace`, `place`)."""
 
     def replace(self, role: str) -> WholeModel:
         """Stop what is left of `role`'s WholeModel and start a new one on the same devices (a
@@ -41,15 +47,39 @@ class Models:
         replacements). The new model holds the initial weights: the caller restores its state."""
         if self.starter is None:
             raise RuntimeError("these models were not built by build_models; rebuild them yourself")
-        old = getattr(self, role)
-        try:
-            old.shutdown(release=False, grace_s=0.0)  # its survivors may hang in a collective
-        except Exception as exc:  # noqa: BLE001 - the old model is broken: report and go on
-            log.warning("%s: stopping the broken model: %s", role, exc)
-        new = self.starter(role)
+        _stop(getattr(self, role), role)  # its survivors may hang in a collective
+        new = self.starter(self.plan.role(role), self.bundles[role])
         setattr(self, role, new)
         log.warning("%s: replaced (a new WholeModel of %d Workhorses on the same devices)", role, len(new.layout))
         return new
+
+    def release(self, group: str) -> None:
+        """Stop the roles of device `group` and give its devices back to the cluster (elastic
+        resizing, `algorithms/ppo/elastic.py`; `place` starts them again)."""
+        import ray
+
+        roles = [r for r in self.plan.roles if r.group == group]
+        with ThreadPoolExecutor(max_workers=len(roles)) as pool:
+            list(pool.map(lambda r: _stop(getattr(self, r.role), r.role), roles))
+        ray.util.remove_placement_group(self.bundles[roles[0].role].placement_group)
+
+    def place(self, group: str, devices: int, cfg: RunConfig, timeout_s: float = 30.0) -> None:
+        """Reserve `devices` devices for `group` (released) and start its roles there, data-parallel
+        over them (tp and pp kept). The new models hold the initial weights: the caller restores
+        their state. PlacementError if the cluster does not grant them in `timeout_s`."""
+        roles = [r for r in self.plan.roles if r.group == group]
+        first, share = roles[0], self.bundles[roles[0].role].share
+        new = reserve(group, devices, first.device, cfg.threads_per_worker, timeout_s, share, first.resources)
+        ranks = (first.ranks + tuple(range(max(first.ranks) + 1, max(first.ranks) + 1 + devices)))[:devices]
+        layouts = {r.role: replace(r, ranks=ranks, nodes=(), parallel=role_parallel(cfg, r.role, devices))
+                   for r in roles}
+        self.plan = replace(self.plan, roles=tuple(layouts.get(r.role, r) for r in self.plan.roles))
+        for role in layouts:
+            self.bundles[role] = new
+        with ThreadPoolExecutor(max_workers=len(roles)) as pool:
+            started = dict(zip(layouts, pool.map(lambda rp: self.starter(rp, new), layouts.values())))
+        for role, model in started.items():
+            setattr(self, role, model)
 
     def all(self) -> list[WholeModel]:
         return [m for m in (self.actor, self.critic, self.reference, self.rollout, self.reward) if m is not None]
@@ -60,8 +90,15 @@ class Models:
         models = list(self.all())
         with ThreadPoolExecutor(max_workers=max(1, len(models))) as pool:  # a busy model waits its own grace only
             list(pool.map(lambda m: m.shutdown(), models))
-        for pg in self.placement_groups:
+        for pg in {id(b.placement_group): b.placement_group for b in self.bundles.values()}.values():
             ray.util.remove_placement_group(pg)
+
+
+def _stop(model: WholeModel, role: str) -> None:
+    try:
+        model.shutdown(release=False, grace_s=0.0)  # on a lost node its Workhorses are gone or hang
+    except Exception as exc:  # noqa: BLE001 - the model is going: report and go on
+        log.warning("%s: stopping the model: %s", role, exc)
 
 
 def role_init_kwargs(cfg: RunConfig, role: str, backend: str, model_dir: str) -> dict[str, Any]:
@@ -116,17 +153,18 @@ def build_models(cfg: RunConfig, plan: Plan, model_dir: str, ray_address: str | 
     ensure_ray(ray_address, num_cpus=plan.nproc_per_node * plan.nnodes * cfg.threads_per_worker)
     bundles = reserve_plan(plan, cfg.threads_per_worker)
 
-    def start(role: str) -> WholeModel:
-        role_plan = plan.role(role)
+    def start(role_plan: RolePlan, devices: Bundles) -> WholeModel:
+        role = role_plan.role
         kwargs = role_init_kwargs(cfg, role, role_plan.backend, model_dir)
+        if role in TRAINED and getattr(cfg, role).elasticity is not None:  # the elastic micro-batch
+            kwargs["forward_micro_batch_size"] = train_batches(cfg, {role: role_plan.num_workhorses}).micro_of(role)
         if cfg.pin_cpu_devices and role_plan.device.upper() == "CPU":
             kwargs["cpu_devices"] = [r % plan.nproc_per_node for r in role_plan.ranks]
         return WholeModel(workhorse_class(role_plan.backend, role), role=role, parallel=role_plan.parallel,
-                          device=role_plan.device, bundles=bundles[role], seed=cfg.seed,
+                          device=role_plan.device, bundles=devices, seed=cfg.seed,
                           threads=cfg.threads_per_worker, init_kwargs=kwargs)
 
-    groups = tuple({id(b.placement_group): b.placement_group for b in bundles.values()}.values())
     roles = [r.role for r in plan.roles]
     with ThreadPoolExecutor(max_workers=len(roles)) as pool:
-        started = dict(zip(roles, pool.map(start, roles)))
-    return Models(**started, placement_groups=groups, starter=start)
+        started = dict(zip(roles, pool.map(lambda r: start(plan.role(r), bundles[r]), roles)))
+    return Models(**started, bundles=bundles, plan=plan, starter=start)

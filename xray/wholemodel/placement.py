@@ -19,13 +19,27 @@ class PlacementError(RuntimeError):
     """The cluster cannot offer the devices a placement asks for."""
 
 
+def device_bundle(device: str, threads: int = 1, resources: tuple = ()) -> dict[str, float]:
+    """What one device of a group reserves: a GPU or `threads` CPUs, and its custom resources."""
+    return {**({"GPU": 1} if device.upper() == "GPU" else {"CPU": threads}), **dict(resources)}
+
+
+def free_devices(device: str, threads: int = 1, resources: tuple = ()) -> int:
+    """How many more such devices the cluster has unreserved now (summed over nodes: an
+    estimate that a reservation confirms)."""
+    import ray
+
+    have = ray.available_resources()
+    return int(min(have.get(k, 0.0) // v for k, v in device_bundle(device, threads, resources).items()))
+
+
 def reserve(name: str, count: int, device: str, threads: int = 1, timeout_s: float = 120.0,
-            share: int = 1) -> Bundles:
+            share: int = 1, resources: tuple = ()) -> Bundles:
     """A placement group of `count` devices; waits until the cluster grants it."""
     import ray
     from ray.util.placement_group import placement_group
 
-    bundle = {"GPU": 1} if device.upper() == "GPU" else {"CPU": threads}
+    bundle = device_bundle(device, threads, resources)
     pg = placement_group([dict(bundle) for _ in range(count)], strategy="PACK",
                          name=f"xray-{name}-{uuid.uuid4().hex[:8]}")  # unique: runs and models coexist
     ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
@@ -46,7 +60,7 @@ def reserve_plan(plan, threads: int = 1) -> dict[str, Bundles]:
     out: dict[str, Bundles] = {}
     for group, roles in by_group.items():
         first = roles[0]
-        bundles = reserve(group, len(first.ranks), first.device, threads, share=len(roles))
+        bundles = reserve(group, len(first.ranks), first.device, threads, share=len(roles), resources=first.resources)
         for r in roles:
             out[r.role] = bundles
     return out

@@ -156,7 +156,13 @@ class DeepSpeedEngine(TrainEngine):
         with open(latest) as f:
             tag = f.read().strip()
         saved = saved_dp(directory, tag)
-        if saved and saved != self.parallel.dp:
+        if saved and saved != self.parallel.dp and tag == "step0":
+            # before the first optimizer step the checkpoint holds the weights this engine was
+            # built with and an empty Adam state, which DeepSpeed's converter cannot read: keep them
+            client = {"xray_step": 0}
+            logger.info("a dp=%d checkpoint from before any optimizer step, at dp=%d: the built weights stand",
+                        saved, self.parallel.dp)
+        elif saved and saved != self.parallel.dp:
             ensure_universal(directory, tag, self.rank)
             _, client = load_universal(self.engine, directory, trains)
             client = client or torch.load(os.path.join(directory, tag, "mp_rank_00_model_states.pt"),

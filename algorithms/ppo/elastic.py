@@ -1,0 +1,112 @@
+"""Elastic data parallelism: the training device groups follow the cluster between step boundaries.
+
+A device group whose trained roles set `elasticity` (`xray/config/batches.py`) may hold any of the
+sizes its bounds allow. Two events move it:
+- **shrink**: one of its Workhorses died with its node (the group's reservation lost a device;
+  a killed process alone is replaced in place, as in any group). Recovery
+  (`algorithms.ppo.recovery`) asks `Elastic.shrink`: the group's models are stopped and its
+  devices given back, and it is placed again on as many devices as the cluster now grants (the
+  largest allowed size). Its models then restore from the latest checkpoint, resharded to the new
+  layout, and the steps since run again.
+- **grow**: at a step boundary, a group below its largest size sees free devices that fit it (a
+  node joined). The step just finished is checkpointed and persisted, the group is placed on the
+  larger size, and its models restore from that checkpoint: no step is lost.
+After either, the mini-batch is micro-batch x accumulation x data-parallel size for the new size
+(`PPOTrainer.batches`); the change is logged, and each step's metrics carry the group's device
+count (`elastic/<group>_devices`), the mini-batch and the resizes so far.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from xray.config.batches import elastic_ranges
+from xray.wholemodel.placement import PlacementError, free_devices
+
+log = logging.getLogger(__name__)
+
+
+class ElasticError(RuntimeError):
+    """The cluster cannot give an elastic group even its smallest size."""
+
+
+class Elastic:
+    """The elastic device groups of a run, and their resizing."""
+
+    def __init__(self, trainer) -> None:
+        self.trainer = trainer
+        self.ranges = {er.group: er for er in elastic_ranges(trainer.cfg, trainer.cfg.device_groups)}
+        self.resizes = 0
+
+    def size(self, group: str) -> int:
+        return next(r.num_workhorses for r in self.trainer.models.plan.roles if r.group == group)
+
+    def group_of(self, role: str) -> str | None:
+        return next((g for g, er in self.ranges.items() if role in er.roles), None)
+
+    def lost_devices(self, group: str) -> bool:
+        """Whether `group`'s reservation lost a device (its node left); a killed process loses none."""
+        import ray
+        from ray.util import placement_group_table
+
+        table = placement_group_table(self.trainer.models.bundles[self.ranges[group].roles[0]].placement_group)
+        alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+        return table.get("state") != "CREATED" or not set(table.get("bundles_to_node_id", {}).values()) <= alive
+
+    def _free(self, group: str) -> int:
+        first = next(r for r in self.trainer.models.plan.roles if r.group == group)
+        return free_devices(first.device, self.trainer.cfg.threads_per_worker, first.resources)
+
+    def metrics(self) -> dict[str, float]:
+        out = {f"elastic/{g}_devices": float(self.size(g)) for g in self.ranges}
+        out.update({"elastic/mini_batch_size": float(self.trainer.batches().mini_batch_size),
+                    "elastic/resizes": float(self.resizes)})
+        return out
+
+    async def _place(self, group: str, largest: int, why: str) -> int:
+        """Place the released `group` on the largest allowed size up to `largest` the cluster grants."""
+        models, cfg, before = self.trainer.models, self.trainer.cfg, self.size(group)
+        for n in reversed([n for n in self.ranges[group].sizes if n <= largest]):
+            try:
+                await asyncio.to_thread(models.place, group, n, cfg)
+            except PlacementError:
+                log.warning("elastic: %s: %d devices not granted; trying fewer", group, n)
+                continue
+            self.resizes += n != before
+            b = self.trainer.batches()
+            log.warning("elastic: %s: %d -> %d devices (%s); actor dp %d, mini-batch %d, actor micro-batch %d",
+                        group, before, n, why, models.actor.parallel.dp, b.mini_batch_size, b.micro_of("actor"))
+            return n
+        raise ElasticError(f"elastic group {group!r} needs at least {self.ranges[group].smallest} devices and the "
+                           "cluster grants fewer; add nodes, or lower min_gpus in its roles' elasticity")
+
+    async def shrink(self, group: str) -> int:
+        """A Workhorse of `group` died: release it and place it on what the cluster grants now."""
+        await asyncio.to_thread(self.trainer.models.release, group)
+        await asyncio.sleep(0.5)  # let the cluster count the released devices
+        return await self._place(group, await asyncio.to_thread(self._free, group), "a Workhorse or its node was lost")
+
+    def growth(self) -> dict[str, int]:
+        """Groups that free devices would let grow, and the size each would take."""
+        out = {}
+        for group, er in self.ranges.items():
+            size = self.size(group)
+            if size < er.largest and (n := er.fit(size + self._free(group))) is not None and n > size:
+                out[group] = n
+        return out
+
+    async def grow(self, save, checkpoints, resume) -> bool:
+        """At a step boundary: grow every group that free devices fit, from a checkpoint of this
+        step (`save()` takes it, `resume(directory)` restores it); False when none grew."""
+        targets = await asyncio.to_thread(self.growth)
+        if not targets:
+            return False
+        step = self.trainer.state.step
+        if checkpoints.last_step != step:
+            await save()
+        await checkpoints.finish()
+        for group, n in targets.items():
+            await asyncio.to_thread(self.trainer.models.release, group)
+            await self._place(group, n, "devices joined")
+        await resume(checkpoints.run.latest_checkpoint())
+        return True

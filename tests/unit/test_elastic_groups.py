@@ -1,0 +1,64 @@
+"""Elastic device groups (xray.config.batches): the sizes a group may take, the batches at each,
+and the plan's checks over all of them, against hand-computed values."""
+import pytest
+
+from xray.backends.elastic import ElasticityConfig, ElasticityError, device_batch
+from xray.config import ConfigError, DEFAULT_CONFIGS, load_config
+from xray.config.batches import elastic_ranges, train_batches
+from xray.config.plan import plan_run
+
+pytestmark = pytest.mark.unit
+GROUPS = {"nproc_per_node": 3,
+          "train_group": {"device": "CPU", "ranks": [0, 1], "workers": ["actor", "critic", "reference"],
+                          "resources": {"trainer_node": 1}},
+          "rollout_group": {"device": "CPU", "ranks": [2], "workers": ["rollout"]}}
+BLOCK = {"max_train_batch_size": 32, "micro_batch_sizes": [16], "min_gpus": 1, "max_gpus": 2}
+
+
+def elastic_cfg(block=BLOCK, groups=GROUPS, extra=()):
+    return load_config(DEFAULT_CONFIGS["ppo"], [("device_groups", groups), ("actor.dp", 2), ("critic.dp", 2),
+                                                ("reference.dp", 2), ("actor.elasticity", block),
+                                                ("critic.elasticity", block), *extra])
+
+
+def test_device_batch_counts_whole_replicas():
+    cfg = ElasticityConfig(max_train_batch_size=12, micro_batch_sizes=(2, 4), min_gpus=2, max_gpus=8)
+    b = device_batch(cfg, 4, model_parallel=2)  # dp 2: 2*3*2 = 12 beats 4*1*2 = 8
+    assert (b.world_size, b.micro_batch_size, b.gradient_accumulation_steps, b.train_batch_size) == (2, 2, 3, 12)
+    with pytest.raises(ElasticityError, match="use a multiple of 2"):
+        device_batch(cfg, 3, model_parallel=2)
+    with pytest.raises(ElasticityError, match=r"outside elasticity's \[min_gpus=2"):
+        device_batch(cfg, 1)
+
+
+def test_the_actor_block_sets_the_mini_batch_at_each_size():
+    cfg = elastic_cfg(block=dict(BLOCK, max_train_batch_size=48), extra=[("ppo.rollout_batch_size", 192)])
+    assert plan_run(cfg, "megatron-vllm").role("actor").resources == (("trainer_node", 1.0),)
+    # dp 2: 16 x 1 x 2 = 32; dp 1: 16 x 3 x 1 = 48; the reference keeps its own micro-batch
+    two = train_batches(cfg, {"actor": 2, "critic": 2, "reference": 2})
+    one = train_batches(cfg, {"actor": 1, "critic": 1, "reference": 1})
+    assert (two.mini_batch_size, two.micro_of("actor"), two.micro_of("reference")) == (32, 16, 32)
+    assert (one.mini_batch_size, one.micro_of("critic")) == (48, 16)
+    [er] = elastic_ranges(cfg, cfg.device_groups)
+    assert (er.group, er.roles, er.sizes, er.fit(5), er.fit(0)) == ("train_group", ("actor", "critic", "reference"),
+                                                                   (1, 2), 2, None)
+
+
+def test_the_plan_checks_every_size_and_placement():
+    # 48 divides the 128 samples of a step? no: the dp=1 size fails, naming the elastic mini-batch
+    with pytest.raises(ConfigError, match=r"mini_batch_size=48 \(the elastic mini-batch on 1 actor devices\)"):
+        plan_run(elastic_cfg(block=dict(BLOCK, max_train_batch_size=56)), "megatron-vllm")
+    with pytest.raises(ConfigError, match="give actor and critic the same elasticity block"):
+        plan_run(elastic_cfg(extra=[("critic.elasticity", dict(BLOCK, max_train_batch_size=16, micro_batch_sizes=[8]))]), "megatron-vllm")
+    mixed = dict(GROUPS, train_group=dict(GROUPS["train_group"], workers=["actor", "critic", "reference", "rollout"]),
+                 rollout_group=None)
+    mixed = {k: v for k, v in mixed.items() if v is not None}
+    with pytest.raises(ConfigError, match=r"an elastic group .* \['rollout'\] cannot follow"):
+        plan_run(elastic_cfg(groups=mixed, extra=[("rollout.dp", 2)]), "megatron-vllm")
+    with pytest.raises(ConfigError, match="elastic resizing runs with trainer.mode=sync"):
+        plan_run(elastic_cfg(extra=[("trainer.mode", "async")]), "megatron-vllm")
+    with pytest.raises(ConfigError, match="has 2 ranks, not a size its elasticity allows"):
+        plan_run(elastic_cfg(block=dict(BLOCK, max_gpus=1)), "megatron-vllm")
+    bad = dict(GROUPS, train_group=dict(GROUPS["train_group"], resources={"CPU": 1}))
+    with pytest.raises(ConfigError, match="custom resource names"):
+        elastic_cfg(groups=bad)

@@ -1,0 +1,113 @@
+"""The training batch sizes of a PPO run for a given layout, elastic groups included.
+
+Sits between the config and the runtime. Without `elasticity`, the mini-batch (sequences per
+optimizer step, all replicas) is `ppo.mini_batch_size` and each role's micro-batch its
+`micro_batch_size`. A trained role with an `elasticity` block takes both from DeepSpeed's
+arithmetic (`xray/backends/elastic.py`) for its current device count: micro-batch x accumulation
+x data-parallel size, the actor's product being the mini-batch. A device group holding such a
+role is elastic: its size may move within [min_gpus, max_gpus] (and at most its ranks) while the
+run goes on (`algorithms/ppo/elastic.py`), and the plan checks every size it may take.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from xray.backends.elastic import ElasticityError, device_batch
+from xray.config.parallel import ParallelDims
+from xray.config.schema import RunConfig
+from xray.config.typed import ConfigError
+
+TRAINED = ("actor", "critic", "reference")
+
+
+@dataclass(frozen=True)
+class TrainBatches:
+    """Sequences per optimizer step, and per-role micro-batches, for one layout."""
+
+    mini_batch_size: int
+    micro: tuple[tuple[str, int], ...]
+    """(role, rows per micro-batch per replica) for actor, critic and reference."""
+
+    def micro_of(self, role: str) -> int:
+        return dict(self.micro)[role]
+
+
+@dataclass(frozen=True)
+class ElasticRange:
+    """The device counts an elastic group may take."""
+
+    group: str
+    roles: tuple[str, ...]
+    """The trained roles placed in the group; they resize together."""
+    sizes: tuple[int, ...]
+    """Valid device counts, ascending (within every role's bounds, whole replicas for each)."""
+
+    @property
+    def smallest(self) -> int:
+        return self.sizes[0]
+
+    @property
+    def largest(self) -> int:
+        return self.sizes[-1]
+
+    def fit(self, devices: int) -> int | None:
+        """The largest valid count not above `devices`; None if even the smallest does not fit."""
+        fitting = [n for n in self.sizes if n <= devices]
+        return fitting[-1] if fitting else None
+
+
+def role_parallel(cfg: RunConfig, role: str, devices: int) -> ParallelDims:
+    """A trained role's layout on `devices` devices: its tp and pp, the rest data parallel."""
+    rc = getattr(cfg, role)
+    return ParallelDims(rc.tp, rc.pp, devices // (rc.tp * rc.pp))
+
+
+def train_batches(cfg: RunConfig, devices: dict[str, int]) -> TrainBatches:
+    """The batches when each trained role (key) has that many devices; ElasticityError if an
+    elastic role cannot take them."""
+    mini, micro = cfg.ppo.mini_batch_size, []
+    for role in TRAINED:
+        rc = getattr(cfg, role)
+        if rc.elasticity is None or role not in devices:
+            micro.append((role, rc.micro_batch_size))
+            continue
+        batch = device_batch(rc.elasticity, devices[role], rc.tp * rc.pp)
+        micro.append((role, batch.micro_batch_size))
+        if role == "actor":
+            mini = batch.train_batch_size
+    for role in ("critic",):
+        rc = getattr(cfg, role)
+        if rc.elasticity is not None and role in devices and "actor" in devices:
+            own = device_batch(rc.elasticity, devices[role], rc.tp * rc.pp).train_batch_size
+            if own != mini:
+                raise ElasticityError(f"on {devices[role]} devices the critic's elastic batch is {own} sequences "
+                                      f"but the actor's mini-batch is {mini}; give actor and critic the same "
+                                      "elasticity block (they train on the same mini-batches)")
+    return TrainBatches(mini, tuple(micro))
+
+
+def elastic_ranges(cfg: RunConfig, groups) -> list[ElasticRange]:
+    """The elastic device groups of `groups` (`DeviceGroups`), with the sizes each may take."""
+    out = []
+    for g in groups.groups:
+        elastic = [r for r in g.workers if r in TRAINED and getattr(cfg, r).elasticity is not None]
+        if not elastic:
+            continue
+        others = [r for r in g.workers if r not in TRAINED]
+        if others:
+            raise ConfigError(f"device_groups.{g.name}: an elastic group (its {', '.join(elastic)} set elasticity) "
+                              f"changes size, and {others} cannot follow; place them in another group")
+        if cfg.trainer.mode != "sync":
+            raise ConfigError(f"{elastic[0]}.elasticity: elastic resizing runs with trainer.mode=sync; remove the "
+                              "elasticity blocks or use the synchronous mode")
+        lo = max(getattr(cfg, r).elasticity.min_gpus for r in elastic)
+        hi = min([g.size] + [getattr(cfg, r).elasticity.max_gpus for r in elastic])
+        trained = [r for r in g.workers if r in TRAINED]
+        sizes = tuple(n for n in range(lo, hi + 1)
+                      if all(n % (getattr(cfg, r).tp * getattr(cfg, r).pp) == 0 for r in trained))
+        if g.size not in sizes:
+            raise ConfigError(f"{elastic[0]}.elasticity: device group {g.name!r} has {g.size} ranks, not a size its "
+                              f"elasticity allows (min_gpus {lo}, max_gpus {hi}, whole tp x pp replicas); change "
+                              "the ranks or the bounds")
+        out.append(ElasticRange(g.name, tuple(trained), sizes))
+    return out
