@@ -20,9 +20,10 @@ dp=2 at the next step boundary, from that step's checkpoint). Figures, of the fa
   after it that was kept;
 - eval_gap = greedy accuracy on the held-out prompts after the uninterrupted run minus after the
   faulted one;
-- checkpoint_stall = median seconds training stopped for a flash checkpoint (the faulted run's) /
-  median seconds of a synchronous save of the same actor and critic (`WholeModel.save`, 3 times,
-  measured at the end of the same run).
+- checkpoint_stall = median seconds training stopped for a flash checkpoint (the faulted run's:
+  the slowest Workhorse's blocking copy; the driver does not wait for it, `xray/run/checkpoints.py`)
+  / median seconds the driver waits for a synchronous save of the same actor and critic
+  (`WholeModel.save`, 3 times, measured at the end of the same run).
 Last line: `goodput=<x> recovery_s=<y> eval_gap=<z> checkpoint_stall=<w>`.
 """
 from __future__ import annotations
@@ -81,7 +82,7 @@ async def steps_with_fault(trainer, data, run: RunDir, cluster, faults: dict | N
         if step % trainer.cfg.trainer.save_every == 0:
             from algorithms.ppo.run import save_checkpoint
 
-            stalls.append(await save_checkpoint(trainer, checkpoints, data))
+            stalls.append(await save_checkpoint(trainer, checkpoints, data))  # the copy's seconds, to come
 
     async def at_step(step: int) -> None:
         while trainer.state.step < step - 1:
@@ -104,7 +105,8 @@ async def steps_with_fault(trainer, data, run: RunDir, cluster, faults: dict | N
     await checkpoints.finish()
     if task is not None:
         task.cancel()
-    return {"ends": ends, "stalls": stalls, "faults": times, "eval": await trainer.evaluate(data.eval_rows),
+    copies = await asyncio.gather(*stalls, return_exceptions=True)  # a snapshot its Workhorse died in: none
+    return {"ends": ends, "stalls": [s for s in copies if isinstance(s, float)], "faults": times, "eval": await trainer.evaluate(data.eval_rows),
             "dp": trainer.models.actor.parallel.dp}
 
 

@@ -1,16 +1,19 @@
-"""Lost Workhorses replaced: a synchronous PPO run goes on after a Workhorse's process dies.
+"""Lost Workhorses replaced: a PPO run goes on after a Workhorse's process dies.
 
 When a step fails with a WholeModel error, `recover` pings every model's Workhorses
 (`WholeModel.dead_ranks`; a call can fail on a live model because another died), replaces each
 model with a dead Workhorse on the same devices (`Models.replace`: its surviving shards are
-killed too, and the new ones form fresh process groups; an elastic device group that lost a device,
-its node gone, is placed again on what the cluster grants, `algorithms.ppo.elastic`), then:
+killed too, and the new ones form fresh process groups under the same WholeModel actor; an
+elastic device group that lost a device, its node gone, is placed again on what the cluster
+grants, `algorithms.ppo.elastic`), then, in a synchronous run:
 - a rollout, reference or reward model that died before the step trained (generation or
   scoring) holds nothing to restore: the rollout gets the actor's current weights (verified),
   the prompt sampler steps back, and the step runs again; training is not touched;
 - otherwise (the actor or critic died, or anything died once training had begun) the actor,
   critic, trainer state and sampler go back to the latest complete checkpoint (from disk) and the
   steps since it run again, each once.
+An asynchronous run (`recover_async`) always goes back to the latest complete checkpoint, its
+buffer and prompts in the making included, with new experience makers and a new buffer.
 At most `trainer.max_restarts` recoveries; one more death ends the run with the error.
 """
 from __future__ import annotations
@@ -42,14 +45,16 @@ def dead_models(models) -> dict[str, list[int]]:
     return {role: ranks for role, ranks in found.items() if ranks}
 
 
-async def recover(exc: WholeModelError, trainer, data, checkpoints, run, sampler_state: dict, restarts: int,
-                  elastic=None) -> None:
-    """Replace the dead models and restore what the failure broke (see the module docstring); the
-    error again when no Workhorse died (a failure recovery cannot mend)."""
+async def replace_dead(exc: WholeModelError, trainer, checkpoints, restarts: int, elastic=None
+                       ) -> tuple[dict[str, list[int]], set[str], list[float]]:
+    """Find the dead Workhorses and replace their models (or shrink their elastic groups); returns
+    (role -> dead ranks, the groups shrunk, [start, found, replaced] times). The error again when
+    no Workhorse died (a failure recovery cannot mend), `RestartsExhausted` past the limit."""
     t0 = time.perf_counter()
     dead = await asyncio.to_thread(dead_models, trainer.models)
     if not dead:
         raise exc
+    found = time.perf_counter()
     limit = trainer.cfg.trainer.max_restarts
     if restarts > limit:
         raise RestartsExhausted(f"Workhorses died ({dead}), and the run already recovered {limit} times "
@@ -68,18 +73,49 @@ async def recover(exc: WholeModelError, trainer, data, checkpoints, run, sampler
         new = await asyncio.to_thread(trainer.models.replace, role)
         if role == "reward" and hasattr(trainer.score_fn, "reward"):
             trainer.score_fn.reward = new
-    if not groups and not set(dead) & {"actor", "critic"} and phase in UNTRAINED_PHASES:
+    return dead, groups, [t0, found, time.perf_counter()]
+
+
+async def recover(exc: WholeModelError, trainer, data, checkpoints, run, sampler_state: dict, restarts: int,
+                  elastic=None) -> None:
+    """A synchronous run: replace the dead models and restore what the failure broke (see the
+    module docstring)."""
+    dead, groups, (t0, found, replaced) = await replace_dead(exc, trainer, checkpoints, restarts, elastic)
+    if not groups and not set(dead) & {"actor", "critic"} and getattr(exc, "phase", None) in UNTRAINED_PHASES:
         data.sampler.load_state_dict(sampler_state)
         if "rollout" in dead:
             await trainer.resync(data.eval_rows, trainer.state.step)
         log.warning("%s replaced in %.1f s; step %d runs again", ", ".join(dead), time.perf_counter() - t0,
                     trainer.state.step + 1)
         return
+    await back_to_checkpoint(exc, trainer, data, run, dead)
+    log.warning("%s replaced; back at the checkpoint of step %d (%.1f s after the failure was seen: %.1f s "
+                "finding the dead, %.1f s starting Workhorses, %.1f s restoring and syncing the rollout)",
+                ", ".join(dead), trainer.state.step, time.perf_counter() - t0, found - t0, replaced - found,
+                time.perf_counter() - replaced)
+
+
+async def back_to_checkpoint(exc: WholeModelError, trainer, data, run, dead: dict, detached=None) -> None:
     from algorithms.ppo.run import resume_from
 
     latest = run.latest_checkpoint()
     if latest is None:
         raise RestartsExhausted(f"{', '.join(dead)} died and there is no complete checkpoint to go back to") from exc
-    await resume_from(trainer, latest, data)
-    log.warning("%s replaced; back at the checkpoint of step %d (%.1f s after the failure was seen)",
-                ", ".join(dead), trainer.state.step, time.perf_counter() - t0)
+    await resume_from(trainer, latest, data, detached)
+
+
+async def recover_async(exc: WholeModelError, trainer, data, checkpoints, run, restarts: int, old):
+    """An asynchronous run (`algorithms.ppo.detached`; its makers and buffer already stopped):
+    replace the dead models and go back to the latest complete checkpoint, buffer included, with
+    new makers and a new buffer; returns the new `Detached`."""
+    from algorithms.ppo.detached import Detached
+
+    await asyncio.gather(*old.deliveries, return_exceptions=True)  # pushes to makers that may be gone
+    dead, _, (t0, found, replaced) = await replace_dead(exc, trainer, checkpoints, restarts)
+    detached = Detached(trainer, old.next_rows)
+    await back_to_checkpoint(exc, trainer, data, run, dead, detached)
+    log.warning("%s replaced; async run back at the checkpoint of step %d (%.1f s after the failure was seen: "
+                "%.1f s finding the dead, %.1f s starting Workhorses, %.1f s restoring)", ", ".join(dead),
+                trainer.state.step, time.perf_counter() - t0, found - t0, replaced - found,
+                time.perf_counter() - replaced)
+    return detached

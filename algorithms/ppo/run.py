@@ -35,10 +35,10 @@ ASYNC_STATE = "async.pt"
 
 
 async def save_checkpoint(trainer: PPOTrainer, checkpoints: FlashCheckpoints, data: RunData,
-                          detached=None) -> float:
+                          detached=None) -> asyncio.Future:
     """A flash checkpoint of the actor and critic, with the trainer's state and, in async mode, the
     buffer's experiences and the prompts of batches in the making (`Detached.state_dict`); returns
-    the seconds training stopped for it."""
+    a future of the seconds training stopped for it (`FlashCheckpoints.take`: not waited for here)."""
     sampler, captured = data.sampler.state_dict(), detached.capture() if detached else None  # one instant
     files = {ASYNC_STATE: await detached.state_dict(captured)} if detached is not None else {}
     state = {"step": trainer.state.step, "kl": trainer.kl.state_dict(), "eval_before": trainer.state.eval_before,
@@ -147,10 +147,12 @@ async def train_steps(trainer: PPOTrainer, run: RunDir, data: RunData, detached,
         else:
             shown.update(s_per_step=f"{sum(v for k, v in metrics.items() if k.startswith('time/')):.1f}")
         bar.set_postfix(shown, refresh=False)
-        if checkpoints.written_s is not None:
+        if checkpoints.written_s is not None:  # the last checkpoint's figures, once known
             metrics["checkpoint/write_s"], checkpoints.written_s = checkpoints.written_s, None
+        if checkpoints.stall_s is not None:
+            metrics["checkpoint/stall_s"], checkpoints.stall_s = checkpoints.stall_s, None
         if cfg.trainer.save_every and step % cfg.trainer.save_every == 0:
-            metrics["checkpoint/stall_s"] = await save_checkpoint(trainer, checkpoints, data, detached)
+            await save_checkpoint(trainer, checkpoints, data, detached)
         if step % cfg.trainer.log_every == 0:
             run.log_metrics(step, metrics)
 
@@ -159,7 +161,19 @@ async def train_steps(trainer: PPOTrainer, run: RunDir, data: RunData, detached,
             await save_checkpoint(trainer, checkpoints, data, detached)
 
     if detached is not None:
-        await detached.run(steps, on_step, stop, on_stop)
+        from algorithms.ppo.recovery import recover_async
+        from xray.wholemodel.errors import WholeModelError
+
+        restarts = 0
+        if cfg.trainer.max_restarts and run.latest_checkpoint() is None:
+            await save_checkpoint(trainer, checkpoints, data, detached)  # somewhere to go back to
+        while True:
+            try:
+                await detached.run(range(trainer.state.step + 1, cfg.trainer.steps + 1), on_step, stop, on_stop)
+                break
+            except WholeModelError as exc:  # makers and buffer are stopped: start them again
+                restarts += 1
+                detached = await recover_async(exc, trainer, data, checkpoints, run, restarts, detached)
     else:
         await sync_steps(trainer, run, data, checkpoints, stop, on_step)
         if stop.requested:

@@ -5,7 +5,7 @@ steps), a training Workhorse's process is SIGKILLed during step 5 (the actor's o
 the critic's on deepspeed-dsinfer): the run replaces that model, goes back to the step-3
 checkpoint and finishes; steps up to the checkpoint ran once, and none ran more than twice. On
 megatron-vllm a rollout Workhorse is also killed during step 8: it is replaced and step 8 runs
-again without going back (steps 6 and 7 ran once).
+again without going back (steps 6 and 7 ran once). An asynchronous run (slow tier) recovers too.
 """
 import asyncio
 import collections
@@ -67,3 +67,36 @@ def test_dead_workhorses_are_replaced(tmp_path, tiny_model, backend, trained, ca
     log = caplog.text
     assert f"{trained}: replaced" in log and "back at the checkpoint of step 3" in log
     assert ("rollout: replaced" in log) == (trained == "actor")
+
+
+@pytest.mark.slow
+def test_async_run_recovers(tmp_path, tiny_model, caplog, local_ray):  # noqa: F811
+    """An asynchronous run (one trainer, two makers) whose actor Workhorse is killed during step 5
+    goes back to the step-3 checkpoint, buffer included, with new makers, and finishes."""
+    import ray
+
+    from algorithms.ppo.run import ppo_trainer, train
+    from tests.e2e.test_async_e2e import async_config
+    from xray.run.outputs import RunDir
+    from xray.train import resolve
+
+    path = async_config(tmp_path, tiny_model, "megatron-vllm", 1)
+    _, cfg, plan, _, _ = resolve(["ppo", "--backend", "megatron-vllm", "--config", str(path), "--trainer.steps=8"])
+    run = RunDir(tmp_path / "run")
+    caplog.set_level(logging.WARNING)
+    with ppo_trainer(cfg, plan, run) as (trainer, data):
+        kills = [(5, "actor", ray.get(trainer.models.actor.shard_handles()[0].pid.remote()))]
+        killed: list[str] = []
+
+        async def main() -> float:
+            killer = asyncio.ensure_future(kill_during(trainer, kills, killed))
+            try:
+                return await train(trainer, run, data, None)
+            finally:
+                killer.cancel()
+        eval_after = asyncio.run(main())
+    assert killed == ["actor"] and trainer.state.step == 8 and 0.0 <= eval_after <= 1.0
+    rows = collections.Counter(json.loads(line)["step"] for line in (run.path / "metrics.jsonl").read_text().splitlines())
+    assert sorted(rows) == list(range(1, 9))
+    assert all(rows[s] == 1 for s in (1, 2, 3)) and max(rows.values()) <= 2, rows
+    assert "actor: replaced" in caplog.text and "async run back at the checkpoint of step 3" in caplog.text

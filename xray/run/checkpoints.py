@@ -3,7 +3,11 @@
 Every `trainer.save_every` steps the algorithm calls `FlashCheckpoints.take`: each trained
 WholeModel's Workhorses copy their state into host memory (`TrainWorkhorse.snapshot`; the only
 time training stops) and write it to `checkpoints/step-N/<role>/` from a background thread, while
-the run's own files (the async buffer, for instance) are written off the event loop. The
+the run's own files (the async buffer, for instance) are written off the event loop. `take` only
+submits the snapshot calls: the run goes on to its next step at once (generation needs no trained
+Workhorse), and Ray runs a caller's calls to a Workhorse in the order they were made, so the copy
+is of the state after this step, and the next step's first call to that Workhorse waits for it.
+The copy's seconds (the slowest shard's) arrive later, in `stall_s`. The
 checkpoint becomes the run's latest only when all of it is on disk: a watcher polls the writers
 (`poll`), or `finish` waits for them (before the run ends), and then writes `trainer_state.json`,
 the marker `RunDir.latest_checkpoint` looks for, atomically. A crash while writing leaves the previous
@@ -28,6 +32,8 @@ log = logging.getLogger(__name__)
 class _Writing:
     directory: Path
     trainer_state: dict[str, Any]
+    snapshots: asyncio.Future
+    """The Workhorses' copies: their seconds, per role."""
     files: asyncio.Future
     started: float
 
@@ -43,6 +49,8 @@ class FlashCheckpoints:
         self._watcher: asyncio.Future | None = None
         self.written_s: float | None = None
         """Seconds from snapshot to on disk of the last checkpoint completed (for the step's metrics)."""
+        self.stall_s: float | None = None
+        """Seconds training stopped for the last snapshot taken (its slowest copy), once known."""
         self.last_step: int | None = None
         """The step of the last checkpoint taken (complete or being written)."""
 
@@ -50,20 +58,25 @@ class FlashCheckpoints:
     def models(self) -> dict[str, Any]:
         return {role: getattr(self._models, role) for role in self.roles}
 
-    async def take(self, step: int, trainer_state: dict[str, Any], files: dict[str, Any] | None = None) -> float:
-        """Snapshot every model at `step` and start writing; returns the seconds training stopped."""
+    async def take(self, step: int, trainer_state: dict[str, Any], files: dict[str, Any] | None = None
+                   ) -> asyncio.Future:
+        """Snapshot every model at `step` (submitted, not awaited: see the module docstring) and
+        start writing; returns a future of the seconds training stopped (the slowest copy's)."""
         await self.finish()
         directory = self.run.checkpoint_dir(step)
         directory.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
-        await asyncio.gather(*[m.snapshot(str(directory / role)) for role, m in self.models.items()])
-        stall = time.perf_counter() - t0
+        copies = [m.snapshot(str(directory / role)) for role, m in self.models.items()]  # in order, now
+        snapshots = asyncio.ensure_future(self._copied(copies))
         writes = [asyncio.to_thread(write_atomically, obj, str(directory / name)) for name, obj in (files or {}).items()]
-        self.writing = _Writing(directory, trainer_state, asyncio.ensure_future(asyncio.gather(*writes)), t0)
+        self.writing = _Writing(directory, trainer_state, snapshots, asyncio.ensure_future(asyncio.gather(*writes)), t0)
         self.last_step = step
         self._watcher = asyncio.ensure_future(self._watch())
-        log.debug("checkpoint step %d: training stopped %.3f s; writing %s", step, stall, directory)
-        return stall
+        return snapshots
+
+    async def _copied(self, copies: list) -> float:
+        self.stall_s = max(await asyncio.gather(*copies))
+        return self.stall_s
 
     async def _watch(self, every_s: float = 0.05) -> None:
         """Mark the checkpoint complete soon after its last byte is written (each poll waits behind
@@ -77,7 +90,7 @@ class FlashCheckpoints:
 
     async def poll(self) -> float | None:
         """Mark the checkpoint being written complete if it is all on disk; its write's seconds then."""
-        if self.writing is None or not self.writing.files.done():
+        if self.writing is None or not (self.writing.snapshots.done() and self.writing.files.done()):
             return None
         flags = await asyncio.gather(*[m.persisted() for m in self.models.values()])
         return self._complete() if all(flags) else None
@@ -90,6 +103,7 @@ class FlashCheckpoints:
             await asyncio.gather(watcher, return_exceptions=True)
         if self.writing is None:
             return None
+        await self.writing.snapshots
         await self.writing.files
         await asyncio.gather(*[m.wait_persisted() for m in self.models.values()])
         return self._complete()
@@ -107,7 +121,7 @@ class FlashCheckpoints:
 
     def _complete(self) -> float:
         w, self.writing = self.writing, None
-        w.files.result()  # a failed write of the run's own files raises here
+        w.snapshots.result(), w.files.result()  # a failed copy or write of the run's own files raises here
         self.run.write_trainer_state(w.directory, w.trainer_state)
         seconds = self.written_s = time.perf_counter() - w.started
         log.info("checkpoint complete: %s (written in %.1f s)", w.directory, seconds)

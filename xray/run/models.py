@@ -5,6 +5,8 @@ share devices). Models start concurrently: each WholeModel's Workhorses build wh
 build, so a run's start-up costs about its slowest model, not the sum. `Models.replace` starts one
 role anew on its devices (a Workhorse died); `Models.release` and `place` start a device group's
 roles anew on another number of devices (elastic data parallelism, `algorithms/ppo/elastic.py`).
+Both keep each model's WholeModel actor and restart only its Workhorses (`WholeModel.restart`),
+unless that actor was lost with its node: then a new WholeModel starts.
 """
 from __future__ import annotations
 
@@ -38,19 +40,19 @@ class Models:
     """Each role's devices; roles of one device group share one reservation, freed by `shutdown`."""
     plan: Optional[Plan] = None
     """The placement now: `place` changes the placed roles' layouts."""
-    starter: Optional[Callable[[RolePlan, Bundles], WholeModel]] = None
-    """Starts one role's WholeModel on the given layout and devices (`replace`, `place`)."""
+    starter: Optional[Callable[..., WholeModel]] = None
+    """Starts one role's WholeModel on the given layout and devices, `(role_plan, bundles, model)`:
+    the Workhorses of `model` restarted there when its WholeModel actor lives, else a new one."""
 
     def replace(self, role: str) -> WholeModel:
-        """Stop what is left of `role`'s WholeModel and start a new one on the same devices (a
-        Workhorse died: its replacement joins fresh process groups with the surviving shards'
-        replacements). The new model holds the initial weights: the caller restores its state."""
+        """Start `role`'s Workhorses anew on the same devices (one died: its replacement joins fresh
+        process groups with the surviving shards' replacements, which may have hung in a
+        collective). The model holds the initial weights then: the caller restores its state."""
         if self.starter is None:
             raise RuntimeError("these models were not built by build_models; rebuild them yourself")
-        _stop(getattr(self, role), role)  # its survivors may hang in a collective
-        new = self.starter(self.plan.role(role), self.bundles[role])
+        new = self.starter(self.plan.role(role), self.bundles[role], getattr(self, role))
         setattr(self, role, new)
-        log.warning("%s: replaced (a new WholeModel of %d Workhorses on the same devices)", role, len(new.layout))
+        log.warning("%s: replaced (%d new Workhorses on the same devices)", role, len(new.layout))
         return new
 
     def release(self, group: str) -> None:
@@ -59,8 +61,8 @@ class Models:
         import ray
 
         roles = [r for r in self.plan.roles if r.group == group]
-        with ThreadPoolExecutor(max_workers=len(roles)) as pool:
-            list(pool.map(lambda r: _stop(getattr(self, r.role), r.role), roles))
+        with ThreadPoolExecutor(max_workers=len(roles)) as pool:  # their WholeModel actors stay
+            list(pool.map(lambda r: _stop(getattr(self, r.role), r.role, keep_actor=True), roles))
         ray.util.remove_placement_group(self.bundles[roles[0].role].placement_group)
 
     def place(self, group: str, devices: int, cfg: RunConfig, timeout_s: float = 30.0) -> None:
@@ -77,7 +79,8 @@ class Models:
         for role in layouts:
             self.bundles[role] = new
         with ThreadPoolExecutor(max_workers=len(roles)) as pool:
-            started = dict(zip(layouts, pool.map(lambda rp: self.starter(rp, new), layouts.values())))
+            started = dict(zip(layouts, pool.map(lambda rp: self.starter(rp, new, getattr(self, rp.role)),
+                                                 layouts.values())))
         for role, model in started.items():
             setattr(self, role, model)
 
@@ -94,11 +97,26 @@ class Models:
             ray.util.remove_placement_group(pg)
 
 
-def _stop(model: WholeModel, role: str) -> None:
-    try:
-        model.shutdown(release=False, grace_s=0.0)  # on a lost node its Workhorses are gone or hang
+def _stop(model: WholeModel, role: str, keep_actor: bool = False) -> None:
+    try:  # on a lost node its Workhorses are gone or hang: no grace
+        model.stop_workhorses() if keep_actor else model.shutdown(release=False, grace_s=0.0)
     except Exception as exc:  # noqa: BLE001 - the model is going: report and go on
         log.warning("%s: stopping the model: %s", role, exc)
+
+
+def _restarted(model: WholeModel, role_plan: RolePlan, devices: Bundles, kwargs: dict) -> bool:
+    """Restart `model`'s Workhorses on `devices` in `role_plan`'s layout; False when its WholeModel
+    actor is gone (a new WholeModel is needed)."""
+    from ray.exceptions import RayActorError
+
+    try:
+        model.restart(role_plan.parallel, devices, kwargs)
+        return True
+    except RayActorError as exc:
+        log.warning("%s: its WholeModel actor is gone (%s); starting a new WholeModel", role_plan.role,
+                    str(exc).splitlines()[0])
+        _stop(model, role_plan.role)
+        return False
 
 
 def role_init_kwargs(cfg: RunConfig, role: str, backend: str, model_dir: str) -> dict[str, Any]:
@@ -153,13 +171,15 @@ def build_models(cfg: RunConfig, plan: Plan, model_dir: str, ray_address: str | 
     ensure_ray(ray_address, num_cpus=plan.nproc_per_node * plan.nnodes * cfg.threads_per_worker)
     bundles = reserve_plan(plan, cfg.threads_per_worker)
 
-    def start(role_plan: RolePlan, devices: Bundles) -> WholeModel:
+    def start(role_plan: RolePlan, devices: Bundles, model: WholeModel | None = None) -> WholeModel:
         role = role_plan.role
         kwargs = role_init_kwargs(cfg, role, role_plan.backend, model_dir)
         if role in TRAINED and getattr(cfg, role).elasticity is not None:  # the elastic micro-batch
             kwargs["forward_micro_batch_size"] = train_batches(cfg, {role: role_plan.num_workhorses}).micro_of(role)
         if cfg.pin_cpu_devices and role_plan.device.upper() == "CPU":
             kwargs["cpu_devices"] = [r % plan.nproc_per_node for r in role_plan.ranks]
+        if model is not None and _restarted(model, role_plan, devices, kwargs):
+            return model
         return WholeModel(workhorse_class(role_plan.backend, role), role=role, parallel=role_plan.parallel,
                           device=role_plan.device, bundles=devices, seed=cfg.seed,
                           threads=cfg.threads_per_worker, init_kwargs=kwargs)

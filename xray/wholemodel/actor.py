@@ -42,14 +42,35 @@ class WholeModelActor:
     def __init__(self, role: str, workhorse_cls: type, parallel: ParallelDims, init_kwargs: dict,
                  placement_group: Any, bundle_indices: list[int], resources: dict, env: dict):
         self.role, self.cls, self.parallel = role, workhorse_cls, parallel
-        remote_cls = ray.remote(workhorse_cls)
-        self.shards = []
-        for rank, bundle in enumerate(bundle_indices):
-            options = dict(resources, runtime_env={"env_vars": env}, scheduling_strategy=PlacementGroupSchedulingStrategy(
-                placement_group=placement_group, placement_group_bundle_index=bundle))
-            self.shards.append(remote_cls.options(**options).remote(
-                role=role, rank=rank, parallel=parallel, **init_kwargs))
+        self.resources, self.env = resources, env
+        self.shards: list = []
+        self._spawn(parallel, init_kwargs, placement_group, bundle_indices)
         self.layout: list[ShardInfo] = []
+
+    def _spawn(self, parallel: ParallelDims, init_kwargs: dict, placement_group: Any, bundle_indices: list[int]) -> None:
+        """Create one Workhorse per bundle (they build in `start`)."""
+        remote_cls = ray.remote(self.cls)
+        self.parallel, self.shards = parallel, []
+        for rank, bundle in enumerate(bundle_indices):
+            options = dict(self.resources, runtime_env={"env_vars": self.env},
+                           scheduling_strategy=PlacementGroupSchedulingStrategy(
+                               placement_group=placement_group, placement_group_bundle_index=bundle))
+            self.shards.append(remote_cls.options(**options).remote(
+                role=self.role, rank=rank, parallel=parallel, **init_kwargs))
+
+    async def restart(self, parallel: ParallelDims, init_kwargs: dict, placement_group: Any,
+                      bundle_indices: list[int], timeout_s: float = 600.0) -> tuple[list[ShardInfo], list]:
+        """Kill this model's Workhorses (dead, alive or stuck in a collective) and start new ones on
+        the given bundles, in a fresh process group: a replacement without a new control plane.
+        The new shards hold the initial weights."""
+        self.kill_workhorses()
+        self._spawn(parallel, init_kwargs, placement_group, bundle_indices)
+        return await self.start(timeout_s)
+
+    def kill_workhorses(self) -> None:
+        for s in self.shards:
+            ray.kill(s)
+        self.shards, self.layout = [], []
 
     async def start(self, timeout_s: float = 600.0) -> tuple[list[ShardInfo], list]:
         """Rendezvous, join the process group, build the shards; returns their shard infos and
@@ -110,8 +131,7 @@ class WholeModelActor:
             await asyncio.wait_for(asyncio.gather(*[_as_future(r) for r in refs], return_exceptions=True), grace_s)
         except asyncio.TimeoutError:
             pass
-        for s in self.shards:
-            ray.kill(s)
+        self.kill_workhorses()
 
 
 async def _as_future(ref):

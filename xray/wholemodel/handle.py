@@ -75,7 +75,7 @@ class WholeModel:
                  init_kwargs: dict | None = None, ray_address: str | None = None,
                  start_timeout_s: float = 600.0, env: dict | None = None):
         import ray
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         from xray.wholemodel.actor import WholeModelActor
         from xray.wholemodel.placement import reserve
@@ -83,7 +83,7 @@ class WholeModel:
         ensure_ray(ray_address)
         self.role, self.parallel, self.device = role, parallel, device.upper()
         self.methods = protocol.fanout_methods(workhorse_cls)
-        self._cls = workhorse_cls
+        self._cls, self._seed, self._threads = workhorse_cls, seed, threads
         self.init_kwargs = dict(init_kwargs or {})
         self._own_pg = bundles is None
         if bundles is None:
@@ -97,8 +97,9 @@ class WholeModel:
             resources = {"num_cpus": threads / bundles.share}
         env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), **QUIET_ENV, **(env or {})}
         kwargs = dict(seed=seed, device=self.device.lower(), threads=threads, **(init_kwargs or {}))
-        beside_rank0 = PlacementGroupSchedulingStrategy(
-            placement_group=bundles.placement_group, placement_group_bundle_index=bundles.indices[0])
+        # on rank 0's node but outside the reservation: the control plane outlives a release of
+        # the devices (elastic resizing restarts the Workhorses on new ones, `restart`)
+        beside_rank0 = NodeAffinitySchedulingStrategy(_bundle_node(bundles), soft=True)
         self._actor = ray.remote(WholeModelActor).options(
             num_cpus=0, max_concurrency=1000, scheduling_strategy=beside_rank0).remote(
             role, workhorse_cls, parallel, kwargs, bundles.placement_group, list(bundles.indices),
@@ -252,6 +253,29 @@ class WholeModel:
         """The Workhorse Ray actors in rank order (direct calls: weight sync, benchmarks)."""
         return list(self.shards)
 
+    def restart(self, parallel: ParallelDims | None = None, bundles: Bundles | None = None,
+                init_kwargs: dict | None = None, timeout_s: float = 600.0) -> None:
+        """Replace every Workhorse (a dead one, and the survivors that shared its process groups)
+        with a new one, on the same devices or on `bundles` with layout `parallel` (elastic
+        resizing; `init_kwargs` replaces what the shards are built with). The WholeModel actor
+        stays; the new shards hold the initial weights. Raises `ray.exceptions.RayActorError`
+        when the WholeModel actor itself is gone (its node left): build a new WholeModel then."""
+        parallel, bundles = parallel or self.parallel, bundles or self.bundles
+        if len(bundles.indices) != parallel.world_size:
+            raise ValueError(f"{self.role}: {len(bundles.indices)} devices given for tp*pp*dp = {parallel.world_size}")
+        if init_kwargs is not None:
+            self.init_kwargs = dict(init_kwargs)
+        kwargs = dict(seed=self._seed, device=self.device.lower(), threads=self._threads, **self.init_kwargs)
+        ref = self._actor.restart.remote(parallel, kwargs, bundles.placement_group, list(bundles.indices), timeout_s)
+        self.layout, self.shards = _unwrapped(ref, timeout_s + 30)
+        self.parallel, self.bundles = parallel, bundles
+        log.info("%s restarted: %d Workhorses, tp=%d pp=%d dp=%d", self.role, len(self.layout),
+                 parallel.tp, parallel.pp, parallel.dp)
+
+    def stop_workhorses(self, grace_s: float = 0.0) -> None:
+        """Stop the Workhorses and keep the WholeModel actor (`restart` starts new ones)."""
+        _unwrapped(self._actor.shutdown.remote(grace_s), grace_s + 20)
+
     def shutdown(self, release: bool = True, grace_s: float = 10.0) -> None:
         """Stop the Workhorses (each given `grace_s` seconds to finish its work, then killed) and
         the WholeModel actor, and free the devices it reserved (kept with `release=False`, for a
@@ -279,6 +303,13 @@ class WholeModel:
     def __exit__(self, *exc) -> None:
         self.shutdown()
 
+
+
+def _bundle_node(bundles: Bundles) -> str:
+    """The Ray node id of the first of `bundles` (the placement group is ready)."""
+    import ray
+
+    return ray.util.placement_group_table(bundles.placement_group)["bundles_to_node_id"][bundles.indices[0]]
 
 
 def blocking(coroutine) -> Any:
