@@ -75,3 +75,23 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 600.0) -> list:
         rank = min(errors)
         raise RuntimeError(f"rank {rank} failed:\n{errors[rank]}")
     return [results[r] for r in range(world_size)]
+
+
+def as_bytes(obj) -> bytes:
+    """`obj` torch.save'd: a rank's result holding tensors sent this way survives the rank's exit
+    (tensors put on the queue as they are live in shared memory that the exit takes away)."""
+    import io
+
+    import torch
+
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def from_bytes(data: bytes):
+    import io
+
+    import torch
+
+    return torch.load(io.BytesIO(data), weights_only=False)

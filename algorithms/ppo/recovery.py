@@ -88,20 +88,22 @@ async def recover(exc: WholeModelError, trainer, data, checkpoints, run, sampler
         log.warning("%s replaced in %.1f s; step %d runs again", ", ".join(dead), time.perf_counter() - t0,
                     trainer.state.step + 1)
         return
-    await back_to_checkpoint(exc, trainer, data, run, dead)
-    log.warning("%s replaced; back at the checkpoint of step %d (%.1f s after the failure was seen: %.1f s "
-                "finding the dead, %.1f s starting Workhorses, %.1f s restoring and syncing the rollout)",
-                ", ".join(dead), trainer.state.step, time.perf_counter() - t0, found - t0, replaced - found,
-                time.perf_counter() - replaced)
+    source = await back_to_checkpoint(exc, trainer, data, run, dead, checkpoints)
+    log.warning("%s replaced; back at the checkpoint of step %d, restored from %s (%.1f s after the failure "
+                "was seen: %.1f s finding the dead, %.1f s starting Workhorses, %.1f s restoring and syncing "
+                "the rollout)", ", ".join(dead), trainer.state.step, source, time.perf_counter() - t0,
+                found - t0, replaced - found, time.perf_counter() - replaced)
 
 
-async def back_to_checkpoint(exc: WholeModelError, trainer, data, run, dead: dict, detached=None) -> None:
+async def back_to_checkpoint(exc: WholeModelError, trainer, data, run, dead: dict, checkpoints,
+                             detached=None) -> str:
+    """Restore the latest complete checkpoint (from memory where it can); where it came from."""
     from algorithms.ppo.run import resume_from
 
     latest = run.latest_checkpoint()
     if latest is None:
         raise RestartsExhausted(f"{', '.join(dead)} died and there is no complete checkpoint to go back to") from exc
-    await resume_from(trainer, latest, data, detached)
+    return await resume_from(trainer, latest, data, detached, checkpoints)
 
 
 async def recover_async(exc: WholeModelError, trainer, data, checkpoints, run, restarts: int, old):
@@ -113,9 +115,9 @@ async def recover_async(exc: WholeModelError, trainer, data, checkpoints, run, r
     await asyncio.gather(*old.deliveries, return_exceptions=True)  # pushes to makers that may be gone
     dead, _, (t0, found, replaced) = await replace_dead(exc, trainer, checkpoints, restarts)
     detached = Detached(trainer, old.next_rows)
-    await back_to_checkpoint(exc, trainer, data, run, dead, detached)
-    log.warning("%s replaced; async run back at the checkpoint of step %d (%.1f s after the failure was seen: "
-                "%.1f s finding the dead, %.1f s starting Workhorses, %.1f s restoring)", ", ".join(dead),
-                trainer.state.step, time.perf_counter() - t0, found - t0, replaced - found,
-                time.perf_counter() - replaced)
+    source = await back_to_checkpoint(exc, trainer, data, run, dead, checkpoints, detached)
+    log.warning("%s replaced; async run back at the checkpoint of step %d, restored from %s (%.1f s after the "
+                "failure was seen: %.1f s finding the dead, %.1f s starting Workhorses, %.1f s restoring)",
+                ", ".join(dead), trainer.state.step, source, time.perf_counter() - t0, found - t0,
+                replaced - found, time.perf_counter() - replaced)
     return detached

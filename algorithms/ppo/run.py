@@ -46,10 +46,16 @@ async def save_checkpoint(trainer: PPOTrainer, checkpoints: FlashCheckpoints, da
     return await checkpoints.take(trainer.state.step, state, files)
 
 
-async def resume_from(trainer: PPOTrainer, directory: Path, data: RunData, detached=None) -> None:
+async def resume_from(trainer: PPOTrainer, directory: Path, data: RunData, detached=None,
+                      checkpoints: FlashCheckpoints | None = None) -> str:
+    """Restore the run from checkpoint `directory` (the models from the snapshots `checkpoints`
+    holds in memory when their layout is unchanged); returns where the models' files came from."""
     state = read_trainer_state(directory)
-    await asyncio.gather(trainer.models.actor.load(str(directory / "actor")),
-                         trainer.models.critic.load(str(directory / "critic")))
+    models = trainer.models
+    held = {role: checkpoints.held_for(directory, role, getattr(models, role)) if checkpoints else None
+            for role in ("actor", "critic")}
+    sources = await asyncio.gather(models.actor.load(str(directory / "actor"), held=held["actor"]),
+                                   models.critic.load(str(directory / "critic"), held=held["critic"]))
     trainer.kl.load_state_dict(state["kl"])
     data.sampler.load_state_dict(state["sampler"])
     trainer.state = PPOState(step=state["step"], kl=state["kl"], eval_before=state["eval_before"])
@@ -63,7 +69,9 @@ async def resume_from(trainer: PPOTrainer, directory: Path, data: RunData, detac
         await detached.load_state_dict(saved, trainer.state.step)
         log.info("async: %d buffered experience batches and %d prompts in the making queued again",
                  len(saved["entries"]), len(saved["rows"]))
-    log.info("resumed at step %d from %s", trainer.state.step, directory)
+    source = "memory" if set(sources) == {"memory"} else "disk"
+    log.info("resumed at step %d from %s (model state from %s)", trainer.state.step, directory, source)
+    return source
 
 
 @contextmanager

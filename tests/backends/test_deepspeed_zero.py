@@ -22,7 +22,7 @@ import gc
 import pytest
 import torch
 
-from tests.dist_harness import run_distributed
+from tests.dist_harness import as_bytes, from_bytes, run_distributed
 from xray.backends.base import OptimConfig
 from xray.check.reference import (hf_logprobs, load_hf, max_rel_diff, policy_loss, random_batch,
                                   reference_train_step)
@@ -96,6 +96,7 @@ def _train_and_save(rank, world, model_dir, ckpt_root, batches):
         persist = engine.snapshot(f"{ckpt_root}/zero{stage}")  # a flash checkpoint, written late:
         out["losses_after"] = [engine.train_step(p, policy_loss, MICRO)["loss"] for p in part[1:]]
         persist()  # after two more steps, it must still hold step 1
+        out["held"] = as_bytes(persist.held())
         out["weights_end"] = _export(engine)
         out["exports"] = engine.exports()
         del engine
@@ -105,15 +106,17 @@ def _train_and_save(rank, world, model_dir, ckpt_root, batches):
     return results
 
 
-def _load_and_continue(rank, world, model_dir, ckpt_root, batches):
-    """For each stage, in fresh processes: build, load the step-1 checkpoint, run the two steps."""
+def _load_and_continue(rank, world, model_dir, ckpt_root, batches, held=None):
+    """For each stage, in fresh processes: build, load the step-1 checkpoint, run the two steps.
+    `held`: every rank's snapshot files per stage; this rank's and rank 0's are read from them."""
     from xray.backends.deepspeed import build_engine
 
     part = [b.split(world)[rank] for b in batches]
     results = {}
     for stage in STAGES:
         engine = build_engine(model_dir, ParallelDims(dp=world), "actor", OPT, seed=123, zero_stage=stage)
-        engine.load(f"{ckpt_root}/zero{stage}")
+        engine.load(f"{ckpt_root}/zero{stage}", {**from_bytes(held[0][stage]), **from_bytes(held[rank][stage])}
+                    if held else None)
         losses = [engine.train_step(p, policy_loss, MICRO)["loss"] for p in part[1:]]
         results[stage] = {"losses_after": losses, "weights_end": _export(engine), "step": engine.step_count}
         del engine
@@ -191,10 +194,16 @@ def test_critic_and_reference_roles(setup, trained, stage):
     assert max_rel_diff(exported, setup["ref"]["init"]) == 0.0
 
 
-def test_resume_is_bitwise_in_fresh_processes(setup, trained):
-    runs = trained
+@pytest.mark.parametrize("source", ["disk", "held"])
+def test_resume_is_bitwise_in_fresh_processes(setup, trained, source):
+    """From the files on disk, then from the snapshots' files held in memory with the disk's spoiled."""
+    runs, held = trained, None
+    if source == "held":
+        held = [{s: trained[s][rank]["held"] for s in STAGES} for rank in range(DP)]
+        for path in (setup["root"] / "ckpt").rglob("*.pt"):
+            path.write_bytes(b"spoiled")  # only the held copy can restore now
     resumed = run_distributed(_load_and_continue, DP, setup["model_dir"], str(setup["root"] / "ckpt"),
-                              setup["batches"])
+                              setup["batches"], held)
     for s in STAGES:
         for rank in range(DP):
             assert resumed[rank][s]["step"] == 3

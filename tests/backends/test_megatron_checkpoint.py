@@ -4,12 +4,13 @@ Run A trains K steps, saves, then trains two more; run B (new processes) builds 
 loads A's checkpoint and trains the same two steps: both losses must be bitwise equal (the second
 one also checks the AdamW state and the warm-up schedule came back). A flash checkpoint
 (`snapshot`) is written only after the two further steps: what lands on disk is still step K's.
+A snapshot's files held in memory (`Snapshot.held`) restore the same, with the disk's files spoiled.
 """
 from __future__ import annotations
 
 import pytest
 
-from tests.dist_harness import run_distributed
+from tests.dist_harness import as_bytes, from_bytes, run_distributed
 from xray.backends.base import OptimConfig
 from xray.check import reference as R
 from xray.config.parallel import ParallelDims
@@ -41,23 +42,29 @@ def _run_a(rank, world_size, model_dir, ckpt_dir, flash):
     persist = engine.snapshot(ckpt_dir)
     after = _train(engine, range(K, K + 2))
     persist()  # the write lags the training: it must hold the snapshot's instant
-    return after
+    return after, as_bytes(persist.held())
 
 
-def _run_b(rank, world_size, model_dir, ckpt_dir):
+def _run_b(rank, world_size, model_dir, ckpt_dir, held):
     from xray.backends.megatron import build_engine
 
     engine = build_engine(model_dir, ParallelDims(*DIMS), "actor", OPTIM, seed=0)
-    engine.load(ckpt_dir)
+    engine.load(ckpt_dir, {**from_bytes(held[0]), **from_bytes(held[rank])} if held else None)  # as the Workhorse
     return engine.step, _train(engine, range(K, K + 2))
 
 
-@pytest.mark.parametrize("flash", [False, True], ids=["save", "flash"])
+@pytest.mark.parametrize("flash", [False, True, "held"], ids=["save", "flash", "held"])
 def test_resume_is_bitwise(tmp_path, flash):
     model_dir = str(build_tiny_model(tmp_path / "model", TinySpec(), seed=0))
     ckpt = str(tmp_path / "ckpt")
-    a = run_distributed(_run_a, 2, model_dir, ckpt, flash)
-    b = run_distributed(_run_b, 2, model_dir, ckpt)
+    a = run_distributed(_run_a, 2, model_dir, ckpt, bool(flash))
+    held = None
+    if flash == "held":
+        held = [files for _, files in a]
+        for path in (tmp_path / "ckpt").iterdir():
+            path.write_bytes(b"spoiled")  # only the held copy can restore now
+    a = [r[0] if flash else r for r in a]
+    b = run_distributed(_run_b, 2, model_dir, ckpt, held)
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["rank00000.pt", "rank00001.pt"]
     for rank in range(2):
         step, resumed = b[rank]

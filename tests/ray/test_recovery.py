@@ -3,7 +3,7 @@
 In one 10-step run per backend pair (the e2e tier's tiny model and layout, checkpoints every 3
 steps), a training Workhorse's process is SIGKILLed during step 5 (the actor's on megatron-vllm,
 the critic's on deepspeed-dsinfer): the run replaces that model, goes back to the step-3
-checkpoint and finishes; steps up to the checkpoint ran once, and none ran more than twice. On
+checkpoint (restored from the snapshots held in memory, the dead Workhorse's included) and finishes; steps up to the checkpoint ran once, and none ran more than twice. On
 megatron-vllm a rollout Workhorse is also killed during step 8: it is replaced and step 8 runs
 again without going back (steps 6 and 7 ran once). An asynchronous run (slow tier) recovers too.
 """
@@ -65,7 +65,7 @@ def test_dead_workhorses_are_replaced(tmp_path, tiny_model, backend, trained, ca
     if trained == "actor":
         assert rows[6] == rows[7] == 1  # the rollout's death did not touch training
     log = caplog.text
-    assert f"{trained}: replaced" in log and "back at the checkpoint of step 3" in log
+    assert f"{trained}: replaced" in log and "back at the checkpoint of step 3, restored from memory" in log
     assert ("rollout: replaced" in log) == (trained == "actor")
 
 
@@ -99,4 +99,5 @@ def test_async_run_recovers(tmp_path, tiny_model, caplog, local_ray):  # noqa: F
     rows = collections.Counter(json.loads(line)["step"] for line in (run.path / "metrics.jsonl").read_text().splitlines())
     assert sorted(rows) == list(range(1, 9))
     assert all(rows[s] == 1 for s in (1, 2, 3)) and max(rows.values()) <= 2, rows
-    assert "actor: replaced" in caplog.text and "async run back at the checkpoint of step 3" in caplog.text
+    assert "actor: replaced" in caplog.text
+    assert "async run back at the checkpoint of step 3, restored from memory" in caplog.text

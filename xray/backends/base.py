@@ -12,13 +12,16 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 
 from xray.config.optim import OptimConfig  # noqa: F401 - part of the backend contract
 from xray.config.parallel import ParallelDims
 from xray.data.batch import Batch
+
+if TYPE_CHECKING:
+    from xray.backends.snapshot import Snapshot
 
 # A loss function for `TrainEngine.train_step`: given the model outputs of one micro-batch
 # (keys from xray.data.columns: LOGPROBS and ENTROPY for a policy head, VALUES for a value head;
@@ -92,14 +95,15 @@ class TrainEngine(ABC):
         """Save this shard's full training state (weights, optimizer, scheduler, RNG)."""
 
     @abstractmethod
-    def snapshot(self, directory: str) -> "Callable[[], None]":
-        """Copy this shard's full training state into host memory now (blocking) and return the
-        function that writes it to `directory` as `save` would, to run in the background (a
-        flash checkpoint; see `xray/backends/snapshot.py`)."""
+    def snapshot(self, directory: str) -> "Snapshot":
+        """Copy this shard's full training state into host memory now (blocking) and return it as
+        the files `save(directory)` would write, with the call that writes them, to run in the
+        background (a flash checkpoint; see `xray/backends/snapshot.py`)."""
 
     @abstractmethod
-    def load(self, directory: str) -> None:
-        """Load what `save` wrote, into a freshly built engine of the same layout."""
+    def load(self, directory: str, held: dict | None = None) -> None:
+        """Load what `save` wrote, into a freshly built engine; files that `held` (path -> object,
+        from snapshots of this layout) holds are read from it instead of the disk."""
 
 
 class GenerationEngine(ABC):

@@ -1,22 +1,58 @@
 """Flash checkpoints on the engine side: a host-memory copy now, the disk write later.
 
 `TrainEngine.snapshot(directory)` copies this shard's whole training state (weights, optimizer,
-scheduler, RNG) into host memory, blocking, and returns a `Persist`: a function that writes
-that copy to `directory`, in the very files `save(directory)` writes, and is run by the Workhorse
-in a background thread while training goes on. `host_copy` is the copy; `CaptureEngine` is a
-DeepSpeed checkpoint engine that takes `save_checkpoint`'s files into host memory instead of
-writing them, so the DeepSpeed snapshot is DeepSpeed's own checkpoint, written later.
+scheduler, RNG) into host memory, blocking, and returns a `Snapshot`: the files `save(directory)`
+would write, as objects, and a call that writes them, run by the Workhorse in a background thread
+while training goes on. `host_copy` is the copy; `CaptureEngine` is a DeepSpeed checkpoint engine
+that takes `save_checkpoint`'s files into host memory instead of writing them, so the DeepSpeed
+snapshot is DeepSpeed's own checkpoint, written later.
+
+The same files restore without the disk: `TrainEngine.load(directory, held)` reads a file from
+`held` (path -> object, `Snapshot.held`) when it is there; `read` and `ReplayEngine` do the
+reading. The Workhorse hands its snapshot's files out as a call's answer, which the object store
+keeps for the caller after the Workhorse dies (`xray/run/checkpoints.py`).
 """
 from __future__ import annotations
 
 import copy
 import os
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
 import torch
 
-Persist = Callable[[], None]
-"""Writes a snapshot to disk; run once, off the training thread."""
+
+def file_key(path: str | os.PathLike) -> str:
+    """One spelling of a checkpoint file's path, for `held` lookups."""
+    return os.path.normpath(os.path.abspath(os.fspath(path)))
+
+
+@dataclass
+class Snapshot:
+    """A shard's state in host memory as the files of its checkpoint; calling it writes them."""
+
+    files: list[tuple[str, Any]]
+    """(path, object): each written with torch.save, atomically (`write_atomically`)."""
+    finish: Optional[Callable[[], None]] = None
+    """Run once every file is written (DeepSpeed's `latest` marker)."""
+
+    def __call__(self) -> None:
+        for path, state in self.files:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            write_atomically(state, path)
+        if self.finish is not None:
+            self.finish()
+
+    def held(self) -> dict[str, Any]:
+        """The files by `file_key`: what `TrainEngine.load(directory, held)` reads instead of the disk."""
+        return {file_key(path): state for path, state in self.files}
+
+
+def read(path: str | os.PathLike, held: dict[str, Any] | None = None, **load_options) -> Any:
+    """The checkpoint file at `path`: from `held` when it holds it, else torch.load."""
+    if held is not None and (key := file_key(path)) in held:
+        return held[key]
+    return torch.load(path, **load_options)
 
 
 def host_copy(value: Any) -> Any:
@@ -75,3 +111,27 @@ def capture_engine():
             return True
 
     return CaptureEngine()
+
+
+def replay_engine(held: dict[str, Any]):
+    """A DeepSpeed `CheckpointEngine` whose loads come from `held` (a snapshot's files) when it
+    holds them, else from the disk; it saves nothing."""
+    from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
+
+    class ReplayEngine(CheckpointEngine):
+        def __init__(self) -> None:
+            super().__init__(None)
+
+        def create(self, info) -> None:
+            pass
+
+        def save(self, state_dict, path: str) -> None:
+            raise RuntimeError("a replay engine only loads")
+
+        def load(self, path: str, map_location=None):
+            return read(path, held, map_location=map_location, weights_only=False)
+
+        def commit(self, info) -> bool:
+            return True
+
+    return ReplayEngine()

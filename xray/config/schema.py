@@ -210,7 +210,7 @@ class TrainerConfig:
     exit_grace_s: float = 10.0
     """Seconds a step under way may take to finish after a signal before it is abandoned."""
     max_restarts: int = 2
-    """Times a synchronous run replaces a dead Workhorse's model and goes on (see
+    """Times a run (synchronous or asynchronous) replaces a dead Workhorse's model and goes on (see
     `algorithms/ppo/recovery.py`); one more death ends the run. A run that may restart takes a
     flash checkpoint of step 0 to go back to."""
     log_every: int = 1

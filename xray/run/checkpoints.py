@@ -7,7 +7,12 @@ the run's own files (the async buffer, for instance) are written off the event l
 submits the snapshot calls: the run goes on to its next step at once (generation needs no trained
 Workhorse), and Ray runs a caller's calls to a Workhorse in the order they were made, so the copy
 is of the state after this step, and the next step's first call to that Workhorse waits for it.
-The copy's seconds (the slowest shard's) arrive later, in `stall_s`. The
+The copy's seconds (the slowest shard's) arrive later, in `stall_s`. Each snapshot's files are
+also held in memory: the Workhorses hand them out as the answer of one more call
+(`TrainWorkhorse.held_files`), which the object store keeps on their node for this process, so
+they outlive the Workhorses; `held_for` gives a model of the same layout the references to
+restore from (`TrainWorkhorse.load`), and only the latest complete checkpoint's (and the one being
+written) are kept. The
 checkpoint becomes the run's latest only when all of it is on disk: a watcher polls the writers
 (`poll`), or `finish` waits for them (before the run ends), and then writes `trainer_state.json`,
 the marker `RunDir.latest_checkpoint` looks for, atomically. A crash while writing leaves the previous
@@ -53,6 +58,8 @@ class FlashCheckpoints:
         """Seconds training stopped for the last snapshot taken (its slowest copy), once known."""
         self.last_step: int | None = None
         """The step of the last checkpoint taken (complete or being written)."""
+        self._held: dict[Path, dict[str, tuple[Any, list]]] = {}
+        """Checkpoint directory -> role -> (the layout it was taken in, every rank's `held_files` reference)."""
 
     @property
     def models(self) -> dict[str, Any]:
@@ -67,6 +74,7 @@ class FlashCheckpoints:
         directory.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
         copies = [m.snapshot(str(directory / role)) for role, m in self.models.items()]  # in order, now
+        self._held[directory] = {role: (m.parallel, m.held_files().refs) for role, m in self.models.items()}
         snapshots = asyncio.ensure_future(self._copied(copies))
         writes = [asyncio.to_thread(write_atomically, obj, str(directory / name)) for name, obj in (files or {}).items()]
         self.writing = _Writing(directory, trainer_state, snapshots, asyncio.ensure_future(asyncio.gather(*writes)), t0)
@@ -117,12 +125,20 @@ class FlashCheckpoints:
             await self.finish()
         except Exception as exc:  # noqa: BLE001 - a writer died with its Workhorse
             log.warning("checkpoint %s abandoned: %s", self.writing.directory, str(exc).splitlines()[0])
+            self._held.pop(self.writing.directory, None)
             self.writing = None
+
+    def held_for(self, directory: Path, role: str, model: Any) -> list | None:
+        """The references of `role`'s snapshot files for checkpoint `directory`, if this run holds
+        them and `model` has the layout they were taken in (else None: load from disk)."""
+        parallel, refs = self._held.get(Path(directory), {}).get(role, (None, None))
+        return refs if refs is not None and parallel == model.parallel and len(refs) == len(model.layout) else None
 
     def _complete(self) -> float:
         w, self.writing = self.writing, None
         w.snapshots.result(), w.files.result()  # a failed copy or write of the run's own files raises here
         self.run.write_trainer_state(w.directory, w.trainer_state)
+        self._held = {d: h for d, h in self._held.items() if d == w.directory}  # older ones: freed
         seconds = self.written_s = time.perf_counter() - w.started
         log.info("checkpoint complete: %s (written in %.1f s)", w.directory, seconds)
         return seconds

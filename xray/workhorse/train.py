@@ -153,7 +153,7 @@ class TrainWorkhorse(Workhorse):
 
         self.wait_persisted()
         t0 = time.perf_counter()
-        persist = self.engine.snapshot(directory)
+        persist = self._snapshot = self.engine.snapshot(directory)
         blocked = time.perf_counter() - t0
         self._persist_error: BaseException | None = None
 
@@ -188,5 +188,29 @@ class TrainWorkhorse(Workhorse):
         self.engine.save(directory)
 
     @fanout(dispatch="all", collect=lambda layout, results: None)
-    def load(self, directory: str) -> None:
-        self.engine.load(directory)
+    def held_files(self) -> dict:
+        """The last snapshot's files (path -> object), as this call's answer: the object store keeps
+        it for the caller, who holds the reference, after this process dies (a Workhorse's
+        replacement reads it in `load`). Called right after `snapshot`; once per snapshot."""
+        snapshot, self._snapshot = getattr(self, "_snapshot", None), None
+        if snapshot is None:
+            raise RuntimeError("held_files: no snapshot taken since the last call; call snapshot first")
+        return snapshot.held()
+
+    @fanout(dispatch="all", collect=lambda layout, results: "memory" if set(results) == {"memory"} else "disk")
+    def load(self, directory: str, held: list | None = None) -> str:
+        """Restore the checkpoint in `directory`. `held`: the references of every rank's
+        `held_files` answer for it, taken in this layout: this rank's and rank 0's files are read
+        from memory (the rest, and everything when they cannot be fetched, from the disk).
+        Returns where the files came from ("memory" only if every shard's did)."""
+        files = None
+        if held is not None:
+            import ray
+
+            try:
+                files = {k: v for ref in {0: held[0], self.rank: held[self.rank]}.values() for k, v in ray.get(ref).items()}
+            except Exception as exc:  # noqa: BLE001 - lost with its node: the disk has it
+                self.log.warning("the in-memory snapshot is gone (%s); loading %s from disk",
+                                 str(exc).splitlines()[0], directory)
+        self.engine.load(directory, files)
+        return "memory" if files is not None else "disk"

@@ -27,7 +27,7 @@ from xray.backends.deepspeed.export import iter_weight_buckets
 from xray.backends.deepspeed.model import load_model, role_outputs
 from xray.backends.deepspeed.reshard import ensure_universal, load_universal, saved_dp
 from xray.backends.optim import build_optimizer, build_scheduler
-from xray.backends.snapshot import Persist, capture_engine, write_atomically
+from xray.backends.snapshot import Snapshot, capture_engine, read, replay_engine
 from xray.config.parallel import LayoutError, ParallelDims
 from xray.data.batch import Batch
 
@@ -119,7 +119,7 @@ class DeepSpeedEngine(TrainEngine):
         torch.save(self._rng(), os.path.join(directory, tag, _RNG_FILE.format(rank=self.rank)))
         dist.barrier()
 
-    def snapshot(self, directory: str) -> Persist:
+    def snapshot(self, directory: str) -> Snapshot:
         """DeepSpeed's own checkpoint, taken into host memory through a capture engine."""
         tag, capture = f"step{self.step_count}", capture_engine()
         writer, self.engine.checkpoint_engine = self.engine.checkpoint_engine, capture
@@ -128,16 +128,12 @@ class DeepSpeedEngine(TrainEngine):
                                         save_latest=False)
         finally:
             self.engine.checkpoint_engine = writer
-        files, rng, rank = capture.files, self._rng(), self.rank
+        rng_file = (os.path.join(directory, tag, _RNG_FILE.format(rank=self.rank)), self._rng())
 
-        def persist() -> None:
-            for path, state in files:
-                write_atomically(state, path)
-            write_atomically(rng, os.path.join(directory, tag, _RNG_FILE.format(rank=rank)))
-            if rank == 0:  # DeepSpeed's "latest", last: this shard's files are all in
-                with open(os.path.join(directory, "latest"), "w") as f:
-                    f.write(tag)
-        return persist
+        def latest() -> None:  # DeepSpeed's "latest", last: this shard's files are all in
+            with open(os.path.join(directory, "latest"), "w") as f:
+                f.write(tag)
+        return Snapshot([*capture.files, rng_file], latest if self.rank == 0 else None)
 
     def _rng(self) -> dict:
         rng = {"cpu": torch.get_rng_state()}
@@ -145,9 +141,10 @@ class DeepSpeedEngine(TrainEngine):
             rng["cuda"] = torch.cuda.get_rng_state()
         return rng
 
-    def load(self, directory: str) -> None:
-        """Restore a checkpoint of this role, saved at this data-parallel size or at another (then
-        through DeepSpeed's universal checkpoint: `xray/backends/deepspeed/reshard.py`)."""
+    def load(self, directory: str, held: dict | None = None) -> None:
+        """Restore a checkpoint of this role, saved at this data-parallel size (its files read from
+        `held` when it holds them) or at another (then through DeepSpeed's universal checkpoint:
+        `xray/backends/deepspeed/reshard.py`)."""
         trains = self.optimizer is not None
         latest = os.path.join(directory, "latest")
         if not os.path.isfile(latest):
@@ -169,14 +166,18 @@ class DeepSpeedEngine(TrainEngine):
                                           map_location="cpu", weights_only=False)
             logger.info("restored a dp=%d checkpoint at dp=%d (universal checkpoint)", saved, self.parallel.dp)
         else:
-            _, client = self.engine.load_checkpoint(directory, tag=None, load_optimizer_states=trains,
-                                                    load_lr_scheduler_states=trains)
+            reader, self.engine.checkpoint_engine = self.engine.checkpoint_engine, replay_engine(held or {})
+            try:
+                _, client = self.engine.load_checkpoint(directory, tag=None, load_optimizer_states=trains,
+                                                        load_lr_scheduler_states=trains)
+            finally:
+                self.engine.checkpoint_engine = reader
         self.step_count = int(client.get("xray_step", 0))
         rng_rank = self.rank % saved if saved else self.rank  # another dp: a saved rank's stream
         rng_path = os.path.join(directory, tag, _RNG_FILE.format(rank=rng_rank))
         if not os.path.exists(rng_path):
             raise CheckpointError(f"{rng_path} is missing: the checkpoint was not written by xray")
-        rng = torch.load(rng_path, weights_only=True)
+        rng = read(rng_path, held, weights_only=True)
         torch.set_rng_state(rng["cpu"])
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])

@@ -48,13 +48,16 @@ def save_shard(directory: str | Path, rank: int, header: dict[str, Any], state: 
     return path
 
 
-def load_shard(directory: str | Path, rank: int, header: dict[str, Any]) -> dict[str, Any]:
-    """Read this rank's file and check it was written by an engine like this one."""
+def load_shard(directory: str | Path, rank: int, header: dict[str, Any], held: dict | None = None) -> dict[str, Any]:
+    """Read this rank's file (from `held`, a snapshot's files, when it holds it) and check it was
+    written by an engine like this one."""
+    from xray.backends.snapshot import read
+
     path = shard_path(directory, rank)
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found; was {directory} saved by a Megatron engine "
                                 "with the same world size?")
-    state = torch.load(path, map_location="cpu", weights_only=False)
+    state = read(path, held, map_location="cpu", weights_only=False)
     saved = state.get("header", {})
     if saved != header:
         diff = {k: (saved.get(k), header.get(k)) for k in set(saved) | set(header)
@@ -65,12 +68,15 @@ def load_shard(directory: str | Path, rank: int, header: dict[str, Any]) -> dict
     return state
 
 
-def header_in(directory: str | Path) -> dict[str, Any] | None:
-    """The header of rank 0's file in `directory` (what wrote the checkpoint); None without one."""
+def header_in(directory: str | Path, held: dict | None = None) -> dict[str, Any] | None:
+    """The header of rank 0's file in `directory` (what wrote the checkpoint; read from `held`
+    when it holds the file); None without one."""
+    from xray.backends.snapshot import read
+
     path = shard_path(directory, 0)
     if not path.is_file():
         return None
-    return torch.load(path, map_location="cpu", weights_only=False).get("header")
+    return read(path, held, map_location="cpu", weights_only=False).get("header")
 
 
 def header_of(spec, parallel, role: str) -> dict[str, Any]:

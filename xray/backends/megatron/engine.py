@@ -26,7 +26,7 @@ from xray.backends.megatron.logprobs import PolicyOutputs, token_logprobs
 from xray.backends.megatron.model import ATTENTIONS, ROLES, build_and_load
 from xray.backends.megatron.spec import ModelSpec, check_layout
 from xray.backends.optim import build_optimizer, build_scheduler
-from xray.backends.snapshot import Persist, host_copy
+from xray.backends.snapshot import Snapshot, host_copy
 from xray.config.parallel import LayoutError, ParallelDims
 from xray.data import columns as C
 from xray.data.batch import Batch
@@ -180,20 +180,19 @@ class MegatronEngine(TrainEngine):
         logger.info("saved step %d to %s", self.step, path)
         dist.barrier()
 
-    def snapshot(self, directory: str) -> Persist:
+    def snapshot(self, directory: str) -> Snapshot:
         state = {"model": {k: v.detach().to("cpu", copy=True) for k, v in self.model.named_parameters()},
                  "step": self.step, "rng": checkpoint.rng_state(self.device)}
         if self.optimizer is not None:
             state["optimizer"] = host_copy(self.optimizer.state_dict())
             state["scheduler"] = host_copy(self.scheduler.state_dict())
-        rank, header = self.rank, self._header()
-        return lambda: checkpoint.save_shard(directory, rank, header, state)
+        return Snapshot([(str(checkpoint.shard_path(directory, self.rank)), {"header": self._header(), **state})])
 
-    def load(self, directory: str) -> None:
-        """Restore a checkpoint of this model and role, written in this layout or in another
-        (resharded: `xray/backends/megatron/reshard.py`)."""
+    def load(self, directory: str, held: dict | None = None) -> None:
+        """Restore a checkpoint of this model and role, written in this layout (this rank's file
+        read from `held` when it holds it) or in another (resharded: `xray/backends/megatron/reshard.py`)."""
         header = self._header()
-        saved = checkpoint.header_in(directory)
+        saved = checkpoint.header_in(directory, held)
         if saved is not None and saved != header and {k: saved[k] for k in ("spec", "role")} == \
                 {k: header[k] for k in ("spec", "role")}:
             full, first = reshard.read_full(directory, self.spec, ParallelDims(**saved["parallel"]),
@@ -202,7 +201,7 @@ class MegatronEngine(TrainEngine):
                                         [n for n, _ in self.model.named_parameters()])
             logger.info("resharding a checkpoint of %s into %s", saved["parallel"], header["parallel"])
         else:
-            state = checkpoint.load_shard(directory, self.rank, header)
+            state = checkpoint.load_shard(directory, self.rank, header, held)
         params = dict(self.model.named_parameters())
         with torch.no_grad():
             for name, value in state["model"].items():
