@@ -108,3 +108,4 @@ def test_a_node_leaves_and_comes_back(tmp_path, tiny_model, two_nodes, caplog): 
     assert all(r["sync/max_abs_logprob_diff"] <= 1e-3 for r in rows)
     log = caplog.text
     assert "train_group: 2 -> 1 devices" in log and "train_group: 1 -> 2 devices (devices joined)" in log
+    assert "WholeModel actor is gone" not in log  # the control planes stayed: only Workhorses restarted

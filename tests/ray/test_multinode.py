@@ -41,8 +41,9 @@ def test_group_spans_both_nodes_and_all_reduces(two_nodes):
         wm.shutdown()
 
 
-def test_wholemodel_actor_sits_on_rank_0s_node(two_nodes):
-    """Rank 0 pinned to the second node (not the driver's): the control plane goes with it."""
+def test_wholemodel_actor_sits_on_the_head_node(two_nodes):
+    """Rank 0 pinned to the second node (not the head): the control plane stays on the head node,
+    whose loss ends the cluster anyway, so losing rank 0's node leaves it standing."""
     import ray
     from ray.util.placement_group import placement_group
 
@@ -55,7 +56,7 @@ def test_wholemodel_actor_sits_on_rank_0s_node(two_nodes):
         rank0_node = wm.all_reduce(0.0).get()[0]["node"]
         driver_node = ray.get_runtime_context().get_node_id()
         assert rank0_node != driver_node
-        assert ray.get(wm._actor.node_id.remote()) == rank0_node
+        assert ray.get(wm._actor.node_id.remote()) == two_nodes.head_node.node_id
     finally:
         wm.shutdown()
         ray.util.remove_placement_group(pg)

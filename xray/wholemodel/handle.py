@@ -75,7 +75,6 @@ class WholeModel:
                  init_kwargs: dict | None = None, ray_address: str | None = None,
                  start_timeout_s: float = 600.0, env: dict | None = None):
         import ray
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         from xray.wholemodel.actor import WholeModelActor
         from xray.wholemodel.placement import reserve
@@ -97,11 +96,8 @@ class WholeModel:
             resources = {"num_cpus": threads / bundles.share}
         env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), **QUIET_ENV, **(env or {})}
         kwargs = dict(seed=seed, device=self.device.lower(), threads=threads, **(init_kwargs or {}))
-        # on rank 0's node but outside the reservation: the control plane outlives a release of
-        # the devices (elastic resizing restarts the Workhorses on new ones, `restart`)
-        beside_rank0 = NodeAffinitySchedulingStrategy(_bundle_node(bundles), soft=True)
         self._actor = ray.remote(WholeModelActor).options(
-            num_cpus=0, max_concurrency=1000, scheduling_strategy=beside_rank0).remote(
+            num_cpus=0, max_concurrency=1000, **_control_plane_placement()).remote(
             role, workhorse_cls, parallel, kwargs, bundles.placement_group, list(bundles.indices),
             resources, env)
         try:
@@ -305,11 +301,20 @@ class WholeModel:
 
 
 
-def _bundle_node(bundles: Bundles) -> str:
-    """The Ray node id of the first of `bundles` (the placement group is ready)."""
+def _control_plane_placement() -> dict:
+    """Where a WholeModel actor goes: on the head node (a sliver of the resource Ray gives only
+    the head), outside any device reservation, so it outlives the loss of a Workhorse's node
+    and a release of the devices (elastic resizing, `WholeModel.restart`); the head's loss ends
+    the Ray cluster anyway. Without that resource, on the caller's node."""
     import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    return ray.util.placement_group_table(bundles.placement_group)["bundles_to_node_id"][bundles.indices[0]]
+    if _HEAD_RESOURCE in ray.cluster_resources():
+        return {"resources": {_HEAD_RESOURCE: 0.001}}
+    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)}
+
+
+_HEAD_RESOURCE = "node:__internal_head__"
 
 
 def blocking(coroutine) -> Any:
