@@ -20,10 +20,12 @@ dp=2 at the next step boundary, from that step's checkpoint). Figures, of the fa
   after it that was kept;
 - eval_gap = greedy accuracy on the held-out prompts after the uninterrupted run minus after the
   faulted one;
-- checkpoint_stall = median seconds training stopped for a flash checkpoint (the faulted run's:
-  the slowest Workhorse's blocking copy; the driver does not wait for it, `xray/run/checkpoints.py`)
-  / median seconds the driver waits for a synchronous save of the same actor and critic
-  (`WholeModel.save`, 3 times, measured at the end of the same run).
+- checkpoint_stall = median seconds training stops for a flash checkpoint (the slowest Workhorse's
+  blocking copy: the driver does not wait for it, `xray/run/checkpoints.py`) / median seconds the
+  driver waits for a synchronous save (`WholeModel.save`) of the same actor and critic; both
+  measured side by side at the end of the faulted run, alternating, 5 times each. The run's own
+  copies are printed too: they run beside the next step's generation on the same cores, so their
+  wall time is longer, while the step's generation (which needs no trained Workhorse) goes on.
 Last line: `goodput=<x> recovery_s=<y> eval_gap=<z> checkpoint_stall=<w>`.
 """
 from __future__ import annotations
@@ -110,14 +112,24 @@ async def steps_with_fault(trainer, data, run: RunDir, cluster, faults: dict | N
             "dp": trainer.models.actor.parallel.dp}
 
 
-async def synchronous_saves(trainer, directory: Path, times: int = 3) -> list[float]:
-    out = []
+async def flash_and_synchronous(trainer, directory: Path, times: int = 5) -> tuple[list[float], list[float]]:
+    """Side by side, alternating, on the trained run's actor and critic with nothing else running:
+    the seconds a flash checkpoint stops training (the slowest Workhorse's blocking copy; then its
+    write is waited for, outside the figure), and the seconds a synchronous save
+    (`WholeModel.save`) keeps the driver waiting."""
+    flash, sync = [], []
+    checkpoints = FlashCheckpoints(RunDir(directory / "flash"), trainer.models)
     for i in range(times):
-        t0 = time.perf_counter()
-        await asyncio.gather(trainer.models.actor.save(str(directory / f"s{i}/actor")),
-                             trainer.models.critic.save(str(directory / f"s{i}/critic")))
-        out.append(time.perf_counter() - t0)
-    return out
+        for kind in (("flash", "sync") if i % 2 == 0 else ("sync", "flash")):
+            if kind == "flash":
+                flash.append(await (await checkpoints.take(i, {"step": i})))
+                await checkpoints.finish()
+                continue
+            t0 = time.perf_counter()
+            await asyncio.gather(trainer.models.actor.save(str(directory / f"s{i}/actor")),
+                                 trainer.models.critic.save(str(directory / f"s{i}/critic")))
+            sync.append(time.perf_counter() - t0)
+    return flash, sync
 
 
 def measure(args, overrides: list[str], cluster, faults: dict | None) -> dict:
@@ -130,7 +142,8 @@ def measure(args, overrides: list[str], cluster, faults: dict | None) -> dict:
 
             async def both() -> dict:
                 out = await steps_with_fault(trainer, data, run, cluster, faults)
-                out["saves"] = await synchronous_saves(trainer, Path(tmp) / "sync") if faults else []
+                out["flash"], out["saves"] = (await flash_and_synchronous(trainer, Path(tmp) / "side")
+                                              if faults else ([], []))
                 return out
             return asyncio.run(both())
 
@@ -185,11 +198,12 @@ def main() -> None:
         ray.shutdown()
         cluster.shutdown()
     goodput, recovery = figures(faulted)
-    stall = statistics.median(faulted["stalls"]) / statistics.median(faulted["saves"])
+    stall = statistics.median(faulted["flash"]) / statistics.median(faulted["saves"])
     print(f"killed the actor's rank 0 as step {faults['kill']} began, removed the second node as step "
           f"{faults['remove']} began and added it back as step {faults['add']} began (final actor dp "
-          f"{faulted['dp']}); flash stall {statistics.median(faulted['stalls']):.3f} s "
-          f"vs synchronous save {statistics.median(faulted['saves']):.3f} s; eval {clean['eval']:.3f} uninterrupted, "
+          f"{faulted['dp']}); flash stall {statistics.median(faulted['flash']):.4f} s vs synchronous save "
+          f"{statistics.median(faulted['saves']):.4f} s side by side (the run's own copies, beside generation: "
+          f"{statistics.median(faulted['stalls']):.4f} s); eval {clean['eval']:.3f} uninterrupted, "
           f"{faulted['eval']:.3f} faulted")
     print(f"goodput={goodput:.3f} recovery_s={recovery:.1f} eval_gap={clean['eval'] - faulted['eval']:.3f} "
           f"checkpoint_stall={stall:.3f}")

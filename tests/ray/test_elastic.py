@@ -19,7 +19,7 @@ import yaml
 
 from tests.e2e.test_ppo_e2e import config, tiny_model  # noqa: F401 - tiny_model: fixture
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow]  # 2.5 min: `make test-all`
+pytestmark = [pytest.mark.ray, pytest.mark.slow]  # 1.5 min: `make test-all`
 WORKER = {"num_cpus": 2, "resources": {"xray_trainer": 1}}
 
 

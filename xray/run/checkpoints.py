@@ -7,12 +7,11 @@ the run's own files (the async buffer, for instance) are written off the event l
 submits the snapshot calls: the run goes on to its next step at once (generation needs no trained
 Workhorse), and Ray runs a caller's calls to a Workhorse in the order they were made, so the copy
 is of the state after this step, and the next step's first call to that Workhorse waits for it.
-The copy's seconds (the slowest shard's) arrive later, in `stall_s`. Each snapshot's files are
-also held in memory: the Workhorses hand them out as the answer of one more call
-(`TrainWorkhorse.held_files`), which the object store keeps on their node for this process, so
-they outlive the Workhorses; `held_for` gives a model of the same layout the references to
-restore from (`TrainWorkhorse.load`), and only the latest complete checkpoint's (and the one being
-written) are kept. The
+The copy's seconds (the slowest shard's) arrive later, in `stall_s`. Once every copy is done the
+Workhorses are told to write theirs (`TrainWorkhorse.persist_snapshot`) and to answer the files,
+which the object store keeps on their node for this process: they outlive the Workhorses, and
+`held_for` gives a model of the same layout the references to restore from (`TrainWorkhorse.load`);
+only the latest complete checkpoint's (and the one being written) are kept. The
 checkpoint becomes the run's latest only when all of it is on disk: a watcher polls the writers
 (`poll`), or `finish` waits for them (before the run ends), and then writes `trainer_state.json`,
 the marker `RunDir.latest_checkpoint` looks for, atomically. A crash while writing leaves the previous
@@ -59,7 +58,7 @@ class FlashCheckpoints:
         self.last_step: int | None = None
         """The step of the last checkpoint taken (complete or being written)."""
         self._held: dict[Path, dict[str, tuple[Any, list]]] = {}
-        """Checkpoint directory -> role -> (the layout it was taken in, every rank's `held_files` reference)."""
+        """Checkpoint directory -> role -> (the layout it was taken in, every rank's `persist_snapshot` reference)."""
 
     @property
     def models(self) -> dict[str, Any]:
@@ -73,17 +72,20 @@ class FlashCheckpoints:
         directory = self.run.checkpoint_dir(step)
         directory.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
-        copies = [m.snapshot(str(directory / role)) for role, m in self.models.items()]  # in order, now
-        self._held[directory] = {role: (m.parallel, m.held_files().refs) for role, m in self.models.items()}
-        snapshots = asyncio.ensure_future(self._copied(copies))
+        models = self.models
+        copies = [m.snapshot(str(directory / role)) for role, m in models.items()]  # in order, now
+        snapshots = asyncio.ensure_future(self._copied(directory, models, copies))
         writes = [asyncio.to_thread(write_atomically, obj, str(directory / name)) for name, obj in (files or {}).items()]
         self.writing = _Writing(directory, trainer_state, snapshots, asyncio.ensure_future(asyncio.gather(*writes)), t0)
         self.last_step = step
         self._watcher = asyncio.ensure_future(self._watch())
         return snapshots
 
-    async def _copied(self, copies: list) -> float:
+    async def _copied(self, directory: Path, models: dict[str, Any], copies: list) -> float:
+        """Once every Workhorse's copy is done (the writes, started only then, do not slow a copy
+        down), have them write it and hold their answers, the files in memory."""
         self.stall_s = max(await asyncio.gather(*copies))
+        self._held[directory] = {role: (m.parallel, m.persist_snapshot().refs) for role, m in models.items()}
         return self.stall_s
 
     async def _watch(self, every_s: float = 0.05) -> None:

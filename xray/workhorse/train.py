@@ -146,26 +146,36 @@ class TrainWorkhorse(Workhorse):
 
     @fanout(dispatch="all", collect=lambda layout, results: max(results))
     def snapshot(self, directory: str) -> float:
-        """A flash checkpoint: this shard's state copied into host memory now, written to
-        `directory` by a background thread while training goes on (a previous write is finished
-        first). Returns the seconds the copy blocked (the slowest shard's, collected)."""
-        import threading
-
+        """A flash checkpoint: this shard's state copied into host memory now (a previous write is
+        finished first), for `persist_snapshot` to write to `directory`. Returns the seconds the
+        copy blocked (the slowest shard's, collected)."""
         self.wait_persisted()
         t0 = time.perf_counter()
-        persist = self._snapshot = self.engine.snapshot(directory)
-        blocked = time.perf_counter() - t0
+        self._snapshot = self.engine.snapshot(directory)
+        return time.perf_counter() - t0
+
+    @fanout(dispatch="all", collect=lambda layout, results: None)
+    def persist_snapshot(self) -> dict:
+        """Write the last snapshot to disk from a background thread while training goes on, and
+        answer its files (path -> object): the object store keeps this answer for the caller, who
+        holds the reference, after this process dies (a replacement reads it in `load`). Once per
+        snapshot; the caller collects no value (it keeps the references)."""
+        import threading
+
+        snapshot, self._snapshot = getattr(self, "_snapshot", None), None
+        if snapshot is None:
+            raise RuntimeError("persist_snapshot: no snapshot taken since the last one was written; call snapshot first")
         self._persist_error: BaseException | None = None
 
         def write() -> None:
             try:
-                persist()
+                snapshot()
             except BaseException as exc:  # noqa: BLE001 - reported by persisted()
                 self._persist_error = exc
 
         self._writer = threading.Thread(target=write, name=f"persist-{self.role}-{self.rank}", daemon=True)
         self._writer.start()
-        return blocked
+        return snapshot.held()
 
     @fanout(dispatch="all", collect=lambda layout, results: all(results))
     def persisted(self) -> bool:
@@ -187,20 +197,10 @@ class TrainWorkhorse(Workhorse):
     def save(self, directory: str) -> None:
         self.engine.save(directory)
 
-    @fanout(dispatch="all", collect=lambda layout, results: None)
-    def held_files(self) -> dict:
-        """The last snapshot's files (path -> object), as this call's answer: the object store keeps
-        it for the caller, who holds the reference, after this process dies (a Workhorse's
-        replacement reads it in `load`). Called right after `snapshot`; once per snapshot."""
-        snapshot, self._snapshot = getattr(self, "_snapshot", None), None
-        if snapshot is None:
-            raise RuntimeError("held_files: no snapshot taken since the last call; call snapshot first")
-        return snapshot.held()
-
     @fanout(dispatch="all", collect=lambda layout, results: "memory" if set(results) == {"memory"} else "disk")
     def load(self, directory: str, held: list | None = None) -> str:
         """Restore the checkpoint in `directory`. `held`: the references of every rank's
-        `held_files` answer for it, taken in this layout: this rank's and rank 0's files are read
+        `persist_snapshot` answer for it, taken in this layout: this rank's and rank 0's files are read
         from memory (the rest, and everything when they cannot be fetched, from the disk).
         Returns where the files came from ("memory" only if every shard's did)."""
         files = None
