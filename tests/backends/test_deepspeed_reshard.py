@@ -1,8 +1,8 @@
-"""A ZeRO-3 checkpoint restores into another data-parallel size: dp=2 -> dp=1 (and back, `slow`).
+"""A ZeRO-3 checkpoint restores into another data-parallel size: dp=2 -> dp=1 and back (both `slow`).
 
 Spawn A (dp=2) trains two steps and saves; spawn B (dp=1) loads it, computes log-probs on a fixed
 batch (equal to A's before saving, max abs diff <= 1e-5), trains one step and saves; in the slow
-tier, spawn C (dp=2) loads B's checkpoint and must give B's log-probs after its step, and B's
+test, spawn C (dp=2) loads B's checkpoint and must give B's log-probs after its step, and B's
 step count.
 """
 from __future__ import annotations
@@ -67,6 +67,7 @@ def dp2_then_dp1(tmp_path) -> tuple[str, str, tuple]:
     return model_dir, root, (stepped, steps)
 
 
+@pytest.mark.slow  # 1 min; the elastic test (slow too) also restores ZeRO-3 across dp
 def test_zero3_dp2_checkpoint_restores_at_dp1(tmp_path):
     dp2_then_dp1(tmp_path)
 

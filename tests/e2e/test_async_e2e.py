@@ -1,7 +1,8 @@
 """Six-step asynchronous PPO runs (ColossalChat's shapes) through the real command, each resumed.
 
 2 makers x 1 trainer and 2 makers x 2 trainers (actor and critic at dp=2, each trainer fed by its
-own maker and trainer 1 pushing to both makers), on both backend pairs. Each: finite metrics, a
+own maker and trainer 1 pushing to both makers), on both backend pairs (the default tier runs
+each shape and each pair once; the other two combinations are in the slow tier). Each: finite metrics, a
 verified sync at every push (each arrives while the next step trains), staleness never above the bound, changed weights, the graph obeyed;
 the step-3 checkpoint holds every prompt drawn (trained, buffered, or in the making), and a resume
 from it queues them again and completes steps 4-6.
@@ -64,8 +65,10 @@ def check_nothing_lost(checkpoint: Path, cfg: dict) -> int:
     return len(saved["entries"])
 
 
-@pytest.mark.parametrize("backend", ["megatron-vllm", "deepspeed-dsinfer"])
-@pytest.mark.parametrize("trainers", [1, 2])
+@pytest.mark.parametrize("trainers, backend", [  # each shape and each pair once in the default tier
+    (1, "megatron-vllm"), (2, "deepspeed-dsinfer"),
+    pytest.param(1, "deepspeed-dsinfer", marks=pytest.mark.slow),
+    pytest.param(2, "megatron-vllm", marks=pytest.mark.slow)])
 def test_two_makers_six_steps_and_resume(tmp_path, tiny_model, backend, trainers):  # noqa: F811 - the fixture
     from safetensors.torch import load_file
 

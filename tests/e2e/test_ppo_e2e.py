@@ -192,6 +192,7 @@ def score(prompts, completions, **kwargs):
 '''
 
 
+@pytest.mark.slow  # 1 min for one error message: `make test-all`
 def test_a_failing_reward_function_stops_the_run_with_its_prompt(tmp_path, tiny_model):
     reward = tmp_path / "bad_reward.py"
     reward.write_text(BAD_REWARD)

@@ -31,11 +31,31 @@ async def kill_during(trainer, kills: list[tuple[int, str, int]], done: list) ->
         done.append(role)
 
 
+def train_with_kills(trainer, run, data, kills: list[tuple[int, str, int]]) -> tuple[float, list[str]]:
+    """The run's `train` with `kill_during` beside it: (eval after, the roles killed)."""
+    from algorithms.ppo.run import train
+
+    killed: list[str] = []
+
+    async def main() -> float:
+        killer = asyncio.ensure_future(kill_during(trainer, kills, killed))
+        try:
+            return await train(trainer, run, data, None)
+        finally:
+            killer.cancel()
+    return asyncio.run(main()), killed
+
+
+def steps_logged(run) -> collections.Counter:
+    """How many times each step's metrics were written (a step run again is written again)."""
+    return collections.Counter(json.loads(line)["step"] for line in (run.path / "metrics.jsonl").read_text().splitlines())
+
+
 @pytest.mark.parametrize("backend, trained", [("megatron-vllm", "actor"), ("deepspeed-dsinfer", "critic")])
 def test_dead_workhorses_are_replaced(tmp_path, tiny_model, backend, trained, caplog, local_ray):  # noqa: F811
     import ray
 
-    from algorithms.ppo.run import ppo_trainer, train
+    from algorithms.ppo.run import ppo_trainer
     from xray.run.outputs import RunDir
     from xray.train import resolve
 
@@ -48,18 +68,9 @@ def test_dead_workhorses_are_replaced(tmp_path, tiny_model, backend, trained, ca
         pid = {role: ray.get(getattr(trainer.models, role).shard_handles()[0].pid.remote())
                for role in (trained, "rollout")}
         kills = [(5, trained, pid[trained])] + ([(8, "rollout", pid["rollout"])] if trained == "actor" else [])
-
-        killed: list[str] = []
-
-        async def main() -> float:
-            killer = asyncio.ensure_future(kill_during(trainer, kills, killed))
-            try:
-                return await train(trainer, run, data, None)
-            finally:
-                killer.cancel()
-        asyncio.run(main())
+        _, killed = train_with_kills(trainer, run, data, kills)
     assert killed == [role for _, role, _ in kills] and trainer.state.step == 10
-    rows = collections.Counter(json.loads(line)["step"] for line in (run.path / "metrics.jsonl").read_text().splitlines())
+    rows = steps_logged(run)
     assert sorted(rows) == list(range(1, 11))
     assert all(rows[s] == 1 for s in (1, 2, 3)) and max(rows.values()) <= 2, rows  # back to step 3, not further
     if trained == "actor":
@@ -75,7 +86,7 @@ def test_async_run_recovers(tmp_path, tiny_model, caplog, local_ray):  # noqa: F
     goes back to the step-3 checkpoint, buffer included, with new makers, and finishes."""
     import ray
 
-    from algorithms.ppo.run import ppo_trainer, train
+    from algorithms.ppo.run import ppo_trainer
     from tests.e2e.test_async_e2e import async_config
     from xray.run.outputs import RunDir
     from xray.train import resolve
@@ -86,17 +97,9 @@ def test_async_run_recovers(tmp_path, tiny_model, caplog, local_ray):  # noqa: F
     caplog.set_level(logging.WARNING)
     with ppo_trainer(cfg, plan, run) as (trainer, data):
         kills = [(5, "actor", ray.get(trainer.models.actor.shard_handles()[0].pid.remote()))]
-        killed: list[str] = []
-
-        async def main() -> float:
-            killer = asyncio.ensure_future(kill_during(trainer, kills, killed))
-            try:
-                return await train(trainer, run, data, None)
-            finally:
-                killer.cancel()
-        eval_after = asyncio.run(main())
+        eval_after, killed = train_with_kills(trainer, run, data, kills)
     assert killed == ["actor"] and trainer.state.step == 8 and 0.0 <= eval_after <= 1.0
-    rows = collections.Counter(json.loads(line)["step"] for line in (run.path / "metrics.jsonl").read_text().splitlines())
+    rows = steps_logged(run)
     assert sorted(rows) == list(range(1, 9))
     assert all(rows[s] == 1 for s in (1, 2, 3)) and max(rows.values()) <= 2, rows
     assert "actor: replaced" in caplog.text

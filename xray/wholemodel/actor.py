@@ -4,8 +4,9 @@ It creates one Workhorse Ray actor per device bundle of its placement group, has
 rendezvous address, joins them into the model's process group, builds the shards, and checks
 that the shard infos they report agree. It is placed on the Ray head node, outside the devices'
 reservation: it outlives any Workhorse's node and a release of the devices, and `restart` starts
-new Workhorses under it. It is not on the data path: callers hold the Workhorse handles it returns and call them directly
-(`xray.wholemodel.handle`), so arguments and answers never pass through this process.
+new Workhorses under it. It is not on the data path: callers hold the Workhorse handles it
+returns and call them directly (`xray.wholemodel.handle`), so arguments and answers never pass
+through this process.
 """
 from __future__ import annotations
 
