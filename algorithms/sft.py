@@ -9,7 +9,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from tqdm import tqdm
@@ -33,24 +35,36 @@ def sft_rows(pairs: list[tuple[list[int], list[int]]], batch_size: int, step: in
     return pack_sequences([pairs[i][0] for i in rows], [pairs[i][1] for i in rows], pad_id)
 
 
-def run_sft(cfg: RunConfig, plan: Plan, pairs: list[tuple[list[int], list[int]]], model_dir: str,
-            run: RunDir, pad_id: int, ray_address: str | None = None) -> Path:
-    """Train the actor on `pairs`; return the Hugging Face directory of the result."""
+@contextmanager
+def started_role(cfg: RunConfig, plan: Plan, role: str, model_dir: str, ray_address: str | None, lr: float,
+                 warmup_steps: int = 0) -> Iterator:
+    """One trained role's WholeModel alone, on its device group, with its optimizer at `lr`; shut
+    down (and its devices freed) on the way out (SFT and reward-model training)."""
     from xray.run.models import role_init_kwargs
     from xray.wholemodel import WholeModel
     from xray.wholemodel.cluster import ensure_ray
     from xray.wholemodel.placement import reserve_plan
     from xray.workhorse.roles import workhorse_class
 
-    role = plan.role("actor")
-    optim = dataclasses.replace(cfg.actor.optim, lr=cfg.sft.lr, warmup_steps=cfg.sft.warmup_steps)
-    sft_cfg = dataclasses.replace(cfg, actor=dataclasses.replace(cfg.actor, optim=optim))
+    placed, section = plan.role(role), getattr(cfg, role)
+    optim = dataclasses.replace(section.optim, lr=lr, warmup_steps=warmup_steps)
+    role_cfg = dataclasses.replace(cfg, **{role: dataclasses.replace(section, optim=optim)})
     ensure_ray(ray_address, num_cpus=plan.nproc_per_node * plan.nnodes)
-    bundles = reserve_plan(plan, cfg.threads_per_worker)["actor"]
-    actor = WholeModel(workhorse_class(role.backend, "actor"), role="actor", parallel=role.parallel,
-                       device=role.device, bundles=bundles, seed=cfg.seed, threads=cfg.threads_per_worker,
-                       init_kwargs=role_init_kwargs(sft_cfg, "actor", role.backend, model_dir))
+    bundles = reserve_plan(plan, cfg.threads_per_worker)[role]
+    model = WholeModel(workhorse_class(placed.backend, role), role=role, parallel=placed.parallel,
+                       device=placed.device, bundles=bundles, seed=cfg.seed, threads=cfg.threads_per_worker,
+                       init_kwargs=role_init_kwargs(role_cfg, role, placed.backend, model_dir))
     try:
+        yield model
+    finally:
+        model.shutdown()
+        ray_release(bundles)
+
+
+def run_sft(cfg: RunConfig, plan: Plan, pairs: list[tuple[list[int], list[int]]], model_dir: str,
+            run: RunDir, pad_id: int, ray_address: str | None = None) -> Path:
+    """Train the actor on `pairs`; return the Hugging Face directory of the result."""
+    with started_role(cfg, plan, "actor", model_dir, ray_address, cfg.sft.lr, cfg.sft.warmup_steps) as actor:
         bar = tqdm(range(1, cfg.sft.steps + 1), desc="sft", unit="step", mininterval=2.0)
         for step in bar:
             t0 = time.perf_counter()
@@ -61,9 +75,6 @@ def run_sft(cfg: RunConfig, plan: Plan, pairs: list[tuple[list[int], list[int]]]
             if step % cfg.trainer.log_every == 0 or step == cfg.sft.steps:
                 run.log_metrics(step, metrics)
         state = actor.state_dict().get()
-    finally:
-        actor.shutdown()
-        ray_release(bundles)
     return save_hf_model(state, model_dir, run.path / "final" / "actor")
 
 

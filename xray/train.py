@@ -3,7 +3,9 @@
     python -m xray.train ppo [--backend megatron-vllm] [--config FILE] [--output-dir DIR]
                              [--resume [DIR]] [--ray-address ADDR] [--dry-run] [--a.b.c=VALUE ...]
 
-Loads and checks the config (defaults: `configs/<algo>_tiny_cpu.yaml`), builds the placement
+ALGO: ppo, the critic-free grpo, rloo and reinforce_pp, sft, or rm (a reward model trained on
+preference pairs). Loads and checks the config
+(defaults: `configs/ppo_tiny_cpu.yaml`, `configs/critic_free_tiny_cpu.yaml`), builds the placement
 plan, and runs the algorithm. `--dry-run` prints the resolved config and the plan without
 starting Ray. User mistakes end with a one-line message on stderr and exit code 2, no traceback.
 """
@@ -21,7 +23,8 @@ from xray.backends import BACKEND_PAIRS, BackendError
 from xray.config import DEFAULT_CONFIGS, ConfigError, LayoutError, load_config, to_dict
 from xray.config.plan import plan_run
 
-ALGOS = ("ppo", "sft")
+RL_ALGOS = ("ppo", "grpo", "rloo", "reinforce_pp")
+ALGOS = (*RL_ALGOS, "sft", "rm")
 log = logging.getLogger("xray.train")
 
 
@@ -35,7 +38,7 @@ def parser() -> argparse.ArgumentParser:
                                 epilog="Any config key can be overridden: --ppo.kl_coef=0.05")
     p.add_argument("algo", choices=ALGOS, help="the algorithm to run")
     p.add_argument("--backend", default="megatron-vllm", help=f"TRAIN-GENERATION pair: {', '.join(BACKEND_PAIRS)}")
-    p.add_argument("--config", default=None, help="YAML config (default: configs/<algo>_tiny_cpu.yaml)")
+    p.add_argument("--config", default=None, help="YAML config (default: the algorithm's in configs/)")
     p.add_argument("--output-dir", default=None, help="where the run writes (default: runs/<algo>-<time>)")
     p.add_argument("--resume", nargs="?", const="latest", default=None,
                    help="continue from the latest checkpoint of --output-dir, or of DIR")
@@ -80,12 +83,12 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.write(yaml.safe_dump(to_dict(cfg), sort_keys=False))
             sys.stdout.write(plan.describe() + "\n")
             return 0
-        if args.algo == "ppo":
+        if args.algo in RL_ALGOS:
             from algorithms.ppo.run import run_ppo
             from xray.run.graceful import RunInterrupted
 
             try:
-                before, after = run_ppo(cfg, plan, output_dir, args.resume, args.ray_address)
+                before, after = run_ppo(cfg, plan, output_dir, args.resume, args.ray_address, args.algo)
             except RunInterrupted as stop:
                 shutdown_ray()
                 sys.stdout.write(f"stopped: the latest checkpoint is step {stop.step}; continue with:\n"
@@ -93,6 +96,12 @@ def main(argv: list[str] | None = None) -> int:
                 return 0
             shutdown_ray()  # no Workhorse log line may land after the result
             sys.stdout.write(f"eval_before={before:.4f} eval_after={after:.4f}\n")
+        elif args.algo == "rm":
+            from algorithms.rm import rm_command
+
+            directory, before, after = rm_command(cfg, plan, output_dir, args.ray_address)
+            shutdown_ray()
+            sys.stdout.write(f"rm_model={directory} eval_accuracy_before={before:.4f} eval_accuracy_after={after:.4f}\n")
         else:
             from algorithms.sft import sft_command
 

@@ -26,9 +26,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from algorithms.ppo.buffer import Entry, maker_must_wait
-from algorithms.ppo.gae import gae, whiten
-from algorithms.ppo.kl import sequence_kl
-from algorithms.ppo.rewards import kl_penalized_rewards, shape_scores
+from algorithms.ppo.kl_estimators import kl_metrics
+from algorithms.ppo.trainer import ppo_targets
 from xray.config.graph import build_graph
 from xray.data import columns as C
 from xray.data.batch import Batch
@@ -173,7 +172,7 @@ class Detached:
 
     async def step(self, step: int, makers: list[asyncio.Task]) -> dict[str, float]:
         """One trainer step: take a batch per trainer, recompute, train, push every `push_every` steps."""
-        t, ppo, acfg = self.trainer, self.trainer.cfg.ppo, self.trainer.cfg.async_
+        t, acfg = self.trainer, self.trainer.cfg.async_
         start = time.perf_counter()
         entries, staleness = await self.take(makers)
         exp = Batch.concat(await asyncio.gather(*[e.item[0] for e in entries]), pad_width=True)
@@ -181,18 +180,15 @@ class Detached:
         waited_s = time.perf_counter() - start
         proximal, values = await asyncio.gather(t.models.actor.forward(exp), t.models.critic.forward(exp))
         mask = exp[C.LOSS_MASK]
-        shaped = shape_scores(exp[C.SCORES], t.cfg.reward.scale, t.cfg.reward.clip)
-        rewards = kl_penalized_rewards(proximal[C.LOGPROBS], exp[C.REF_LOGPROBS], mask, shaped, t.kl.value)
-        advantages, returns = gae(rewards, values[C.VALUES], mask, ppo.gamma, ppo.lam)
-        if ppo.whiten_advantages:
-            advantages = whiten(advantages, mask)
+        advantages, returns = ppo_targets(proximal[C.LOGPROBS], exp[C.REF_LOGPROBS], values[C.VALUES], mask,
+                                          exp[C.SCORES], t.cfg, t.kl.value)
         train = await t.train(Batch({
             C.INPUT_IDS: exp[C.INPUT_IDS], C.ATTENTION_MASK: exp[C.ATTENTION_MASK], C.LOSS_MASK: mask,
             C.OLD_LOGPROBS: proximal[C.LOGPROBS], C.BEHAVIOUR_LOGPROBS: exp[C.BEHAVIOUR_LOGPROBS],
             C.OLD_VALUES: values[C.VALUES], C.ADVANTAGES: advantages, C.RETURNS: returns}), step,
             parts=len(entries))
-        kl, kl_coef = sequence_kl(proximal[C.LOGPROBS], exp[C.REF_LOGPROBS], mask), t.kl.value
-        t.kl.update(kl, len(exp))
+        kl, kl_coef = kl_metrics(proximal[C.LOGPROBS], exp[C.REF_LOGPROBS], mask), t.kl.value
+        t.kl.update(kl["kl_sequence"], len(exp))
         sync = await self.delivered()  # the previous push travelled while this step trained
         self.version = t.state.step = step
         if step % acfg.push_every == 0:
@@ -201,7 +197,7 @@ class Detached:
         made, self.stats = self.stats, MakerStats()
         scores = exp[C.SCORES]
         return {"reward/mean": float(scores.mean()), "reward/std": float(scores.std()) if len(scores) > 1 else 0.0,
-                "kl": kl, "kl_coef": kl_coef, **train,
+                **kl, "kl_coef": kl_coef, **train,
                 "response_length": float(mask.sum(1).mean()), "async/staleness": float(staleness),
                 **{f"async/trainer{d}_maker": float(e.maker) for d, e in enumerate(entries)},
                 "async/waited": float(made.waited), "async/buffer_full_waits": float(made.full_waits),

@@ -34,13 +34,17 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
     return advantages.detach(), returns.detach()
 
 
-def whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
-    """`(x - mean) / sqrt(var + eps)` over the masked positions (unbiased variance, as
-    `torch.var_mean`); with `shift_mean=False` the mean is added back (trlX's option, used for
-    rewards). Positions outside the mask are 0."""
+def whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8,
+           min_std: float = 0.0) -> torch.Tensor:
+    """`(x - mean) / max(sqrt(var + eps), min_std)` over the masked positions (unbiased variance,
+    as `torch.var_mean`); with `shift_mean=False` the mean is added back (trlX's option, used for
+    rewards). `min_std` keeps a nearly uniform batch (a policy that is nearly always right: only
+    the critic's noise is left) from being blown up to unit variance. Positions outside the mask
+    are 0."""
     m = mask.to(x.dtype)
     mean = masked_mean(x, m)
-    whitened = (x - mean) * torch.rsqrt(masked_var(x, m) + eps)
+    std = torch.sqrt(masked_var(x, m) + eps).clamp(min=min_std)
+    whitened = (x - mean) / std
     if not shift_mean:
         whitened = whitened + mean
     return whitened * m

@@ -6,24 +6,17 @@ Adaptive: after each PPO step with measured KL `current` over `n_steps` samples,
     kl_coef *= 1 + error * n_steps / horizon
 
 Fixed: the coefficient never changes. Both save and load their state for an exact resume.
-`sequence_kl` is the measurement trlX feeds them: the k3 estimate `exp(d) - 1 - d` of
-`d = logprobs - ref_logprobs`, summed over each response, averaged over the batch.
+`current` is the k1 estimate summed over each response, averaged over the batch
+(`kl_estimators.kl_metrics`'s `kl_sequence`), so `ppo.kl_target` is in nats per sequence.
 """
 from __future__ import annotations
 
 from typing import Any, Optional, Union
 
-import torch
 
 
 class KLStateError(ValueError):
     """A saved KL-controller state that does not fit this controller."""
-
-
-def sequence_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor) -> float:
-    """Mean over rows of the summed per-token k3 KL estimate on the masked positions."""
-    d = (logprobs - ref_logprobs) * mask.to(logprobs.dtype)
-    return float((torch.expm1(d) - d).sum(dim=1).mean())
 
 
 class FixedKLController:

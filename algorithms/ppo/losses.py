@@ -2,8 +2,16 @@
 and the critic are separate models trained by separate engines.
 
     ratio       = exp(logprobs - old_logprobs)
-    policy_loss = mean_mask( max(-A * ratio, -A * clip(ratio, 1 - cliprange, 1 + cliprange)) )
+    policy_loss = agg( max(-A * ratio, -A * clip(ratio, 1 - cliprange, 1 + cliprange_high)) )
+                  + kl_coef * agg( KL estimate of policy || reference )      (if kl_coef > 0)
     value_loss  = 0.5 * mean_mask( max((V - R)^2, (clip(V, V_old - cv, V_old + cv) - R)^2) )
+
+`agg` is the loss aggregation the anchors name (`AGG_MODES`): `token-mean` (every response token
+of the micro-batch weighs the same), `seq-mean-token-sum` (each sequence's summed terms, averaged
+over sequences: Dr. GRPO), `seq-mean-token-mean` (each sequence's mean, averaged: the GRPO paper).
+`cliprange_high` above `cliprange` is DAPO's clip-higher. A micro-batch whose approx KL to the
+old policy already exceeds `max_approx_kl` contributes no gradient and reports `skipped` 1; the
+engines leave the weights unchanged when every micro-batch of an update is skipped.
 
 The critic's training loss is `vf_coef * value_loss` (trlX adds that term to the policy loss of
 its shared model; here it scales the critic's own gradient). `PolicyLoss` and `ValueLoss` are
@@ -14,29 +22,51 @@ so a train step ships only those (besides the model inputs).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Optional
 
 import torch
 
+from algorithms.ppo.kl_estimators import Estimator, kl_terms
 from algorithms.ppo.masked import masked_mean
 from xray.data import columns as C
 from xray.data.batch import Batch
 
 
+AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+
+
+def aggregate(terms: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean") -> torch.Tensor:
+    """Reduce per-token `terms` `[B, T-1]` to a scalar over the masked positions, by `mode`
+    (`AGG_MODES`). The sequence modes average over rows with at least one masked position."""
+    m = mask.to(terms.dtype)
+    if mode == "token-mean":
+        return masked_mean(terms, m)
+    if mode not in AGG_MODES:
+        raise ValueError(f"unknown loss aggregation {mode!r}; choose one of {', '.join(AGG_MODES)}")
+    per_row = (terms * m).sum(1)
+    if mode == "seq-mean-token-mean":
+        per_row = per_row / m.sum(1).clamp(min=1.0)
+    rows = (m.sum(1) > 0).to(terms.dtype)
+    return (per_row * rows).sum() / rows.sum().clamp(min=1.0)
+
+
 def clipped_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
-                        mask: torch.Tensor, cliprange: float,
-                        weight: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The clipped surrogate loss (a scalar to minimise) and its statistics: `clipfrac` (share of
-    positions where the clipped term is the larger), `approx_kl` (k3 estimate of
-    KL(old || new), `mean((ratio - 1) - log ratio)`), `ratio` mean; all over the mask. `weight`
-    (per token, no gradient) scales each position's term: decoupled PPO's behaviour weight."""
+                        mask: torch.Tensor, cliprange: float, weight: torch.Tensor | None = None,
+                        cliprange_high: float | None = None,
+                        agg: str = "token-mean") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The clipped surrogate loss (a scalar to minimise, aggregated by `agg`) and its statistics:
+    `clipfrac` (share of positions where the clipped term is the larger), `approx_kl` (k3 estimate
+    of KL(old || new), `mean((ratio - 1) - log ratio)`), `ratio` mean; all over the mask. The ratio
+    is clipped to `[1 - cliprange, 1 + cliprange_high]` (`cliprange_high` None: `cliprange`).
+    `weight` (per token, no gradient) scales each position's term: decoupled PPO's behaviour weight."""
     m = mask.to(logprobs.dtype)
+    high = cliprange if cliprange_high is None else cliprange_high
     log_ratio = (logprobs - old_logprobs) * m
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
+    clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + high)
     terms = torch.max(unclipped, clipped)
-    loss = masked_mean(terms if weight is None else terms * weight, m)
+    loss = aggregate(terms if weight is None else terms * weight, m, agg)
     with torch.no_grad():
         stats = {"clipfrac": masked_mean((clipped > unclipped).to(m.dtype), m),
                  "approx_kl": masked_mean((ratio - 1.0) - log_ratio, m),
@@ -70,17 +100,30 @@ def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: 
 @dataclass(frozen=True)
 class PolicyLoss:
     """The actor's `LossFn`: reads outputs[LOGPROBS] (and ENTROPY if the engine returns it) and
-    batch[OLD_LOGPROBS], batch[ADVANTAGES], batch[LOSS_MASK]."""
+    batch[OLD_LOGPROBS], batch[ADVANTAGES], batch[LOSS_MASK] (and batch[REF_LOGPROBS] with a KL
+    loss term)."""
 
     cliprange: float = 0.2
-    """Clip the probability ratio to [1 - cliprange, 1 + cliprange]."""
-    behaviour_weight_cap: float | None = None
+    """Clip the probability ratio to [1 - cliprange, 1 + cliprange_high]."""
+    behaviour_weight_cap: Optional[float] = None
     """Set (asynchronous training): OLD_LOGPROBS are the proximal policy's and each token's term is
     weighted by `behaviour_weight` against batch[BEHAVIOUR_LOGPROBS], truncated at this cap."""
+    cliprange_high: Optional[float] = None
+    """Upper clip of the ratio (DAPO's clip-higher); None: `cliprange`."""
+    loss_agg_mode: str = "token-mean"
+    """How per-token terms become the loss: one of `AGG_MODES`."""
+    kl_coef: float = 0.0
+    """Weight of the KL-to-reference loss term (GRPO's beta); 0: no term, REF_LOGPROBS not read."""
+    kl_estimator: Estimator = "k3"
+    """Per-token estimate of the KL loss term (`algorithms.ppo.kl_estimators`)."""
+    max_approx_kl: Optional[float] = None
+    """Skip (no gradient, `skipped` 1) a micro-batch whose approx KL to the old policy exceeds this."""
 
     @property
     def reads(self) -> tuple[str, ...]:
         base = (C.LOSS_MASK, C.OLD_LOGPROBS, C.ADVANTAGES)
+        if self.kl_coef:
+            base = (*base, C.REF_LOGPROBS)
         return base if self.behaviour_weight_cap is None else (*base, C.BEHAVIOUR_LOGPROBS)
 
     def __call__(self, outputs: dict[str, torch.Tensor], batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
@@ -92,9 +135,18 @@ class PolicyLoss:
             weight = behaviour_weight(old, batch[C.BEHAVIOUR_LOGPROBS].to(logprobs.dtype), mask,
                                       self.behaviour_weight_cap)
         loss, stats = clipped_policy_loss(logprobs, old, batch[C.ADVANTAGES].to(logprobs.dtype), mask,
-                                          self.cliprange, weight)
+                                          self.cliprange, weight, self.cliprange_high, self.loss_agg_mode)
         metrics = {"policy_loss": float(loss.detach()), "policy_clipfrac": float(stats["clipfrac"]),
                    "approx_kl": float(stats["approx_kl"]), "ratio": float(stats["ratio"])}
+        if self.kl_coef:
+            kl = aggregate(kl_terms(logprobs, batch[C.REF_LOGPROBS].to(logprobs.dtype), self.kl_estimator) * mask,
+                           mask, self.loss_agg_mode)
+            loss = loss + self.kl_coef * kl
+            metrics["kl_loss"] = float(kl.detach())
+        if self.max_approx_kl is not None:
+            skipped = float(stats["approx_kl"]) > self.max_approx_kl
+            loss = loss * 0.0 if skipped else loss
+            metrics["skipped"] = float(skipped)
         if weight is not None:
             metrics["behaviour_weight"] = float(masked_mean(weight, mask))
         if C.ENTROPY in outputs:

@@ -1,7 +1,8 @@
-"""The PPO run: what `python -m xray.train ppo` does after the config is checked.
+"""The PPO run: what `python -m xray.train ppo` does after the config is checked (and
+`grpo`, `rloo`, `reinforce_pp`, whose trainers, `algorithms.critic_free`, step differently).
 
 Reads like the script it is: prepare the model and data, start the WholeModels, evaluate, loop
-PPO steps with progress, metrics and checkpoints, evaluate again, export the actor, and print
+steps with progress, metrics and checkpoints, evaluate again, export the actor, and print
 `eval_before=<x> eval_after=<y>`. `--resume` continues from the latest checkpoint of a run.
 """
 from __future__ import annotations
@@ -53,9 +54,9 @@ async def resume_from(trainer: PPOTrainer, directory: Path, data: RunData, detac
     state = read_trainer_state(directory)
     models = trainer.models
     held = {role: checkpoints.held_for(directory, role, getattr(models, role)) if checkpoints else None
-            for role in ("actor", "critic")}
-    sources = await asyncio.gather(models.actor.load(str(directory / "actor"), held=held["actor"]),
-                                   models.critic.load(str(directory / "critic"), held=held["critic"]))
+            for role in trainer.trained}
+    sources = await asyncio.gather(*[getattr(models, role).load(str(directory / role), held=held[role])
+                                     for role in trainer.trained])
     trainer.kl.load_state_dict(state["kl"])
     data.sampler.load_state_dict(state["sampler"])
     trainer.state = PPOState(step=state["step"], kl=state["kl"], eval_before=state["eval_before"])
@@ -74,28 +75,40 @@ async def resume_from(trainer: PPOTrainer, directory: Path, data: RunData, detac
     return source
 
 
+def make_trainer(algo: str, cfg: RunConfig, models, score, data: RunData) -> PPOTrainer:
+    """The trainer of `algo`: PPO, or a critic-free one (`algorithms.critic_free`)."""
+    if algo == "ppo":
+        return PPOTrainer(cfg, models, score, data.pad_id, data.stop_ids)
+    from algorithms.critic_free.trainer import CriticFreeTrainer
+
+    return CriticFreeTrainer(cfg, models, score, data.pad_id, data.stop_ids, algo)
+
+
 @contextmanager
-def ppo_trainer(cfg: RunConfig, plan: Plan, run: RunDir, ray_address: str | None = None) -> Iterator:
-    """Prepare the model and prompts, start the run's WholeModels, and yield (PPOTrainer, RunData);
-    the WholeModels are shut down on the way out (the run command and the benchmarks use it)."""
+def ppo_trainer(cfg: RunConfig, plan: Plan, run: RunDir, ray_address: str | None = None,
+                algo: str = "ppo") -> Iterator:
+    """Prepare the model and prompts, start the run's WholeModels, and yield (trainer, RunData)
+    for `algo` (ppo, grpo, rloo, reinforce_pp); the WholeModels are shut down on the way out (the
+    run command, the benchmarks and the tests use it)."""
     data = prepare(cfg, plan, run, ray_address)
     models = build_models(cfg, plan, data.model_dir, ray_address)
     try:
         score = data.score or ModelScorer(models.reward, cfg.reward.on_nonfinite)
-        yield PPOTrainer(cfg, models, score, data.pad_id, data.stop_ids), data
+        yield make_trainer(algo, cfg, models, score, data), data
     finally:
         models.shutdown()
 
 
 def run_ppo(cfg: RunConfig, plan: Plan, output_dir: Path, resume: str | None,
-            ray_address: str | None) -> tuple[float, float]:
+            ray_address: str | None, algo: str = "ppo") -> tuple[float, float]:
+    """The whole run of `algo` (PPO or a critic-free one); (eval_before, eval_after)."""
     t_start = time.perf_counter()
     if cfg.model.path != BUILTIN_MODEL:
         check_layouts(cfg, plan, cfg.model.path)  # before anything is built or started
     run = RunDir(Path(resume) if resume not in (None, "latest") else output_dir)
     run.write_config(to_dict(cfg))
     try:
-        with ppo_trainer(cfg, plan, run, ray_address) as (trainer, data):
+        with ppo_trainer(cfg, plan, run, ray_address, algo) as (trainer, data):
             eval_after = asyncio.run(train(trainer, run, data, resume))
     finally:
         run.close()
@@ -122,7 +135,7 @@ async def train(trainer: PPOTrainer, run: RunDir, data: RunData, resume: str | N
     if trainer.state.eval_before is None:
         trainer.state.eval_before = await trainer.evaluate(data.eval_rows)
     log.info("eval before training: %.3f", trainer.state.eval_before)
-    checkpoints = FlashCheckpoints(run, trainer.models)
+    checkpoints = FlashCheckpoints(run, trainer.models, trainer.trained)
     stop = GracefulStop(cfg.trainer.on_signal, cfg.trainer.exit_grace_s).install()
     try:
         await train_steps(trainer, run, data, detached, checkpoints, stop)
@@ -144,11 +157,11 @@ async def train_steps(trainer: PPOTrainer, run: RunDir, data: RunData, detached,
     """The steps from the one after the resumed (or 0) to `trainer.steps`, or to a signal."""
     cfg = trainer.cfg
     steps = range(trainer.state.step + 1, cfg.trainer.steps + 1)
-    bar = tqdm(steps, desc=f"ppo ({cfg.trainer.mode})", unit="step", file=sys.stderr, mininterval=1.0)
+    bar = tqdm(steps, desc=f"{trainer.algo} ({cfg.trainer.mode})", unit="step", file=sys.stderr, mininterval=1.0)
 
     async def on_step(step: int, metrics: dict) -> None:
         bar.update(1)
-        shown = dict(reward=f"{metrics['reward/mean']:.3f}", kl=f"{metrics['kl']:.4f}")
+        shown = dict(reward=f"{metrics['reward/mean']:.3f}", kl=f"{metrics.get('kl', 0.0):.4f}")
         if cfg.trainer.mode == "async":
             shown.update(samples_per_s=f"{metrics['samples_per_s']:.0f}",
                          staleness=f"{metrics['async/staleness']:.0f}")
@@ -161,6 +174,8 @@ async def train_steps(trainer: PPOTrainer, run: RunDir, data: RunData, detached,
             metrics["checkpoint/stall_s"], checkpoints.stall_s = checkpoints.stall_s, None
         if cfg.trainer.save_every and step % cfg.trainer.save_every == 0:
             await save_checkpoint(trainer, checkpoints, data, detached)
+        if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0:
+            metrics["eval"] = await trainer.evaluate(data.eval_rows)
         if step % cfg.trainer.log_every == 0:
             run.log_metrics(step, metrics)
 

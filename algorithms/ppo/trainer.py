@@ -5,11 +5,13 @@ One step, as on paper:
   2. score, concurrently: actor log-probs, reference log-probs, critic values (fed the rollout's
      answer by reference, straight from the rollout's Workhorses), and the reward;
   3. per-token rewards = -kl_coef * (logp - ref_logp), the score added at the last response token;
-  4. GAE advantages (whitened) and returns;
+  4. GAE advantages (whitened, with a floor on the std) and returns;
   5. `ppo_epochs` passes of mini-batches: clipped policy loss on the actor, clipped value loss on
      the critic; every mini-batch is queued on both models at once, so each trains through them
-     back to back while the other does the same;
+     back to back while the other does the same (with `ppo.target_kl`, epoch by epoch, stopping
+     once an epoch's approx KL exceeds it);
   6. KL controller update, then the actor's weights synced (and verified) to the rollout engine.
+The `kl` metric is the mean per-token k1 estimate of KL(actor || reference), `kl_k3` the k3 one.
 Everything random is seeded from (run seed, step), so a resumed run repeats the same numbers.
 The driver fetches only what it computes on (responses for the score, log-probs and values for
 the advantages), and every wait is awaited on the run's one event loop.
@@ -26,7 +28,8 @@ from typing import Any, Callable
 import torch
 
 from algorithms.ppo.gae import gae, whiten
-from algorithms.ppo.kl import build_kl_controller, sequence_kl
+from algorithms.ppo.kl import build_kl_controller
+from algorithms.ppo.kl_estimators import kl_metrics
 from algorithms.ppo.losses import PolicyLoss, ValueLoss
 from algorithms.ppo.rewards import kl_penalized_rewards, shape_scores
 from xray.config.batches import TRAINED, TrainBatches, train_batches
@@ -76,18 +79,46 @@ def mini_batch_rows(n: int, mini_batch_size: int, parts: int, seed: int) -> list
     return [torch.cat([order[start:start + share] for order in orders]) for start in range(0, size, share)]
 
 
+def ppo_targets(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                scores: torch.Tensor, cfg: RunConfig, kl_coef: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Steps 3 and 4: the KL-penalised per-token rewards, GAE, whitening; (advantages, returns)."""
+    ppo = cfg.ppo
+    shaped = shape_scores(scores, cfg.reward.scale, cfg.reward.clip)
+    rewards = kl_penalized_rewards(logprobs, ref_logprobs, mask, shaped, kl_coef)
+    advantages, returns = gae(rewards, values, mask, ppo.gamma, ppo.lam)
+    if ppo.whiten_advantages:
+        advantages = whiten(advantages, mask, min_std=ppo.whiten_min_std)
+    return advantages, returns
+
+
+def policy_loss_of(cfg: RunConfig, kl_coef: float = 0.0, kl_estimator: str = "k3") -> PolicyLoss:
+    """The actor's loss with the run's clip ranges, aggregation and guard (`kl_coef`: a KL loss term)."""
+    ppo = cfg.ppo
+    cap = cfg.async_.behaviour_weight_cap if cfg.trainer.mode == "async" else None
+    return PolicyLoss(cliprange=ppo.cliprange, behaviour_weight_cap=cap, cliprange_high=ppo.cliprange_high,
+                      loss_agg_mode=ppo.loss_agg_mode, kl_coef=kl_coef, kl_estimator=kl_estimator,
+                      max_approx_kl=ppo.max_approx_kl)
+
+
 class PPOTrainer:
     """Drives the actor, critic, reference and rollout WholeModels through PPO steps."""
+
+    algo = "ppo"
+    trained: tuple[str, ...] = ("actor", "critic")
+    """The roles a step trains (and a checkpoint holds)."""
 
     def __init__(self, cfg: RunConfig, models: Models, score_fn: ScoreFn, pad_id: int, stop_ids: list[int]):
         self.cfg, self.models, self.score_fn = cfg, models, score_fn
         self.pad_id, self.stop_ids = pad_id, stop_ids
         ppo = cfg.ppo
         self.kl = build_kl_controller(ppo.kl_coef, ppo.kl_target, ppo.kl_horizon)
-        cap = cfg.async_.behaviour_weight_cap if cfg.trainer.mode == "async" else None
-        self.policy_loss = PolicyLoss(cliprange=ppo.cliprange, behaviour_weight_cap=cap)
+        self.policy_loss = policy_loss_of(cfg)
         self.value_loss = ValueLoss(cliprange_value=ppo.cliprange_value, vf_coef=ppo.vf_coef)
         self.state = PPOState()
+
+    def losses(self) -> dict[str, Any]:
+        """Each trained role's loss function."""
+        return {"actor": self.policy_loss, "critic": self.value_loss}
 
     def batches(self) -> TrainBatches:
         """Mini- and micro-batches for the models' current layout (elastic groups change it)."""
@@ -103,7 +134,7 @@ class PPOTrainer:
 
     async def step(self, rows: list[dict]) -> dict[str, float]:
         """One PPO step on prompt `rows` (each with `prompt_ids` and its dataset columns)."""
-        t, step, ppo, m = PhaseTimer(), self.state.step + 1, self.cfg.ppo, self.models
+        t, step, m = PhaseTimer(), self.state.step + 1, self.models
         with t("generate"):
             gen = m.rollout.generate([r["prompt_ids"] for r in rows], self.sampling(step), pad_id=self.pad_id)
             forwards = m.actor.forward(gen), m.reference.forward(gen), m.critic.forward(gen)
@@ -113,25 +144,27 @@ class PPOTrainer:
             scores, keep = await self.score(rows, exp, gen)
             old, ref, values = await asyncio.gather(*forwards)
         mask = exp[C.LOSS_MASK] if keep is None else exp[C.LOSS_MASK] * keep[:, None].float()
-        shaped = shape_scores(scores, self.cfg.reward.scale, self.cfg.reward.clip)
-        rewards = kl_penalized_rewards(old[C.LOGPROBS], ref[C.LOGPROBS], mask, shaped, self.kl.value)
-        advantages, returns = gae(rewards, values[C.VALUES], mask, ppo.gamma, ppo.lam)
-        if ppo.whiten_advantages:
-            advantages = whiten(advantages, mask)
+        advantages, returns = ppo_targets(old[C.LOGPROBS], ref[C.LOGPROBS], values[C.VALUES], mask, scores,
+                                          self.cfg, self.kl.value)
         train_batch = Batch({C.INPUT_IDS: exp[C.INPUT_IDS], C.ATTENTION_MASK: exp[C.ATTENTION_MASK],
                              C.LOSS_MASK: mask, C.OLD_LOGPROBS: old[C.LOGPROBS], C.OLD_VALUES: values[C.VALUES],
                              C.ADVANTAGES: advantages, C.RETURNS: returns})
         with t("train"):
             train = await self.train(train_batch, step)
-        kl = sequence_kl(old[C.LOGPROBS], ref[C.LOGPROBS], mask)
+        return await self.finish_step(step, t, exp, scores, mask, kl_metrics(old[C.LOGPROBS], ref[C.LOGPROBS], mask),
+                                      train)
+
+    async def finish_step(self, step: int, t: PhaseTimer, exp: Batch, scores: torch.Tensor, mask: torch.Tensor,
+                          kl: dict[str, float], train: dict[str, float]) -> dict[str, float]:
+        """The KL controller's update and the sync (step 6); the step's metrics."""
         kl_coef = self.kl.value
-        self.kl.update(kl, len(exp))
+        self.kl.update(kl.get("kl_sequence", 0.0), len(exp))
         with t("sync"):
             report = await self.sync(exp, step)
         self.state.step = step
         tokens = int(exp[C.ATTENTION_MASK].sum())
         return {"reward/mean": float(scores.mean()), "reward/std": float(scores.std()) if len(scores) > 1 else 0.0,
-                "kl": kl, "kl_coef": kl_coef, **train,
+                **kl, "kl_coef": kl_coef, **train,
                 "response_length": float(mask.sum(1).mean()), "sync/max_abs_logprob_diff": report.max_abs_logprob_diff,
                 "sync/verify_s": report.verify_s, **t.seconds,
                 "tokens_per_s": tokens / max(1e-9, sum(t.seconds.values()))}
@@ -144,21 +177,30 @@ class PPOTrainer:
         return await asyncio.to_thread(self.score_fn, rows, list(generated[C.RESPONSE_IDS]))
 
     async def train(self, exp: Batch, step: int, parts: int = 1) -> dict[str, float]:
-        """`ppo_epochs` shuffled passes of mini-batches through actor and critic. Every mini-batch
-        is queued on both at once: each model runs its steps in order, back to back. `parts`: `exp`
-        is that many equal parts, one per actor replica in dp order (an asynchronous run's trainers),
-        and each replica's slice of every mini-batch comes from its own part."""
-        ppo, b = self.cfg.ppo, self.batches()
-        calls = []
+        """`ppo_epochs` shuffled passes of mini-batches through the trained roles. Every mini-batch
+        is queued on each at once: each model runs its steps in order, back to back. With
+        `ppo.target_kl`, epoch by epoch: no further epoch once one's mean approx KL exceeds it.
+        `parts`: `exp` is that many equal parts, one per actor replica in dp order (an asynchronous
+        run's trainers), and each replica's slice of every mini-batch comes from its own part."""
+        ppo, b, losses = self.cfg.ppo, self.batches(), self.losses()
+        queued: list[list] = []  # per mini-batch, each role's answer
         for epoch in range(ppo.ppo_epochs):
-            for rows in mini_batch_rows(len(exp), b.mini_batch_size, parts, self.cfg.seed * 7919 + step * 31 + epoch):
-                mb = exp.index(rows)
-                calls.append(self.models.actor.train_step(mb, self.policy_loss, b.micro_of("actor")))
-                calls.append(self.models.critic.train_step(mb, self.value_loss, b.micro_of("critic")))
-        results = await asyncio.gather(*calls)
-        stats = [{**{f"actor/{k}": v for k, v in actor.items()}, **{f"critic/{k}": v for k, v in critic.items()}}
-                 for actor, critic in zip(results[::2], results[1::2])]
-        return {k: sum(s[k] for s in stats) / len(stats) for k in stats[0]}
+            this_epoch = [[getattr(self.models, role).train_step(exp.index(rows), loss, b.micro_of(role))
+                           for role, loss in losses.items()]
+                          for rows in mini_batch_rows(len(exp), b.mini_batch_size, parts,
+                                                      self.cfg.seed * 7919 + step * 31 + epoch)]
+            queued.extend(this_epoch)
+            if ppo.target_kl is not None and epoch + 1 < ppo.ppo_epochs:
+                actor = [(await calls[0])["approx_kl"] for calls in this_epoch]
+                if sum(actor) / len(actor) > ppo.target_kl:
+                    break
+        results = [await asyncio.gather(*calls) for calls in queued]
+        stats = [{f"{role}/{k}": v for role, answer in zip(losses, result) for k, v in answer.items()}
+                 for result in results]
+        means = {k: sum(s[k] for s in stats) / len(stats) for k in stats[0] if not k.endswith("/update_skipped")}
+        means["ppo/epochs"] = float(epoch + 1)
+        means["actor/updates_skipped"] = float(sum(s["actor/update_skipped"] for s in stats))
+        return means
 
     def probe_size(self) -> int:
         """Probe sequences per sync: at least 4, divisible by the actor's and rollout's dp."""

@@ -15,7 +15,7 @@ import pytest
 import torch
 import yaml
 
-from tests.e2e.test_ppo_e2e import config, metrics, tiny_model, train  # noqa: F401 - tiny_model: fixture
+from tests.e2e.test_ppo_e2e import config, metrics, train
 
 pytestmark = pytest.mark.e2e
 
@@ -69,7 +69,7 @@ def check_nothing_lost(checkpoint: Path, cfg: dict) -> int:
     (1, "megatron-vllm"), (2, "deepspeed-dsinfer"),
     pytest.param(1, "deepspeed-dsinfer", marks=pytest.mark.slow),
     pytest.param(2, "megatron-vllm", marks=pytest.mark.slow)])
-def test_two_makers_six_steps_and_resume(tmp_path, tiny_model, backend, trainers):  # noqa: F811 - the fixture
+def test_two_makers_six_steps_and_resume(tmp_path, tiny_model, backend, trainers):
     from safetensors.torch import load_file
 
     path = async_config(tmp_path, tiny_model, backend, trainers)

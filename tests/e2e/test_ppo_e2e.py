@@ -27,18 +27,6 @@ ROOT = Path(__file__).resolve().parents[2]
 VOLATILE = ("time/", "tokens_per_s", "sync/verify_s", "checkpoint/")
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    from xray.data.tokenizer import VOCAB_SIZE, save_char_tokenizer
-    from xray.models.tiny import TinySpec, build_tiny_model
-
-    spec = TinySpec(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_layers=2,
-                    num_heads=2, num_kv_heads=2, max_position_embeddings=128)
-    directory = build_tiny_model(tmp_path_factory.mktemp("model") / "tiny", spec, seed=3)
-    save_char_tokenizer(directory)
-    return directory
-
-
 def config(tmp_path: Path, model_dir: Path, backend: str) -> Path:
     cfg = yaml.safe_load((ROOT / "configs/ppo_tiny_cpu.yaml").read_text())
     cfg["model"]["path"] = str(model_dir)
@@ -137,31 +125,6 @@ def final_actor_loads_in_transformers(directory: Path) -> None:
     tok = AutoTokenizer.from_pretrained(directory)
     logits = model(torch.tensor([tok("12+7=").input_ids])).logits
     assert logits.shape[-1] == model.config.vocab_size and torch.isfinite(logits).all()
-
-
-def test_run_with_a_reward_model(tmp_path, tiny_model):
-    """A reward WholeModel (a tiny sequence-classification model) scores the rollouts."""
-    from transformers import LlamaForSequenceClassification
-
-    from xray.models.tiny import TinySpec, hf_config
-
-    cfg_rm = hf_config(TinySpec(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=1,
-                                num_heads=2, num_kv_heads=2))
-    cfg_rm.num_labels = 1
-    torch.manual_seed(0)
-    rm_dir = tmp_path / "rm"
-    LlamaForSequenceClassification(cfg_rm).save_pretrained(rm_dir)
-    cfg = config(tmp_path, tiny_model, "megatron-vllm")
-    data = yaml.safe_load(cfg.read_text())
-    data["device_groups"]["rollout_group"]["workers"] = ["rollout", "reward"]
-    data["reward"] = {"function": None, "model": str(rm_dir)}
-    cfg.write_text(yaml.safe_dump(data, sort_keys=False))
-    run = tmp_path / "run"
-    train("--config", str(cfg), "--output-dir", str(run), "--trainer.steps=2", "--trainer.save_every=0")
-    steps = metrics(run)
-    assert sorted(steps) == [1, 2]
-    assert all(math.isfinite(r["reward/mean"]) for r in steps.values())
-    assert steps[1]["reward/std"] > 0  # real, varying model scores, not a constant
 
 
 def test_sft_command_trains_and_exports(tmp_path, tiny_model):

@@ -17,7 +17,7 @@ import logging
 import pytest
 import yaml
 
-from tests.e2e.test_ppo_e2e import config, tiny_model  # noqa: F401 - tiny_model: fixture
+from tests.e2e.test_ppo_e2e import config
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]  # 1.5 min: `make test-all`
 WORKER = {"num_cpus": 2, "resources": {"xray_trainer": 1}}
@@ -75,7 +75,7 @@ async def change_nodes(trainer, cluster, events: list) -> None:
     events.append(("added", trainer.state.step))
 
 
-def test_a_node_leaves_and_comes_back(tmp_path, tiny_model, two_nodes, caplog):  # noqa: F811
+def test_a_node_leaves_and_comes_back(tmp_path, tiny_model, two_nodes, caplog):
     from algorithms.ppo.run import ppo_trainer, train
     from xray.run.outputs import RunDir
     from xray.train import resolve

@@ -16,7 +16,7 @@ import signal
 
 import pytest
 
-from tests.e2e.test_ppo_e2e import config, tiny_model  # noqa: F401 - tiny_model: fixture
+from tests.e2e.test_ppo_e2e import config
 
 pytestmark = pytest.mark.ray
 
@@ -52,7 +52,7 @@ def steps_logged(run) -> collections.Counter:
 
 
 @pytest.mark.parametrize("backend, trained", [("megatron-vllm", "actor"), ("deepspeed-dsinfer", "critic")])
-def test_dead_workhorses_are_replaced(tmp_path, tiny_model, backend, trained, caplog, local_ray):  # noqa: F811
+def test_dead_workhorses_are_replaced(tmp_path, tiny_model, backend, trained, caplog, local_ray):
     import ray
 
     from algorithms.ppo.run import ppo_trainer
@@ -81,7 +81,7 @@ def test_dead_workhorses_are_replaced(tmp_path, tiny_model, backend, trained, ca
 
 
 @pytest.mark.slow
-def test_async_run_recovers(tmp_path, tiny_model, caplog, local_ray):  # noqa: F811
+def test_async_run_recovers(tmp_path, tiny_model, caplog, local_ray):
     """An asynchronous run (one trainer, two makers) whose actor Workhorse is killed during step 5
     goes back to the step-3 checkpoint, buffer included, with new makers, and finishes."""
     import ray

@@ -90,5 +90,22 @@ def test_bad_layout_fails_before_any_workhorse(tmp_path):
 def test_every_shipped_config_resolves_and_plans(path):
     from xray.train import resolve
 
-    _, cfg, plan, _, _ = resolve(["ppo", "--config", str(path)])
-    assert plan.roles and cfg.trainer.steps > 0
+    algos = ("grpo", "rloo", "reinforce_pp") if path.name.startswith("critic_free") else ("ppo",)
+    for algo in algos:
+        _, cfg, plan, _, _ = resolve([algo, "--config", str(path)])
+        assert plan.roles and cfg.trainer.steps > 0
+        assert ("critic" in {r.role for r in plan.roles}) == (algo == "ppo")
+
+
+def test_critic_free_config_mistakes_say_the_fix():
+    from xray.config import ConfigError
+    from xray.train import resolve
+
+    with pytest.raises(ConfigError, match="has no critic; remove 'critic'"):
+        resolve(["grpo", "--config", str(ROOT / "configs/ppo_tiny_cpu.yaml")])
+    with pytest.raises(ConfigError, match="n_samples to 2 or more"):
+        resolve(["rloo", "--rollout.n_samples=1"])
+    _, _, plan, _, _ = resolve(["reinforce_pp", "--rollout.n_samples=1", "--ppo.rollout_batch_size=128"])
+    assert [r.role for r in plan.roles] == ["rollout", "actor", "reference"]
+    with pytest.raises(ConfigError, match="trainer.mode=sync"):
+        resolve(["grpo", "--trainer.mode=async"])

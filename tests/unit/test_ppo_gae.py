@@ -70,6 +70,19 @@ def test_whiten_masked_unbiased():
     torch.testing.assert_close(whiten(y, torch.ones(3, 4)), (y - mean) * torch.rsqrt(var + 1e-8))
 
 
+
+def test_whiten_floor_keeps_a_nearly_uniform_batch_small():
+    """Every sample right: only noise of 1e-3 is left. Plain whitening blows it up to unit
+    variance; with min_std 0.1 it stays at a hundredth of that."""
+    noise = torch.tensor([[1e-3, -1e-3, 2e-3, -2e-3]])
+    mask = torch.ones(1, 4)
+    assert whiten(noise, mask).abs().max().item() > 1.0
+    floored = whiten(noise, mask, min_std=0.1)
+    torch.testing.assert_close(floored, noise / 0.1, rtol=1e-5, atol=1e-7)
+    x = torch.tensor([[1.0, 2.0, 3.0, 4.0]])  # a real spread: the floor changes nothing
+    torch.testing.assert_close(whiten(x, mask, min_std=0.1), whiten(x, mask))
+
+
 def test_masked_stats():
     x = torch.tensor([[1.0, 5.0], [3.0, 100.0]])
     mask = torch.tensor([[1., 1.], [1., 0.]])

@@ -1,12 +1,12 @@
-"""KL controllers (trlX semantics) and the per-sequence KL measurement, hand-computed."""
+"""KL controllers (trlX semantics) and the KL estimators, hand-computed."""
 import math
 import pickle
 
 import pytest
 import torch
 
-from algorithms.ppo.kl import (AdaptiveKLController, FixedKLController, KLStateError, build_kl_controller,
-                               sequence_kl)
+from algorithms.ppo.kl import AdaptiveKLController, FixedKLController, KLStateError, build_kl_controller
+from algorithms.ppo.kl_estimators import kl_metrics, kl_terms, token_kl
 
 pytestmark = pytest.mark.unit
 
@@ -48,10 +48,26 @@ def test_bad_adaptive_settings_rejected():
         AdaptiveKLController(0.1, target=0.0, horizon=10)
 
 
-def test_sequence_kl_k3_sum_per_row_mean():
+def test_kl_metrics_per_token_k1_and_k3_on_the_mask():
     mask = torch.tensor([[0., 1., 1., 1., 0.], [0., 0., 1., 1., 1.]])
     logp = torch.tensor([[5.0, -1.0, -2.0, -0.5, 5.0], [5.0, 5.0, -1.0, -2.0, -3.0]])
     ref = torch.tensor([[0.0, -1.5, -1.0, -0.5, 0.0], [0.0, 0.0, -1.2, -2.0, -2.5]])
-    k3 = lambda d: math.exp(d) - 1 - d  # noqa: E731
-    expected = ((k3(0.5) + k3(-1.0)) + (k3(0.2) + k3(-0.5))) / 2
-    assert sequence_kl(logp, ref, mask) == pytest.approx(expected, abs=1e-6)
+    # d = ref - logp on the mask: row 0 (-0.5, 1.0, 0.0), row 1 (-0.2, 0.0, 0.5)
+    d = [-0.5, 1.0, 0.0, -0.2, 0.0, 0.5]
+    k3 = lambda x: math.exp(x) - x - 1  # noqa: E731
+    got = kl_metrics(logp, ref, mask)
+    assert got["kl"] == pytest.approx(-sum(d) / 6, abs=1e-6)
+    assert got["kl_k3"] == pytest.approx(sum(map(k3, d)) / 6, abs=1e-6)
+    assert got["kl_sequence"] == pytest.approx(((0.5 - 1.0) + (0.2 - 0.5)) / 2, abs=1e-6)
+    assert token_kl(logp, ref, mask, "k2") == pytest.approx(sum(x * x / 2 for x in d) / 6, abs=1e-6)
+
+
+def test_k3_stays_bounded_where_trlx_form_explodes():
+    """A policy that became nearly deterministic: log p = 0 where the reference gave -8. The
+    unbiased k3 is about 7 per token; trlX's form, exp(8) - 1 - 8, is about 2,972."""
+    logp, ref, mask = torch.zeros(1, 4), torch.full((1, 4), -8.0), torch.ones(1, 4)
+    assert token_kl(logp, ref, mask, "k3") == pytest.approx(math.exp(-8) + 8 - 1, rel=1e-6)
+    assert token_kl(logp, ref, mask, "k1") == pytest.approx(8.0)
+    assert float(kl_terms(logp, ref, "k3")[0, 0]) < 8.0
+    with pytest.raises(ValueError, match="k1, k2, k3"):
+        kl_terms(logp, ref, "k4")

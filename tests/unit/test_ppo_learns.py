@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from algorithms.ppo.gae import gae, whiten
-from algorithms.ppo.kl import FixedKLController, sequence_kl
+from algorithms.ppo.kl import FixedKLController
+from algorithms.ppo.kl_estimators import kl_metrics
 from algorithms.ppo.losses import PolicyLoss, ValueLoss
 from algorithms.ppo.rewards import kl_penalized_rewards
 from xray.check.reference import token_logprobs
@@ -154,7 +155,8 @@ def test_sft_then_ppo_raises_heldout_arith_accuracy(tmp_path):
         texts = [tok.decode(r, skip_special_tokens=True) for r in responses]
         scores = compute_scores(reward_fn, rows.prompts, texts, rows.extras, completion_ids=responses).scores
         batch = experience(actor, ref, critic, pack_sequences(rows.prompt_ids, responses), scores, kl_ctl.value)
-        kl_ctl.update(sequence_kl(batch[C.OLD_LOGPROBS], batch[C.REF_LOGPROBS], batch[C.LOSS_MASK]), len(rows))
+        kl_ctl.update(kl_metrics(batch[C.OLD_LOGPROBS], batch[C.REF_LOGPROBS], batch[C.LOSS_MASK])["kl_sequence"],
+                      len(rows))
         ppo_update(actor, critic, optims, batch)
         rewards_seen.append(float(scores.mean()))
     after = accuracy(actor, held, reward_fn, tok)

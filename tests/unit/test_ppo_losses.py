@@ -5,7 +5,7 @@ import pickle
 import pytest
 import torch
 
-from algorithms.ppo.losses import PolicyLoss, ValueLoss, clipped_policy_loss, clipped_value_loss
+from algorithms.ppo.losses import PolicyLoss, ValueLoss, aggregate, clipped_policy_loss, clipped_value_loss
 from xray.data import columns as C
 from xray.data.batch import Batch
 
@@ -70,3 +70,44 @@ def test_wide_cliprange_is_plain_policy_gradient():
     loss, stats = clipped_policy_loss(logp, torch.zeros(1, 5), ADV, MASK, cliprange=10.0)
     assert stats["clipfrac"].item() == 0.0
     assert loss.item() == pytest.approx((-1.5 - 0.5 + 2.2 + 0.7) / 4, abs=1e-6)
+
+
+def test_clip_higher_lets_positive_advantages_rise_further():
+    """DAPO's clip-higher: ratio 1.5 with A=1 is clipped at 1 + 0.28 instead of 1.2; the low side
+    (ratio 0.7, A=-1) stays clipped at 0.8."""
+    loss, stats = clipped_policy_loss(_logp(), torch.zeros(1, 5), ADV, MASK, cliprange=0.2, cliprange_high=0.28)
+    # -1.28 (clipped high), -0.5, 2.2, 0.8 (clipped low) -> mean 0.305
+    assert loss.item() == pytest.approx(0.305, abs=1e-6)
+    assert stats["clipfrac"].item() == pytest.approx(0.5)
+
+
+def test_loss_aggregation_modes_hand_computed():
+    terms = torch.tensor([[1.0, 2.0, 3.0, 7.0], [4.0, 9.0, 9.0, 9.0], [5.0, 5.0, 5.0, 5.0]])
+    mask = torch.tensor([[1., 1., 1., 0.], [1., 0., 0., 0.], [0., 0., 0., 0.]])  # row 2 dropped
+    assert aggregate(terms, mask, "token-mean").item() == pytest.approx((1 + 2 + 3 + 4) / 4)
+    assert aggregate(terms, mask, "seq-mean-token-sum").item() == pytest.approx((6 + 4) / 2)
+    assert aggregate(terms, mask, "seq-mean-token-mean").item() == pytest.approx((2 + 4) / 2)
+    assert aggregate(terms, torch.zeros(3, 4), "seq-mean-token-sum").item() == 0.0
+    with pytest.raises(ValueError, match="token-mean, seq-mean-token-sum"):
+        aggregate(terms, mask, "sum")
+
+
+def test_kl_loss_term_and_the_skip_guard():
+    ref = torch.tensor([[0.0, -1.0, 0.5, 0.0, 0.0]])  # d = ref - logp on the mask
+    batch = Batch({C.LOSS_MASK: MASK, C.OLD_LOGPROBS: torch.zeros(1, 5), C.ADVANTAGES: ADV, C.REF_LOGPROBS: ref})
+    with_kl = PolicyLoss(cliprange=0.2, kl_coef=0.5, kl_estimator="k3")
+    assert C.REF_LOGPROBS in with_kl.reads and C.REF_LOGPROBS not in PolicyLoss().reads
+    logp = _logp()
+    loss, metrics = with_kl({C.LOGPROBS: logp}, batch)
+    d = [0.0 - math.log(RATIO[0]), -1.0 - math.log(RATIO[1]), 0.5 - math.log(RATIO[2]), -math.log(RATIO[3])]
+    k3 = sum(math.exp(x) - x - 1 for x in d) / 4
+    assert metrics["kl_loss"] == pytest.approx(k3, abs=1e-5)
+    assert loss.item() == pytest.approx(0.325 + 0.5 * k3, abs=1e-5)
+    # approx KL here is 0.0872: a bound of 0.05 skips the micro-batch (no gradient), 0.1 does not
+    guarded = PolicyLoss(cliprange=0.2, max_approx_kl=0.05)
+    loss, metrics = guarded({C.LOGPROBS: logp}, batch)
+    assert metrics["skipped"] == 1.0 and metrics["approx_kl"] == pytest.approx(0.0872, abs=1e-4)
+    loss.backward()
+    assert logp.grad.abs().max().item() == 0.0
+    _, metrics = PolicyLoss(cliprange=0.2, max_approx_kl=0.1)({C.LOGPROBS: _logp()}, batch)
+    assert metrics["skipped"] == 0.0

@@ -5,7 +5,8 @@ warm-up, so that a sharded step and the single-process reference step agree to r
 """
 from __future__ import annotations
 
-from typing import Iterable
+from contextlib import contextmanager
+from typing import Iterable, Iterator
 
 import torch
 
@@ -27,3 +28,32 @@ def warmup_factor(step: int, warmup_steps: int) -> float:
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig) -> torch.optim.lr_scheduler.LambdaLR:
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: warmup_factor(s, cfg.warmup_steps))
+
+
+SKIPPED = "skipped"
+"""A loss function's metric: 1 for a micro-batch that gave no gradient on purpose (a guard)."""
+
+
+def skips_update(mean_skipped: float | None) -> bool:
+    """True when every micro-batch of an update, on every replica, was skipped (the mean of the
+    loss function's `skipped` metric is 1): the engine then leaves the weights as they are."""
+    return mean_skipped is not None and mean_skipped >= 1.0 - 1e-9
+
+
+@contextmanager
+def frozen_lr(optimizer: torch.optim.Optimizer, frozen: bool) -> Iterator[None]:
+    """Within, a `frozen` optimizer steps with lr 0: the weights stay (AdamW's decoupled weight
+    decay is scaled by lr too) while its step count and moments move as for a zero gradient, so
+    the lr schedule and the optimizer state advance the same on every backend."""
+    if not frozen:
+        yield
+        return
+    saved = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    try:
+        yield
+    finally:
+        for group, lr in zip(optimizer.param_groups, saved):
+            if group["lr"] == 0.0:  # a scheduler stepped inside has set the next lr already
+                group["lr"] = lr

@@ -72,13 +72,38 @@ class Plan:
         return "\n".join(lines)
 
 
+CRITIC_FREE = ("grpo", "rloo", "reinforce_pp")
+
+
 def needed_roles(cfg: RunConfig, algo: str = "ppo") -> tuple[str, ...]:
+    """The roles a run of `algo` starts: a critic-free run has no critic, and no reference when
+    its KL is off (`critic_free.kl_in: none`)."""
     if algo == "sft":
         return ("actor",)
+    if algo == "rm":
+        return ("critic",)
     roles = ["rollout", "actor", "critic", "reference"]
+    if algo in CRITIC_FREE:
+        roles = ["rollout", "actor"] + (["reference"] if cfg.critic_free.kl_in != "none" else [])
     if cfg.reward.model:
         roles.append("reward")
     return tuple(roles)
+
+
+def _check_critic_free(cfg: RunConfig, algo: str) -> None:
+    groups = cfg.device_groups
+    if groups.group_of("critic") is not None:
+        raise ConfigError(f"device_groups: {algo} has no critic; remove 'critic' from its group's workers")
+    if cfg.critic_free.kl_in == "none" and groups.group_of("reference") is not None:
+        raise ConfigError("device_groups: critic_free.kl_in=none starts no reference model; remove 'reference' "
+                          "from its group's workers, or set critic_free.kl_in")
+    if algo != "reinforce_pp" and cfg.rollout.n_samples < 2:
+        raise ConfigError(f"{algo} compares the responses to one prompt: rollout.n_samples={cfg.rollout.n_samples}; "
+                          "set --rollout.n_samples to 2 or more (4 to 16 is usual)")
+    if cfg.trainer.mode != "sync":
+        raise ConfigError(f"{algo} runs with trainer.mode=sync; the asynchronous mode is PPO's for now")
+    if cfg.actor.elasticity is not None or cfg.reference.elasticity is not None:
+        raise ConfigError(f"{algo}: elastic device groups are PPO's for now; remove the elasticity blocks")
 
 
 def _role_dims(cfg: RunConfig, role: str, train_backend: str, size: int) -> ParallelDims:
@@ -105,6 +130,15 @@ def _check_sft_batches(cfg: RunConfig, plan: Plan) -> None:
     if cfg.sft.batch_size % unit:
         raise ConfigError(f"sft.batch_size={cfg.sft.batch_size} is not divisible by actor.dp x "
                           f"actor.micro_batch_size = {unit}; make it a multiple of {unit}")
+
+
+def _check_rm_batches(cfg: RunConfig, plan: Plan) -> None:
+    micro = cfg.critic.micro_batch_size
+    unit = plan.role("critic").parallel.dp * micro
+    if micro % 2 or (2 * cfg.rm.batch_size) % unit:
+        raise ConfigError(f"rm: 2 x rm.batch_size = {2 * cfg.rm.batch_size} sequences must be divisible by critic.dp x "
+                          f"critic.micro_batch_size = {unit}, and the micro-batch ({micro}) even, so that every "
+                          "micro-batch holds whole (chosen, rejected) pairs; change rm.batch_size or the micro-batch")
 
 
 def _check_async(cfg: RunConfig, plan: Plan) -> None:
@@ -179,12 +213,14 @@ def plan_run(cfg: RunConfig, backend: str, algo: str = "ppo") -> Plan:
     groups = cfg.device_groups
     if not groups.groups:
         raise ConfigError("device_groups: no groups; add one with device, ranks and workers")
+    if algo in CRITIC_FREE:
+        _check_critic_free(cfg, algo)
     needed = needed_roles(cfg, algo)
     for role in needed:
         if groups.group_of(role) is None:
             raise ConfigError(f"device_groups: role {role!r} is placed in no group; add it to one "
                               "group's workers")
-    if algo == "ppo" and not cfg.reward.model and groups.group_of("reward") is not None:
+    if algo != "sft" and not cfg.reward.model and groups.group_of("reward") is not None:
         raise ConfigError("device_groups: role 'reward' is placed but reward.model is not set; "
                           "set reward.model to a sequence-classification directory or remove 'reward'")
     if cfg.reward.model and cfg.reward.function:
@@ -204,5 +240,5 @@ def plan_run(cfg: RunConfig, backend: str, algo: str = "ppo") -> Plan:
                               parallel=dims, resources=g.resources))
     plan = Plan(backend=backend, roles=tuple(roles), nproc_per_node=groups.nproc_per_node,
                 nnodes=groups.nnodes)
-    (_check_sft_batches if algo == "sft" else _check_batches)(cfg, plan)
+    {"sft": _check_sft_batches, "rm": _check_rm_batches}.get(algo, _check_batches)(cfg, plan)
     return plan

@@ -92,7 +92,9 @@ class RewardConfig:
 
 @dataclass(frozen=True)
 class PPOConfig:
-    """trlX-style PPO hyper-parameters."""
+    """trlX-style PPO hyper-parameters. The critic-free algorithms (grpo, rloo, reinforce_pp) read
+    the batch sizes, `ppo_epochs`, the clip ranges, `loss_agg_mode`, `kl_coef` and the KL guards
+    too (their own settings are in `critic_free`)."""
 
     rollout_batch_size: int = 16
     """Prompts per PPO step."""
@@ -118,6 +120,33 @@ class PPOConfig:
     """Adaptive KL controller horizon."""
     whiten_advantages: bool = True
     """Normalise advantages to zero mean, unit variance per step."""
+    whiten_min_std: float = 0.1
+    """Whitening divides by at least this: a nearly uniform batch (the critic's noise) is not
+    blown up to unit variance. 0: plain whitening."""
+    cliprange_high: Optional[float] = None
+    """Upper policy ratio clip, 1 + cliprange_high (DAPO's clip-higher); null: cliprange."""
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
+    """How the policy loss's per-token terms are reduced: over tokens, or per sequence (summed or
+    averaged over its tokens) then over sequences."""
+    target_kl: Optional[float] = None
+    """Stop a step's PPO epochs early once an epoch's mean approx KL to the old policy exceeds this."""
+    max_approx_kl: Optional[float] = None
+    """Skip the update of any micro-batch whose approx KL to the old policy exceeds this (no
+    gradient; the weights stay when a whole mini-batch is skipped); counted in the metrics."""
+
+
+@dataclass(frozen=True)
+class CriticFreeConfig:
+    """GRPO, RLOO and REINFORCE++: what sets them apart from PPO (`algorithms/critic_free`)."""
+
+    scale_by_std: bool = True
+    """GRPO divides each group's centred rewards by the group's std; false: Dr. GRPO."""
+    kl_in: Literal["auto", "loss", "reward", "none"] = "auto"
+    """Where the KL to the reference goes: a loss term (kl_coef x estimate), a penalty on the
+    reward, or nowhere (no reference model is started). auto: as each paper, loss for grpo,
+    reward for rloo and reinforce_pp."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """Per-token KL estimate of the loss term (the reward penalty is k1)."""
 
 
 @dataclass(frozen=True)
@@ -162,6 +191,23 @@ class SFTConfig:
     """Peak learning rate (replaces actor.optim.lr for SFT)."""
     warmup_steps: int = 10
     """Linear warm-up steps."""
+
+
+@dataclass(frozen=True)
+class RMConfig:
+    """Reward-model training (`python -m xray.train rm`, `algorithms/rm.py`): the `critic` role,
+    with its layout, micro-batch and optimizer (but `lr`), learns a Bradley-Terry score."""
+
+    steps: int = 150
+    """Optimizer steps."""
+    batch_size: int = 32
+    """Preference pairs per step (2x as many sequences)."""
+    lr: float = 3e-4
+    """Peak learning rate (the critic's optim settings otherwise)."""
+    chosen_field: str = "chosen"
+    """The data column of the preferred response (a built-in task makes its own pairs)."""
+    rejected_field: str = "rejected"
+    """The data column of the other response."""
 
 
 @dataclass(frozen=True)
@@ -215,6 +261,9 @@ class TrainerConfig:
     flash checkpoint of step 0 to go back to."""
     log_every: int = 1
     """Write metrics every this many steps."""
+    eval_every: int = 0
+    """Evaluate on the held-out prompts every this many steps too (metric `eval`; 0: only before
+    and after training)."""
 
 
 @dataclass(frozen=True)
@@ -244,7 +293,9 @@ class RunConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     """The score."""
     ppo: PPOConfig = field(default_factory=PPOConfig)
-    """PPO hyper-parameters."""
+    """PPO's hyper-parameters (the critic-free algorithms read most of them too)."""
+    critic_free: CriticFreeConfig = field(default_factory=CriticFreeConfig)
+    """GRPO, RLOO and REINFORCE++ settings."""
     sync: SyncConfig = field(default_factory=SyncConfig)
     """Actor to rollout weight sync."""
     data: DataConfig = field(default_factory=DataConfig)
@@ -255,3 +306,5 @@ class RunConfig:
     """Asynchronous mode (YAML key `async`)."""
     sft: SFTConfig = field(default_factory=SFTConfig)
     """Supervised warm start."""
+    rm: RMConfig = field(default_factory=RMConfig)
+    """Reward-model training."""

@@ -29,12 +29,12 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Models:
-    """The WholeModels of a PPO run."""
+    """The WholeModels of a run (a critic-free run has no critic; one without KL no reference)."""
 
     actor: WholeModel
-    critic: WholeModel
-    reference: WholeModel
     rollout: WholeModel
+    critic: Optional[WholeModel] = None
+    reference: Optional[WholeModel] = None
     reward: Optional[WholeModel] = None
     bundles: dict[str, Bundles] = field(default_factory=dict)
     """Each role's devices; roles of one device group share one reservation, freed by `shutdown`."""

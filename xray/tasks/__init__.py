@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Protocol
 
 # name -> "module:attribute" of the task object, imported on first use
-TASKS = {"arith": "xray.tasks.arith:ARITH"}
+TASKS = {"arith": "xray.tasks.arith:ARITH", "arith_small": "xray.tasks.arith:ARITH_SMALL"}
 
 
 class TaskError(ValueError):

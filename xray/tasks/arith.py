@@ -63,3 +63,7 @@ class ArithTask:
 
 
 ARITH = ArithTask()
+ARITH_SMALL = ArithTask(name="arith_small", max_a=19)
+"""`builtin:arith_small`: the 200 sums below 29 (hold out 50, `data.eval_size=50`). PPO drives
+the tiny model to nearly always right and nearly deterministic here: the regime where a late
+update can undo what was learned (`benchmarks/ppo_stability.py`)."""

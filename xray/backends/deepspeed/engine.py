@@ -26,7 +26,7 @@ from xray.backends.deepspeed.config import ZeroOptions, deepspeed_config
 from xray.backends.deepspeed.export import iter_weight_buckets
 from xray.backends.deepspeed.model import load_model, role_outputs
 from xray.backends.deepspeed.reshard import ensure_universal, load_universal, saved_dp
-from xray.backends.optim import build_optimizer, build_scheduler
+from xray.backends.optim import SKIPPED, build_optimizer, build_scheduler, frozen_lr, skips_update
 from xray.backends.snapshot import Snapshot, capture_engine, read, replay_engine
 from xray.config.parallel import LayoutError, ParallelDims
 from xray.data.batch import Batch
@@ -93,17 +93,23 @@ class DeepSpeedEngine(TrainEngine):
         lr = float(self.optimizer.param_groups[0]["lr"])
         self.engine.train()
         sums: dict[str, float] = {}
+        skipped = False
         for i, mb in enumerate(micro):
-            self.engine.set_gradient_accumulation_boundary(i == len(micro) - 1)
+            last = i == len(micro) - 1
+            self.engine.set_gradient_accumulation_boundary(last)
             loss, metrics = apply_loss(loss_fn, role_outputs(self.engine, mb, self.role), mb)
             self.engine.backward(loss)
-            self.engine.step()
             for k, v in {"loss": float(loss.detach()), **metrics}.items():
                 sums[k] = sums.get(k, 0.0) + float(v) / len(micro)
+            if last and SKIPPED in sums:  # the optimizer steps at this boundary: all ranks agree first
+                skipped = skips_update(_mean_over_ranks({SKIPPED: sums[SKIPPED]})[SKIPPED])
+            with frozen_lr(self.optimizer, skipped):
+                self.engine.step()
         self.step_count += 1
         averaged = _mean_over_ranks(sums)
         norm = self.engine.get_global_grad_norm()
-        averaged.update(grad_norm=float(norm) if norm is not None else float("nan"), lr=lr)
+        averaged.update(grad_norm=float(norm) if norm is not None else float("nan"), lr=lr,
+                        update_skipped=float(skipped))
         return averaged
 
     def export_weights(self, bucket_bytes: int = 64 << 20, replica: int = 0) -> Iterator[WeightBucket]:

@@ -25,7 +25,7 @@ from xray.backends.megatron.export import export_full
 from xray.backends.megatron.logprobs import PolicyOutputs, token_logprobs
 from xray.backends.megatron.model import ATTENTIONS, ROLES, build_and_load
 from xray.backends.megatron.spec import ModelSpec, check_layout
-from xray.backends.optim import build_optimizer, build_scheduler
+from xray.backends.optim import SKIPPED, build_optimizer, build_scheduler, frozen_lr, skips_update
 from xray.backends.snapshot import Snapshot, host_copy
 from xray.config.parallel import LayoutError, ParallelDims
 from xray.data import columns as C
@@ -135,11 +135,13 @@ class MegatronEngine(TrainEngine):
             grads.allreduce_tied_embedding(self.model)
             norm = grads.clip_grad_norm(self.model, self.optim.grad_clip, self._replicated)
         lr = self.optimizer.param_groups[0]["lr"]
-        self.optimizer.step()
+        metrics = self._reduce_metrics(stored)
+        skipped = skips_update(metrics.get(SKIPPED))  # the same on every rank: reduced over all
+        with frozen_lr(self.optimizer, skipped):
+            self.optimizer.step()
         self.scheduler.step()
         self.step += 1
-        metrics = self._reduce_metrics(stored)
-        return {**metrics, "grad_norm": norm, "lr": lr}
+        return {**metrics, "grad_norm": norm, "lr": lr, "update_skipped": float(skipped)}
 
     def _reduce_metrics(self, stored: list[dict[str, float]]) -> dict[str, float]:
         """Mean over micro-batches (last stage) and replicas, then shared with every stage."""

@@ -1,0 +1,96 @@
+"""The critic-free step (GRPO, RLOO, REINFORCE++) over WholeModels: PPO's clipped policy update
+with the value model replaced by the other responses to the same prompt.
+
+One step, as in the papers:
+  1. rollout: `rollout.n_samples` responses to each of `ppo.rollout_batch_size` prompts;
+  2. score, concurrently: actor log-probs (the old policy) and, when the KL is used, reference
+     log-probs; the reward of every response;
+  3. KL to the reference, where `critic_free.kl_in` puts it: subtracted from the reward (k1,
+     `ppo.kl_coef` per nat), or later a loss term; or nowhere (no reference model runs);
+  4. advantages by the algorithm's estimator (`algorithms.critic_free.advantages`);
+  5. `ppo.ppo_epochs` passes of mini-batches of the clipped policy loss on the actor alone (clip
+     ranges, aggregation and KL guards as PPO's, plus the KL loss term);
+  6. the actor's weights synced (and verified) to the rollout engine.
+No critic WholeModel is started; checkpoints hold the actor alone.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import torch
+
+from algorithms.critic_free.advantages import (grpo_advantages, per_token, reinforce_pp_advantages,
+                                               rloo_advantages)
+from algorithms.ppo.kl_estimators import kl_metrics, kl_terms
+from algorithms.ppo.rewards import kl_penalized_rewards, shape_scores
+from algorithms.ppo.trainer import PhaseTimer, PPOTrainer, policy_loss_of
+from xray.config.schema import RunConfig
+from xray.data import columns as C
+from xray.data.batch import Batch
+
+ALGOS = ("grpo", "rloo", "reinforce_pp")
+PAPER_KL = {"grpo": "loss", "rloo": "reward", "reinforce_pp": "reward"}
+"""Where each paper puts the KL to the reference (`critic_free.kl_in: auto`)."""
+
+
+def kl_placement(cfg: RunConfig, algo: str) -> str:
+    """`loss`, `reward` or `none`: where `algo`'s KL to the reference goes in this run."""
+    return PAPER_KL[algo] if cfg.critic_free.kl_in == "auto" else cfg.critic_free.kl_in
+
+
+class CriticFreeTrainer(PPOTrainer):
+    """Drives the actor, the rollout and (for the KL) the reference through critic-free steps."""
+
+    trained = ("actor",)
+
+    def __init__(self, cfg: RunConfig, models, score_fn, pad_id: int, stop_ids: list[int], algo: str):
+        super().__init__(cfg, models, score_fn, pad_id, stop_ids)
+        if algo not in ALGOS:
+            raise ValueError(f"unknown critic-free algorithm {algo!r}; choose one of {', '.join(ALGOS)}")
+        self.algo, self.kl_in = algo, kl_placement(cfg, algo)
+        self.policy_loss = policy_loss_of(cfg, cfg.ppo.kl_coef if self.kl_in == "loss" else 0.0,
+                                          cfg.critic_free.kl_estimator)
+
+    def losses(self) -> dict[str, Any]:
+        return {"actor": self.policy_loss}
+
+    def advantages(self, scores: torch.Tensor, logprobs: torch.Tensor, ref_logprobs: torch.Tensor | None,
+                   mask: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+        """Step 4: per-token advantages `[B, T-1]` of this run's algorithm."""
+        coef = self.kl.value if self.kl_in == "reward" else 0.0
+        n, cf = self.cfg.rollout.n_samples, self.cfg.critic_free
+        if self.algo == "reinforce_pp":  # per-token rewards, returns-to-go, normalised over the batch
+            reference = logprobs if ref_logprobs is None else ref_logprobs
+            rewards = kl_penalized_rewards(logprobs, reference, mask, scores, coef)
+            return reinforce_pp_advantages(rewards, mask, self.cfg.ppo.gamma, self.cfg.ppo.whiten_min_std)
+        if coef:  # the sequence's reward less kl_coef x its summed k1
+            scores = scores - coef * (kl_terms(logprobs, ref_logprobs, "k1") * mask).sum(1)
+        if self.algo == "grpo":
+            return per_token(grpo_advantages(scores, n, cf.scale_by_std, valid=valid), mask)
+        return per_token(rloo_advantages(scores, n, valid=valid), mask)
+
+    async def step(self, rows: list[dict]) -> dict[str, float]:
+        """One critic-free step on prompt `rows` (each with `prompt_ids` and its dataset columns)."""
+        t, step, m = PhaseTimer(), self.state.step + 1, self.models
+        with t("generate"):
+            gen = m.rollout.generate([r["prompt_ids"] for r in rows], self.sampling(step), pad_id=self.pad_id)
+            forwards = [m.actor.forward(gen)] + ([m.reference.forward(gen)] if self.kl_in != "none" else [])
+            exp = await gen
+        rows = [rows[i // self.cfg.rollout.n_samples] for i in range(len(exp))]
+        with t("score"):
+            scores, keep = await self.score(rows, exp, gen)
+            old, *ref = await asyncio.gather(*forwards)
+        mask = exp[C.LOSS_MASK] if keep is None else exp[C.LOSS_MASK] * keep[:, None].float()
+        logprobs, ref_logprobs = old[C.LOGPROBS], (ref[0][C.LOGPROBS] if ref else None)
+        shaped = shape_scores(torch.where(mask.sum(1) > 0, scores.float(), 0.0), self.cfg.reward.scale,
+                              self.cfg.reward.clip)
+        columns = {C.INPUT_IDS: exp[C.INPUT_IDS], C.ATTENTION_MASK: exp[C.ATTENTION_MASK], C.LOSS_MASK: mask,
+                   C.OLD_LOGPROBS: logprobs,
+                   C.ADVANTAGES: self.advantages(shaped, logprobs, ref_logprobs, mask, keep)}
+        if self.kl_in == "loss":
+            columns[C.REF_LOGPROBS] = ref_logprobs
+        with t("train"):
+            train = await self.train(Batch(columns), step)
+        kl = kl_metrics(logprobs, ref_logprobs, mask) if ref_logprobs is not None else {}
+        return await self.finish_step(step, t, exp, scores, mask, kl, train)

@@ -1,0 +1,113 @@
+"""Three-step GRPO, RLOO and REINFORCE++ runs on both backend pairs: one start of the WholeModels
+per pair (start-up dominates), then each algorithm's whole run (`algorithms.ppo.run.train`, what
+`python -m xray.train <algo>` runs: evaluations, steps, metrics, flash checkpoints, the exported
+actor) on them in turn.
+
+Layout as the PPO e2e: actor and reference on Megatron tp=2 or DeepSpeed ZeRO-3 dp=2, a rollout
+of 2 replicas; 4 prompts x 2 responses a step. No critic is started. Each run exercises one set
+of options: Dr. GRPO (no std scaling, `seq-mean-token-sum`, clip-higher, KL loss term); RLOO
+(KL in the reward, `target_kl` stopping after the first of 2 epochs); REINFORCE++ with a guard
+bound below any approx KL, so every update is skipped on both engines and the weights stay.
+"""
+import asyncio
+import dataclasses
+import json
+import math
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytestmark = pytest.mark.e2e
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # keep Ray on loopback
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def critic_free_config(tmp_path: Path, model_dir: Path, backend: str):
+    from xray.config import load_config
+
+    cfg = yaml.safe_load((ROOT / "configs/critic_free_tiny_cpu.yaml").read_text())
+    cfg["model"]["path"] = str(model_dir)
+    cfg["device_groups"] = {
+        "nproc_per_node": 4,
+        "train_group": {"device": "CPU", "ranks": [0, 1], "workers": ["actor", "reference"]},
+        "rollout_group": {"device": "CPU", "ranks": [2, 3], "workers": ["rollout"]},
+    }
+    layout = {"tp": 2, "dp": 1} if backend.startswith("megatron") else {"tp": 1, "dp": 2, "zero_stage": 3}
+    for role in ("actor", "reference"):
+        cfg[role].update(layout, micro_batch_size=2)
+    cfg["rollout"].update(dp=2, max_new_tokens=4, n_samples=2)
+    cfg["ppo"].update(rollout_batch_size=4, mini_batch_size=4, ppo_epochs=2)
+    cfg["data"]["eval_size"] = 8
+    cfg["reward"]["function"] = "tests.e2e.test_critic_free_e2e:digit_share"  # the untrained model scores 0 on arith
+    cfg["trainer"].update(steps=3, save_every=2)
+    path = tmp_path / "critic_free.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return load_config(path)
+
+
+def digit_share(prompts: list[str], completions: list[str], **_) -> list[float]:
+    """A graded reward the untrained tiny model earns sometimes: the share of digits in the text."""
+    return [sum(c.isdigit() for c in text) / max(1, len(text)) for text in completions]
+
+
+VARIANTS = {  # algorithm: (ppo overrides, critic_free overrides)
+    "grpo": ({"loss_agg_mode": "seq-mean-token-sum", "cliprange_high": 0.28}, {"scale_by_std": False}),
+    "rloo": ({"target_kl": 1e-9}, {}),
+    "reinforce_pp": ({"max_approx_kl": -1.0}, {}),
+}
+
+
+def variant(cfg, algo: str):
+    ppo, critic_free = VARIANTS[algo]
+    return dataclasses.replace(cfg, ppo=dataclasses.replace(cfg.ppo, **ppo),
+                               critic_free=dataclasses.replace(cfg.critic_free, **critic_free))
+
+
+@pytest.mark.parametrize("backend", ["megatron-vllm", "deepspeed-dsinfer"])
+def test_grpo_rloo_reinforce_pp_three_steps_each(tmp_path, tiny_model, backend):
+    import ray
+
+    from algorithms.ppo.run import make_trainer, ppo_trainer, train
+    from xray.config.plan import plan_run
+    from xray.run.outputs import RunDir
+
+    cfg = critic_free_config(tmp_path, tiny_model, backend)
+    plan = plan_run(cfg, backend, "grpo")
+    assert [r.role for r in plan.roles] == ["rollout", "actor", "reference"]
+    try:
+        with ppo_trainer(cfg, plan, RunDir(tmp_path / "start"), algo="grpo") as (first, data):
+            assert first.models.critic is None
+            for algo in VARIANTS:
+                trainer = make_trainer(algo, variant(cfg, algo), first.models, first.score_fn, data)
+                before = {k: v.clone() for k, v in first.models.actor.state_dict().get().items()}
+                run = RunDir(tmp_path / algo)
+                eval_after = asyncio.run(train(trainer, run, data, None))
+                run.close()
+                check_run(algo, tmp_path / algo, before, trainer.state.eval_before, eval_after)
+    finally:
+        ray.shutdown()
+
+
+def check_run(algo: str, run: Path, before: dict, eval_before: float, eval_after: float) -> None:
+    from safetensors.torch import load_file
+
+    rows = {r["step"]: r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
+    assert sorted(rows) == [1, 2, 3], algo
+    for row in rows.values():
+        assert all(math.isfinite(v) for v in row.values() if isinstance(v, float)), (algo, row)
+        assert row["sync/max_abs_logprob_diff"] <= 1e-3  # verified after every sync
+        assert not any(k.startswith("critic/") for k in row) and "kl" in row and "kl_k3" in row
+    assert 0.0 <= eval_before <= 1.0 and 0.0 <= eval_after <= 1.0
+    assert {p.name for p in (run / "checkpoints/step-000002").iterdir() if p.is_dir()} == {"actor"}
+    after = load_file(str(run / "final/actor/model.safetensors"))
+    moved = max(float((before[k].float() - after[k].float()).abs().max()) for k in after)
+    if algo == "grpo":
+        assert all(r["actor/kl_loss"] >= 0 for r in rows.values()) and moved > 0
+        assert all(r["ppo/epochs"] == 2 and r["actor/updates_skipped"] == 0 for r in rows.values())
+    if algo == "rloo":  # the first epoch's approx KL is above 1e-9: the second never runs
+        assert all(r["ppo/epochs"] == 1 for r in rows.values()) and "actor/kl_loss" not in rows[1] and moved > 0
+    if algo == "reinforce_pp":  # 2 mini-batches x 2 epochs, every one skipped: the weights stay
+        assert all(r["actor/updates_skipped"] == 4 and r["actor/skipped"] == 1 for r in rows.values())
+        assert moved == 0.0
