@@ -1,5 +1,5 @@
-"""`python -m xray.train rm` on both training backends (the critic sharded: Megatron tp=2, DeepSpeed
-ZeRO-3 dp=2), and its export as the `reward` role of a PPO run.
+"""`python -m xray.train rm` on both training backends (the critic sharded: Megatron tp=2, slow tier;
+DeepSpeed ZeRO-3 dp=2), and its export as the `reward` role of a PPO run.
 
 Each rm run: Bradley-Terry metrics for every step, a Hugging Face sequence-classification export
 that `transformers` loads as it is and that ranks the held-out pairs exactly as the trained critic
@@ -55,7 +55,8 @@ def hf_accuracy(cfg_path: Path, directory: Path, workdir: Path) -> float:
     return float((scores[0::2] > scores[1::2]).float().mean())
 
 
-@pytest.mark.parametrize("backend", ["megatron-vllm", "deepspeed-dsinfer"])
+@pytest.mark.parametrize("backend", [  # megatron-vllm in the slow tier: the default tier's budget
+    pytest.param("megatron-vllm", marks=pytest.mark.slow), "deepspeed-dsinfer"])
 def test_rm_trains_exports_and_scores_a_ppo_run(tmp_path, tiny_model, backend):
     cfg, run, accuracy = train_rm(tmp_path, tiny_model, backend)
     steps = metrics(run)

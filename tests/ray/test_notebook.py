@@ -34,6 +34,7 @@ def test_quickstart_notebook_runs(tmp_path):
     assert r[6] == "(1, True)"  # version 1, verified
 
 
+@pytest.mark.slow  # 40 s; `python -m xray.train grpo` is the default tier's GRPO (tests/e2e)
 def test_grpo_loop_by_hand_raises_the_reward(tmp_path):
     r = run_notebook("grpo_by_hand", tmp_path)
     history = ast.literal_eval(r[1])
