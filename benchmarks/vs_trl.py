@@ -1,0 +1,189 @@
+"""xray against TRL's `GRPOTrainer`: the same GRPO job, side by side in one run, at two sizes.
+
+    .venv/bin/python benchmarks/vs_trl.py [--steps 4] [--warmup 1] [--lr 1e-4]
+
+Both trainers get the same model directory, task (`builtin:arith`, reward
+`xray.rewards.builtin:exact_answer`, TRL's calling convention), training prompts, batch (prompts x
+4 generations), response length, learning rate and GRPO settings: group mean/std advantages, no
+KL (TRL's default beta=0, so xray starts no reference), clip 0.2, one optimizer step per batch,
+constant lr, grad clip 1.0. TRL runs in this process on every core (`use_cpu`, HF `generate`);
+xray runs `grpo` as `python -m xray.train grpo` would (`configs/critic_free_tiny_cpu.yaml`:
+actor on device 0, vLLM rollout on device 1), one after the other.
+Sizes: small, a ~1M-parameter Llama, 12-token responses, 64 completions a step; big (compute
+bound), a ~27M-parameter Llama, 128-token responses, 64 completions a step. Both start untrained
+(an untrained model never emits EOS: every response is full length, so the step is the work it
+says). Seconds per step: median over `--steps` steps after `--warmup`, per trainer. Eval: greedy
+accuracy of the trained weights on 200 held-out prompts, both scored by the same `transformers`
+generation here.
+Last line: `small_xray_over_trl=<xray s/step / TRL s/step> big_xray_over_trl=<same, big>
+eval_xray=<after, big> eval_trl=<after, big>`.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from xray.data.tokenizer import VOCAB_SIZE, save_char_tokenizer
+from xray.models.tiny import TinySpec, build_tiny_model
+from xray.rewards.builtin import exact_answer
+from xray.tasks.arith import ARITH
+
+SIZES = {  # spec, response tokens, completions per step
+    "small": (TinySpec(vocab_size=VOCAB_SIZE, hidden_size=128, intermediate_size=512, num_layers=4,
+                       num_heads=4, num_kv_heads=2, max_position_embeddings=256), 12, 64),
+    "big": (TinySpec(vocab_size=VOCAB_SIZE, hidden_size=512, intermediate_size=1536, num_layers=8,
+                     num_heads=8, num_kv_heads=8, max_position_embeddings=512), 128, 64),
+}
+GENERATIONS = 4
+EVAL_SIZE = 200
+
+
+def greedy_accuracy(model_dir: Path, rows: list[dict]) -> float:
+    """Exact-answer accuracy of greedy answers (up to 6 tokens) with `transformers` alone."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    enc = tok([r["prompt"] for r in rows], return_tensors="pt", padding=True)
+    with torch.no_grad():
+        out = model.generate(**enc, max_new_tokens=6, do_sample=False, pad_token_id=tok.pad_token_id)
+    texts = tok.batch_decode(out[:, enc.input_ids.shape[1]:], skip_special_tokens=True)
+    scores = exact_answer([r["prompt"] for r in rows], texts, [r["answer"] for r in rows])
+    return sum(scores) / len(scores)
+
+
+class StepTimes:
+    """A `transformers` callback: wall seconds of each optimizer step (generation included)."""
+
+    def __init__(self):
+        from transformers import TrainerCallback
+
+        outer = self
+
+        class Callback(TrainerCallback):
+            def on_step_begin(self, args, state, control, **kwargs):
+                outer.t0 = time.perf_counter()
+
+            def on_step_end(self, args, state, control, **kwargs):
+                outer.seconds.append(time.perf_counter() - outer.t0)
+
+        self.seconds: list[float] = []
+        self.callback = Callback()
+
+
+def run_trl(model_dir: Path, train: list[dict], length: int, completions: int, steps: int, lr: float,
+            out: Path) -> list[float]:
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    args = GRPOConfig(output_dir=str(out), per_device_train_batch_size=completions, num_generations=GENERATIONS,
+                      max_completion_length=length, learning_rate=lr, lr_scheduler_type="constant",
+                      warmup_steps=0, max_steps=steps, beta=0.0, epsilon=0.2, temperature=1.0,
+                      scale_rewards="group", loss_type="dapo", num_iterations=1, max_grad_norm=1.0,
+                      adam_beta2=0.95, weight_decay=0.0, use_cpu=True, report_to=[], save_strategy="no",
+                      logging_steps=1, disable_tqdm=True, seed=1, dataloader_num_workers=0)
+    times = StepTimes()
+    trainer = GRPOTrainer(model=str(model_dir), reward_funcs=exact_answer, args=args,
+                          train_dataset=Dataset.from_list(train), callbacks=[times.callback])
+    trainer.train()
+    trainer.save_model(str(out / "final"))
+    return times.seconds
+
+
+def xray_config(layout: str, out: Path) -> Path:
+    """The critic-free default config, with the actor and the rollout on separate devices (one
+    core each) or colocated on one device of two threads that they take in turn."""
+    import yaml
+
+    from xray.config import DEFAULT_CONFIGS
+
+    cfg = yaml.safe_load(DEFAULT_CONFIGS["grpo"].read_text())
+    if layout == "colocated":
+        cfg["threads_per_worker"] = 2
+        cfg["device_groups"] = {"nproc_per_node": 1, "all_group": {"device": "CPU", "ranks": [0],
+                                                                   "workers": ["actor", "rollout"]}}
+    else:
+        cfg["device_groups"]["train_group"]["workers"] = ["actor"]
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "config.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+def run_xray(model_dir: Path, length: int, completions: int, steps: int, lr: float, out: Path,
+             layout: str) -> list[float]:
+    from algorithms.ppo.run import ppo_trainer
+    from xray.backends.hf_dir import save_hf_model
+    from xray.run.outputs import RunDir
+    from xray.train import resolve
+
+    overrides = ["--config", str(xray_config(layout, out / "cfg")),
+                 f"--model.path={model_dir}", f"--rollout.max_new_tokens={length}",
+                 f"--rollout.n_samples={GENERATIONS}", f"--ppo.rollout_batch_size={completions // GENERATIONS}",
+                 f"--ppo.mini_batch_size={completions}", "--ppo.ppo_epochs=1", "--ppo.cliprange=0.2",
+                 "--critic_free.kl_in=none",
+                 f"--actor.optim.lr={lr}", f"--actor.micro_batch_size={completions // 4}",
+                 f"--data.eval_size={EVAL_SIZE}", "--data.max_prompt_tokens=16", "--trainer.max_restarts=0"]
+    _, cfg, plan, _, _ = resolve(["grpo", *overrides])
+    seconds, phases = [], []
+    with ppo_trainer(cfg, plan, RunDir(out), algo="grpo") as (trainer, data):
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            metrics = asyncio.run(trainer.step(data.next_train_rows()))
+            seconds.append(time.perf_counter() - t0)
+            phases.append({k: v for k, v in metrics.items() if k.startswith("time/")})
+        save_hf_model(trainer.models.actor.state_dict().get(), model_dir, out / "final")
+    print("xray phases (median s): " + " ".join(f"{k[5:-2]}={statistics.median(p[k] for p in phases[1:] or phases):.2f}"
+                                               for k in phases[0]), flush=True)
+    return seconds
+
+
+def race(size: str, steps: int, warmup: int, lr: float, tmp: Path, layout: str) -> dict[str, float]:
+    spec, length, completions = SIZES[size]
+    model_dir = build_tiny_model(tmp / f"{size}-model", spec, seed=0)
+    save_char_tokenizer(model_dir)
+    train, held_out = ARITH.splits(EVAL_SIZE)
+    trl_s = run_trl(model_dir, train, length, completions, steps + warmup, lr, tmp / f"{size}-trl")[warmup:]
+    xray_s = run_xray(model_dir, length, completions, steps + warmup, lr, tmp / f"{size}-xray", layout)[warmup:]
+    result = dict(trl_s=statistics.median(trl_s), xray_s=statistics.median(xray_s),
+                  eval_before=greedy_accuracy(model_dir, held_out),
+                  eval_trl=greedy_accuracy(tmp / f"{size}-trl/final", held_out),
+                  eval_xray=greedy_accuracy(tmp / f"{size}-xray/final", held_out))
+    print(f"{size}: {length}-token responses, {completions} completions/step: TRL {result['trl_s']:.2f} s/step "
+          f"(steps {[round(s, 2) for s in trl_s]}), xray {result['xray_s']:.2f} s/step "
+          f"(steps {[round(s, 2) for s in xray_s]}); eval before {result['eval_before']:.3f}, after TRL "
+          f"{result['eval_trl']:.3f}, after xray {result['eval_xray']:.3f}", flush=True)
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--layout", choices=("separate", "colocated"), default="colocated",
+                    help="xray's actor and rollout on a core each, or sharing both cores in turn")
+    ap.add_argument("--sizes", nargs="+", default=["small", "big"], choices=list(SIZES))
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    torch.set_num_threads(2)
+    print(f"xray layout: {args.layout}", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        results = {size: race(size, args.steps, args.warmup, args.lr, Path(tmp), args.layout) for size in args.sizes}
+    if set(results) != set(SIZES):
+        return
+    small, big = results["small"], results["big"]
+    print(f"small_xray_over_trl={small['xray_s'] / small['trl_s']:.3f} "
+          f"big_xray_over_trl={big['xray_s'] / big['trl_s']:.3f} "
+          f"eval_xray={big['eval_xray']:.3f} eval_trl={big['eval_trl']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
