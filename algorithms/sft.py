@@ -62,8 +62,9 @@ def started_role(cfg: RunConfig, plan: Plan, role: str, model_dir: str, ray_addr
 
 
 def run_sft(cfg: RunConfig, plan: Plan, pairs: list[tuple[list[int], list[int]]], model_dir: str,
-            run: RunDir, pad_id: int, ray_address: str | None = None) -> Path:
-    """Train the actor on `pairs`; return the Hugging Face directory of the result."""
+            run: RunDir, pad_id: int, ray_address: str | None = None, losses: list[float] | None = None) -> Path:
+    """Train the actor on `pairs`; return the Hugging Face directory of the result (each step's
+    loss is appended to `losses` when given)."""
     with started_role(cfg, plan, "actor", model_dir, ray_address, cfg.sft.lr, cfg.sft.warmup_steps) as actor:
         bar = tqdm(range(1, cfg.sft.steps + 1), desc="sft", unit="step", mininterval=2.0)
         for step in bar:
@@ -71,6 +72,8 @@ def run_sft(cfg: RunConfig, plan: Plan, pairs: list[tuple[list[int], list[int]]]
             batch = sft_rows(pairs, cfg.sft.batch_size, step, cfg.seed, pad_id)
             metrics = actor.train_step(batch, SFTLoss(), cfg.actor.micro_batch_size).get()
             metrics["time/step_s"] = time.perf_counter() - t0
+            if losses is not None:
+                losses.append(metrics["sft_loss"])
             bar.set_postfix(loss=f"{metrics['sft_loss']:.3f}", refresh=False)
             if step % cfg.trainer.log_every == 0 or step == cfg.sft.steps:
                 run.log_metrics(step, metrics)

@@ -3,9 +3,10 @@
     python -m xray.train ppo [--backend megatron-vllm] [--config FILE] [--output-dir DIR]
                              [--resume [DIR]] [--ray-address ADDR] [--dry-run] [--a.b.c=VALUE ...]
 
-ALGO: ppo, the critic-free grpo, rloo and reinforce_pp, sft, or rm (a reward model trained on
-preference pairs). Loads and checks the config
-(defaults: `configs/ppo_tiny_cpu.yaml`, `configs/critic_free_tiny_cpu.yaml`), builds the placement
+ALGO: ppo, the critic-free grpo, rloo and reinforce_pp, sft, rm (a reward model trained on
+preference pairs), sample (best-of-N candidates scored by the sampler/prm/orm roles, written as a
+dataset) or distill (fine-tuning on that dataset). Loads and checks the config (defaults:
+`configs/ppo_tiny_cpu.yaml`, `configs/critic_free_tiny_cpu.yaml`, `configs/sample_tiny_cpu.yaml`), builds the placement
 plan, and runs the algorithm. `--dry-run` prints the resolved config and the plan without
 starting Ray. User mistakes end with a one-line message on stderr and exit code 2, no traceback.
 """
@@ -24,7 +25,7 @@ from xray.config import DEFAULT_CONFIGS, ConfigError, LayoutError, load_config, 
 from xray.config.plan import plan_run
 
 RL_ALGOS = ("ppo", "grpo", "rloo", "reinforce_pp")
-ALGOS = (*RL_ALGOS, "sft", "rm")
+ALGOS = (*RL_ALGOS, "sft", "rm", "sample", "distill")
 log = logging.getLogger("xray.train")
 
 
@@ -102,6 +103,20 @@ def main(argv: list[str] | None = None) -> int:
             directory, before, after = rm_command(cfg, plan, output_dir, args.ray_address)
             shutdown_ray()
             sys.stdout.write(f"rm_model={directory} eval_accuracy_before={before:.4f} eval_accuracy_after={after:.4f}\n")
+        elif args.algo == "sample":
+            from algorithms.sample import sample_command
+
+            s = sample_command(cfg, plan, output_dir, args.ray_address)
+            shutdown_ray()
+            sys.stdout.write(f"sample_dataset={s.path} prompts={s.prompts} candidates={s.candidates} rows={s.rows} "
+                             f"prompts_passed={s.prompts_passed} orm_mean={s.orm_mean:.4f} orm_kept={s.orm_kept:.4f}\n")
+        elif args.algo == "distill":
+            from algorithms.distill import distill_command
+
+            d = distill_command(cfg, plan, output_dir, args.ray_address)
+            shutdown_ray()
+            sys.stdout.write(f"distill_model={d.model} rows={d.rows} loss_first={d.loss_first:.4f} "
+                             f"loss_last={d.loss_last:.4f}\n")
         else:
             from algorithms.sft import sft_command
 

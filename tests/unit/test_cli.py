@@ -90,6 +90,11 @@ def test_bad_layout_fails_before_any_workhorse(tmp_path):
 def test_every_shipped_config_resolves_and_plans(path):
     from xray.train import resolve
 
+    if path.name.startswith("sample"):  # ms-swift's groups: sampler on two devices, orm on the other two
+        _, cfg, plan, _, _ = resolve(["sample", "--config", str(path)])
+        assert [(r.role, r.backend, r.ranks) for r in plan.roles] == [("sampler", "vllm", (0, 1)),
+                                                                     ("orm", "fn-reward", (2, 3))]
+        return
     algos = ("grpo", "rloo", "reinforce_pp") if path.name.startswith("critic_free") else ("ppo",)
     for algo in algos:
         _, cfg, plan, _, _ = resolve([algo, "--config", str(path)])
@@ -109,3 +114,27 @@ def test_critic_free_config_mistakes_say_the_fix():
     assert [r.role for r in plan.roles] == ["rollout", "actor", "reference"]
     with pytest.raises(ConfigError, match="trainer.mode=sync"):
         resolve(["grpo", "--trainer.mode=async"])
+
+
+def test_sample_and_distill_mistakes_say_the_fix(tmp_path):
+    from xray.config import ConfigError
+    from xray.train import resolve
+
+    with pytest.raises(ConfigError, match="'prm' is placed but sample.prm_model is not set"):
+        resolve(["sample", "--device_groups.rm_group.workers=[prm, orm]"])
+    _, _, plan, _, _ = resolve(["sample", "--device_groups.rm_group.workers=[prm, orm]", "--sample.prm_model=/x",
+                                "--backend", "deepspeed-dsinfer"])
+    assert [(r.role, r.backend) for r in plan.roles] == [("sampler", "dsinfer"), ("prm", "hf-reward"),
+                                                         ("orm", "fn-reward")]
+    _, _, plan, _, _ = resolve(["sample", "--reward.function=null", "--reward.model=/rm"])
+    assert plan.role("orm").backend == "hf-reward"
+    with pytest.raises(ConfigError, match="'orm' is placed but the reward has neither"):
+        resolve(["sample", "--reward.function=null"])
+    with pytest.raises(ConfigError, match="batch_prompts=33 is not divisible by the 2 sampler replicas"):
+        resolve(["sample", "--sample.batch_prompts=33"])
+    with pytest.raises(ConfigError, match="role 'sampler' is placed in no group"):
+        resolve(["sample", "--config", str(ROOT / "configs/critic_free_tiny_cpu.yaml")])
+    p, _ = run("distill", "--output-dir", str(tmp_path / "d"))
+    assert p.returncode == 2 and "distill.dataset is not set; pass --distill.dataset=FILE" in p.stderr
+    p, _ = run("distill", "--output-dir", str(tmp_path / "d"), f"--distill.dataset={tmp_path / 'none.jsonl'}")
+    assert p.returncode == 2 and "does not exist; run `python -m xray.train sample` first" in p.stderr

@@ -26,7 +26,9 @@ from typing import Any
 
 from xray.config.typed import ConfigError
 
-ROLES = ("actor", "critic", "reference", "reward", "rollout")
+ROLES = ("actor", "critic", "reference", "reward", "rollout", "sampler", "prm", "orm")
+"""The RL roles, and the sampling job's (`python -m xray.train sample`): a `sampler` (generation),
+and the `prm` and `orm` scoring its candidates, as ms-swift names them."""
 _RANGE = re.compile(r"^\s*(?:list\(\s*)?range\(\s*(-?\d+)\s*(?:,\s*(-?\d+)\s*)?\)\s*(?:\))?\s*$")
 _LIST = re.compile(r"^\s*\[\s*(-?\d+\s*(?:,\s*-?\d+\s*)*)?,?\s*\]\s*$")
 

@@ -25,9 +25,10 @@ class RolePlan:
     """How one role is laid out."""
 
     role: str
-    """actor, critic, reference, reward or rollout."""
+    """actor, critic, reference, reward, rollout; sampler, prm, orm (the sample job)."""
     backend: str
-    """megatron, deepspeed, vllm, dsinfer, or hf (the reward model)."""
+    """megatron, deepspeed, vllm, dsinfer, hf-reward (a reward model), or fn-reward (a reward
+    function in a process of its own)."""
     group: str
     """Device group name."""
     device: str
@@ -78,8 +79,11 @@ CRITIC_FREE = ("grpo", "rloo", "reinforce_pp")
 def needed_roles(cfg: RunConfig, algo: str = "ppo") -> tuple[str, ...]:
     """The roles a run of `algo` starts: a critic-free run has no critic, and no reference when
     its KL is off (`critic_free.kl_in: none`)."""
-    if algo == "sft":
+    if algo in ("sft", "distill"):
         return ("actor",)
+    if algo == "sample":
+        return ("sampler", *(("prm",) if cfg.sample.prm_model else ()),
+                *(("orm",) if cfg.reward.function or cfg.reward.model else ()))
     if algo == "rm":
         return ("critic",)
     roles = ["rollout", "actor", "critic", "reference"]
@@ -106,6 +110,24 @@ def _check_critic_free(cfg: RunConfig, algo: str) -> None:
         raise ConfigError(f"{algo}: elastic device groups are PPO's for now; remove the elasticity blocks")
 
 
+def _check_sample(cfg: RunConfig) -> None:
+    groups, s = cfg.device_groups, cfg.sample
+    if groups.group_of("prm") is not None and not s.prm_model:
+        raise ConfigError("device_groups: role 'prm' is placed but sample.prm_model is not set; set it to a "
+                          "sequence-classification directory, or remove 'prm' from its group's workers")
+    if groups.group_of("orm") is not None and not (cfg.reward.function or cfg.reward.model):
+        raise ConfigError("device_groups: role 'orm' is placed but the reward has neither function nor model; "
+                          "set reward.function or reward.model, or remove 'orm' from its group's workers")
+    if s.n_best < 1 or s.batch_prompts < 1 or s.num_prompts < 0:
+        raise ConfigError(f"sample: n_best={s.n_best} and batch_prompts={s.batch_prompts} must be at least 1, "
+                          f"num_prompts={s.num_prompts} at least 0 (0: every prompt)")
+    if s.batch_prompts % cfg.rollout.dp:
+        raise ConfigError(f"sample.batch_prompts={s.batch_prompts} is not divisible by the {cfg.rollout.dp} sampler "
+                          "replicas (rollout.dp); use a multiple of it")
+    if not s.step_separator:
+        raise ConfigError("sample.step_separator is empty; give the text that ends a step, e.g. '\\n'")
+
+
 def _role_dims(cfg: RunConfig, role: str, train_backend: str, size: int) -> ParallelDims:
     if role in TRAINED_ROLES:
         rc = getattr(cfg, role)
@@ -114,10 +136,10 @@ def _role_dims(cfg: RunConfig, role: str, train_backend: str, size: int) -> Para
                               f"parallelism; set --{role}.tp=1 --{role}.pp=1, or use --backend megatron-*")
         dims = ParallelDims(rc.tp, rc.pp, rc.dp)
         what = f"{role}.tp * {role}.pp * {role}.dp = {rc.tp}*{rc.pp}*{rc.dp}"
-    elif role == "rollout":
+    elif role in ("rollout", "sampler"):  # the sampler is laid out and samples as the rollout
         dims = ParallelDims(tp=cfg.rollout.tp, pp=1, dp=cfg.rollout.dp)
         what = f"rollout.tp * rollout.dp = {cfg.rollout.tp}*{cfg.rollout.dp}"
-    else:  # reward: one replica per device
+    else:  # reward, prm, orm: one replica per device
         return ParallelDims(dp=size)
     if dims.world_size != size:
         raise ConfigError(f"{what} = {dims.world_size}, but its device group has {size} devices; "
@@ -161,8 +183,8 @@ def _check_async(cfg: RunConfig, plan: Plan) -> None:
         raise ConfigError("async.buffer_capacity must be >= 1 and async.behaviour_weight_cap > 0")
 
 
-def _check_sampling(cfg: RunConfig, plan: Plan) -> None:
-    if plan.role("rollout").backend == "vllm" and not 0.0 <= cfg.rollout.temperature <= 2.0:
+def _check_sampling(cfg: RunConfig, plan: Plan, role: str = "rollout") -> None:
+    if plan.role(role).backend == "vllm" and not 0.0 <= cfg.rollout.temperature <= 2.0:
         raise ConfigError(f"rollout.temperature={cfg.rollout.temperature}: vLLM samples at temperatures from 0 "
                           "to 2; choose one in that range")
 
@@ -215,12 +237,14 @@ def plan_run(cfg: RunConfig, backend: str, algo: str = "ppo") -> Plan:
         raise ConfigError("device_groups: no groups; add one with device, ranks and workers")
     if algo in CRITIC_FREE:
         _check_critic_free(cfg, algo)
+    if algo == "sample":
+        _check_sample(cfg)
     needed = needed_roles(cfg, algo)
     for role in needed:
         if groups.group_of(role) is None:
             raise ConfigError(f"device_groups: role {role!r} is placed in no group; add it to one "
                               "group's workers")
-    if algo != "sft" and not cfg.reward.model and groups.group_of("reward") is not None:
+    if algo not in ("sft", "distill", "sample") and not cfg.reward.model and groups.group_of("reward") is not None:
         raise ConfigError("device_groups: role 'reward' is placed but reward.model is not set; "
                           "set reward.model to a sequence-classification directory or remove 'reward'")
     if cfg.reward.model and cfg.reward.function:
@@ -230,7 +254,8 @@ def plan_run(cfg: RunConfig, backend: str, algo: str = "ppo") -> Plan:
     for role in needed:
         g = groups.group_of(role)
         assert g is not None
-        backend_of = {"rollout": gen_backend, "reward": "hf-reward"}.get(role, train_backend)
+        backend_of = {"rollout": gen_backend, "sampler": gen_backend, "reward": "hf-reward", "prm": "hf-reward",
+                      "orm": "hf-reward" if cfg.reward.model else "fn-reward"}.get(role, train_backend)
         try:
             dims = _role_dims(cfg, role, train_backend, g.size)
         except LayoutError as exc:
@@ -240,5 +265,7 @@ def plan_run(cfg: RunConfig, backend: str, algo: str = "ppo") -> Plan:
                               parallel=dims, resources=g.resources))
     plan = Plan(backend=backend, roles=tuple(roles), nproc_per_node=groups.nproc_per_node,
                 nnodes=groups.nnodes)
-    {"sft": _check_sft_batches, "rm": _check_rm_batches}.get(algo, _check_batches)(cfg, plan)
+    checks = {"sft": _check_sft_batches, "distill": _check_sft_batches, "rm": _check_rm_batches,
+              "sample": lambda c, p: _check_sampling(c, p, "sampler")}
+    checks.get(algo, _check_batches)(cfg, plan)
     return plan

@@ -211,6 +211,51 @@ class RMConfig:
 
 
 @dataclass(frozen=True)
+class SampleConfig:
+    """Best-of-N sampling (`python -m xray.train sample`, `algorithms/sample.py`): the `sampler` role
+    draws `rollout.n_samples` candidates per prompt with the `rollout` section's engine settings;
+    the `orm` role scores each whole response with `reward` (its function or model) and the
+    optional `prm` role each step of it; the chosen responses are written as a dataset."""
+
+    output_file: str = "sampling.jsonl"
+    """The dataset, under the run's output directory (or an absolute path); `.parquet`: Parquet,
+    anything else: JSON lines."""
+    keep: Literal["best", "all"] = "best"
+    """`best`: per prompt the `n_best` highest-scored candidates that pass the thresholds, each
+    with the lowest-scored candidate as `rejected` when it scores lower; `all`: every candidate
+    with its scores, rank and whether it passed."""
+    n_best: int = 1
+    """Candidates kept per prompt with `keep: best`."""
+    num_prompts: int = 0
+    """Prompts sampled, from the start of the data's training split (0: all of them)."""
+    batch_prompts: int = 32
+    """Prompts per sampler call; the next call's generation overlaps this one's scoring."""
+    prm_model: Optional[str] = None
+    """A Hugging Face sequence-classification directory (one label, or two: the second is "right")
+    run by the `prm` role: each step's score is its probability at the step's last token."""
+    step_separator: str = "\n"
+    """What ends a step of a response for the PRM (the last step ends at the response's end)."""
+    prm_threshold: Optional[float] = None
+    """A candidate passes only if its weakest step's score is at least this (null: no filter)."""
+    orm_threshold: Optional[float] = None
+    """A candidate passes only if its outcome reward is at least this (null: no filter)."""
+    orm_weight: float = 10.0
+    """Candidates are ranked by `orm_weight x orm + prm` (the weakest step's score)."""
+
+
+@dataclass(frozen=True)
+class DistillConfig:
+    """Distillation (`python -m xray.train distill`, `algorithms/distill.py`): supervised
+    fine-tuning of `model.path` (the actor role, with the `sft` section's steps, batch and lr) on a
+    dataset `xray.train sample` wrote."""
+
+    dataset: Optional[str] = None
+    """The JSONL or Parquet file to learn from (`sample.output_file` of a sample run)."""
+    response_field: str = "response"
+    """The column holding the response to imitate (the prompt column is `data.prompt_field`)."""
+
+
+@dataclass(frozen=True)
 class AsyncConfig:
     """Detached asynchronous training (`trainer.mode: async`): experience makers (the rollout's
     replicas, with the reference and the reward) and the trainer (actor and critic) joined by an
@@ -308,3 +353,7 @@ class RunConfig:
     """Supervised warm start."""
     rm: RMConfig = field(default_factory=RMConfig)
     """Reward-model training."""
+    sample: SampleConfig = field(default_factory=SampleConfig)
+    """Best-of-N sampling with the sampler, prm and orm roles."""
+    distill: DistillConfig = field(default_factory=DistillConfig)
+    """Fine-tuning on a sampled dataset."""

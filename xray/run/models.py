@@ -121,15 +121,19 @@ def _restarted(model: WholeModel, role_plan: RolePlan, devices: Bundles, kwargs:
 
 def role_init_kwargs(cfg: RunConfig, role: str, backend: str, model_dir: str) -> dict[str, Any]:
     """What a role's Workhorses are built with: its own config section, nothing more."""
-    if role == "rollout":
+    if role in ("rollout", "sampler"):
         r = cfg.rollout
         kwargs = dict(backend=backend, model_dir=model_dir, dtype=r.dtype,
                       max_model_len=cfg.data.max_prompt_tokens + r.max_new_tokens + 8)
         if backend == "vllm":
             kwargs["kv_cache_gib"] = r.kv_cache_gib
         return kwargs
-    if role == "reward":
+    if role == "reward" or (role == "orm" and cfg.reward.model):
         return dict(model_dir=cfg.reward.model)
+    if role == "orm":  # a reward function, with the policy's tokenizer to decode the candidates
+        return dict(function=cfg.reward.function, model_dir=model_dir, on_nonfinite=cfg.reward.on_nonfinite)
+    if role == "prm":
+        return dict(model_dir=cfg.sample.prm_model, steps=True)
     rc = getattr(cfg, role)
     kwargs: dict[str, Any] = dict(backend=backend, model_dir=rc.model_path or model_dir, optim=rc.optim,
                                   forward_micro_batch_size=rc.micro_batch_size)

@@ -10,6 +10,7 @@ _TABLE = {
     "hf": "xray.workhorse.hf:HFWorkhorse",
     "echo": "xray.workhorse.echo:EchoWorkhorse",
     "hf-reward": "xray.workhorse.reward:RewardWorkhorse",
+    "fn-reward": "xray.workhorse.function_reward:FunctionRewardWorkhorse",
     "megatron": "xray.workhorse.train:TrainWorkhorse",
     "deepspeed": "xray.workhorse.train:TrainWorkhorse",
     "vllm": "xray.workhorse.rollout:RolloutWorkhorse",
