@@ -4,7 +4,9 @@ with the value model replaced by the other responses to the same prompt.
 One step, as in the papers:
   1. rollout: `rollout.n_samples` responses to each of `ppo.rollout_batch_size` prompts;
   2. score, concurrently: actor log-probs (the old policy) and, when the KL is used, reference
-     log-probs; the reward of every response;
+     log-probs; the reward of every response (an on-policy step, one optimizer step on the batch
+     and no KL, skips the actor's forward: the old log-probs are the train step's own, as TRL
+     does with num_iterations=1);
   3. KL to the reference, where `critic_free.kl_in` puts it: subtracted from the reward (k1,
      `ppo.kl_coef` per nat), or later a loss term; or nowhere (no reference model runs);
   4. advantages by the algorithm's estimator (`algorithms.critic_free.advantages`);
@@ -16,6 +18,7 @@ No critic WholeModel is started; checkpoints hold the actor alone.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import Any
 
 import torch
@@ -49,8 +52,11 @@ class CriticFreeTrainer(PPOTrainer):
         if algo not in ALGOS:
             raise ValueError(f"unknown critic-free algorithm {algo!r}; choose one of {', '.join(ALGOS)}")
         self.algo, self.kl_in = algo, kl_placement(cfg, algo)
-        self.policy_loss = policy_loss_of(cfg, cfg.ppo.kl_coef if self.kl_in == "loss" else 0.0,
-                                          cfg.critic_free.kl_estimator)
+        self.on_policy = (self.kl_in == "none" and cfg.ppo.ppo_epochs == 1 and
+                          self.batches().mini_batch_size == cfg.ppo.rollout_batch_size * cfg.rollout.n_samples)
+        self.policy_loss = dataclasses.replace(
+            policy_loss_of(cfg, cfg.ppo.kl_coef if self.kl_in == "loss" else 0.0, cfg.critic_free.kl_estimator),
+            on_policy=self.on_policy)
 
     def losses(self) -> dict[str, Any]:
         return {"actor": self.policy_loss}
@@ -75,19 +81,25 @@ class CriticFreeTrainer(PPOTrainer):
         t, step, m = PhaseTimer(), self.state.step + 1, self.models
         with t("generate"):
             gen = m.rollout.generate([r["prompt_ids"] for r in rows], self.sampling(step), pad_id=self.pad_id)
-            forwards = [m.actor.forward(gen)] + ([m.reference.forward(gen)] if self.kl_in != "none" else [])
+            forwards = ([] if self.on_policy else [m.actor.forward(gen)]) + \
+                ([m.reference.forward(gen)] if self.kl_in != "none" else [])
             exp = await gen
         rows = [rows[i // self.cfg.rollout.n_samples] for i in range(len(exp))]
         with t("score"):
             scores, keep = await self.score(rows, exp, gen)
-            old, *ref = await asyncio.gather(*forwards)
+            answers = await asyncio.gather(*forwards)
         mask = exp[C.LOSS_MASK] if keep is None else exp[C.LOSS_MASK] * keep[:, None].float()
-        logprobs, ref_logprobs = old[C.LOGPROBS], (ref[0][C.LOGPROBS] if ref else None)
+        if self.on_policy:  # no KL either: the log-probs only shape (zero) KL terms
+            logprobs, ref_logprobs = torch.zeros_like(mask), None
+        else:
+            logprobs = answers[0][C.LOGPROBS]
+            ref_logprobs = answers[1][C.LOGPROBS] if len(answers) > 1 else None
         shaped = shape_scores(torch.where(mask.sum(1) > 0, scores.float(), 0.0), self.cfg.reward.scale,
                               self.cfg.reward.clip)
         columns = {C.INPUT_IDS: exp[C.INPUT_IDS], C.ATTENTION_MASK: exp[C.ATTENTION_MASK], C.LOSS_MASK: mask,
-                   C.OLD_LOGPROBS: logprobs,
                    C.ADVANTAGES: self.advantages(shaped, logprobs, ref_logprobs, mask, keep)}
+        if not self.on_policy:
+            columns[C.OLD_LOGPROBS] = logprobs
         if self.kl_in == "loss":
             columns[C.REF_LOGPROBS] = ref_logprobs
         with t("train"):

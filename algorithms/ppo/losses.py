@@ -118,10 +118,14 @@ class PolicyLoss:
     """Per-token estimate of the KL loss term (`algorithms.ppo.kl_estimators`)."""
     max_approx_kl: Optional[float] = None
     """Skip (no gradient, `skipped` 1) a micro-batch whose approx KL to the old policy exceeds this."""
+    on_policy: bool = False
+    """The batch was sampled with the weights being trained and this is their only update (one
+    epoch, one mini-batch): the old log-probs are this forward's own, detached (ratio 1, the
+    gradient of `A log p`), so OLD_LOGPROBS is not read and no separate forward makes it."""
 
     @property
     def reads(self) -> tuple[str, ...]:
-        base = (C.LOSS_MASK, C.OLD_LOGPROBS, C.ADVANTAGES)
+        base = (C.LOSS_MASK, C.ADVANTAGES) if self.on_policy else (C.LOSS_MASK, C.OLD_LOGPROBS, C.ADVANTAGES)
         if self.kl_coef:
             base = (*base, C.REF_LOGPROBS)
         return base if self.behaviour_weight_cap is None else (*base, C.BEHAVIOUR_LOGPROBS)
@@ -129,7 +133,7 @@ class PolicyLoss:
     def __call__(self, outputs: dict[str, torch.Tensor], batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
         logprobs = outputs[C.LOGPROBS]
         mask = batch[C.LOSS_MASK].to(logprobs.dtype)
-        old = batch[C.OLD_LOGPROBS].to(logprobs.dtype)
+        old = logprobs.detach() if self.on_policy else batch[C.OLD_LOGPROBS].to(logprobs.dtype)
         weight = None
         if self.behaviour_weight_cap is not None:
             weight = behaviour_weight(old, batch[C.BEHAVIOUR_LOGPROBS].to(logprobs.dtype), mask,

@@ -7,7 +7,8 @@ Layout as the PPO e2e: actor and reference on Megatron tp=2 or DeepSpeed ZeRO-3 
 of 2 replicas; 4 prompts x 2 responses a step. No critic is started. Each run exercises one set
 of options: Dr. GRPO (no std scaling, `seq-mean-token-sum`, clip-higher, KL loss term); RLOO
 (KL in the reward, `target_kl` stopping after the first of 2 epochs); REINFORCE++ with a guard
-bound below any approx KL, so every update is skipped on both engines and the weights stay.
+bound below any approx KL, so every update is skipped on both engines and the weights stay; GRPO
+on-policy (one epoch of one mini-batch, no KL): no actor forward before training, ratio exactly 1.
 """
 import asyncio
 import dataclasses
@@ -52,15 +53,16 @@ def digit_share(prompts: list[str], completions: list[str], **_) -> list[float]:
     return [sum(c.isdigit() for c in text) / max(1, len(text)) for text in completions]
 
 
-VARIANTS = {  # algorithm: (ppo overrides, critic_free overrides)
-    "grpo": ({"loss_agg_mode": "seq-mean-token-sum", "cliprange_high": 0.28}, {"scale_by_std": False}),
-    "rloo": ({"target_kl": 1e-9}, {}),
-    "reinforce_pp": ({"max_approx_kl": -1.0}, {}),
+VARIANTS = {  # run: (algorithm, ppo overrides, critic_free overrides)
+    "grpo": ("grpo", {"loss_agg_mode": "seq-mean-token-sum", "cliprange_high": 0.28}, {"scale_by_std": False}),
+    "rloo": ("rloo", {"target_kl": 1e-9}, {}),
+    "reinforce_pp": ("reinforce_pp", {"max_approx_kl": -1.0}, {}),
+    "grpo-on-policy": ("grpo", {"ppo_epochs": 1, "mini_batch_size": 8}, {"kl_in": "none"}),
 }
 
 
-def variant(cfg, algo: str):
-    ppo, critic_free = VARIANTS[algo]
+def variant(cfg, name: str):
+    _, ppo, critic_free = VARIANTS[name]
     return dataclasses.replace(cfg, ppo=dataclasses.replace(cfg.ppo, **ppo),
                                critic_free=dataclasses.replace(cfg.critic_free, **critic_free))
 
@@ -79,8 +81,9 @@ def test_grpo_rloo_reinforce_pp_three_steps_each(tmp_path, tiny_model, backend):
     try:
         with ppo_trainer(cfg, plan, RunDir(tmp_path / "start"), algo="grpo") as (first, data):
             assert first.models.critic is None
-            for algo in VARIANTS:
-                trainer = make_trainer(algo, variant(cfg, algo), first.models, first.score_fn, data)
+            for algo, (name, _, _) in VARIANTS.items():
+                trainer = make_trainer(name, variant(cfg, algo), first.models, first.score_fn, data)
+                assert trainer.on_policy == (algo == "grpo-on-policy")
                 before = {k: v.clone() for k, v in first.models.actor.state_dict().get().items()}
                 run = RunDir(tmp_path / algo)
                 eval_after = asyncio.run(train(trainer, run, data, None))
@@ -98,7 +101,8 @@ def check_run(algo: str, run: Path, before: dict, eval_before: float, eval_after
     for row in rows.values():
         assert all(math.isfinite(v) for v in row.values() if isinstance(v, float)), (algo, row)
         assert row["sync/max_abs_logprob_diff"] <= 1e-3  # verified after every sync
-        assert not any(k.startswith("critic/") for k in row) and "kl" in row and "kl_k3" in row
+        assert not any(k.startswith("critic/") for k in row)
+        assert ("kl" in row and "kl_k3" in row) == (algo != "grpo-on-policy")  # no reference: no KL
     assert 0.0 <= eval_before <= 1.0 and 0.0 <= eval_after <= 1.0
     assert {p.name for p in (run / "checkpoints/step-000002").iterdir() if p.is_dir()} == {"actor"}
     after = load_file(str(run / "final/actor/model.safetensors"))
@@ -111,3 +115,5 @@ def check_run(algo: str, run: Path, before: dict, eval_before: float, eval_after
     if algo == "reinforce_pp":  # 2 mini-batches x 2 epochs, every one skipped: the weights stay
         assert all(r["actor/updates_skipped"] == 4 and r["actor/skipped"] == 1 for r in rows.values())
         assert moved == 0.0
+    if algo == "grpo-on-policy":  # the train step's own log-probs as the old ones
+        assert all(r["actor/ratio"] == 1.0 and r["actor/approx_kl"] == 0.0 for r in rows.values()) and moved > 0

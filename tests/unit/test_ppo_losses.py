@@ -111,3 +111,16 @@ def test_kl_loss_term_and_the_skip_guard():
     assert logp.grad.abs().max().item() == 0.0
     _, metrics = PolicyLoss(cliprange=0.2, max_approx_kl=0.1)({C.LOGPROBS: _logp()}, batch)
     assert metrics["skipped"] == 0.0
+
+
+def test_on_policy_loss_reads_no_old_logprobs_and_is_the_policy_gradient():
+    logits = torch.tensor([[0.3, -0.2, 0.5], [0.1, 0.4, -0.6]], requires_grad=True)
+    adv = torch.tensor([[1.0, -2.0, 0.5], [0.0, 3.0, 1.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    loss_fn = PolicyLoss(on_policy=True)
+    assert C.OLD_LOGPROBS not in loss_fn.reads and C.ADVANTAGES in loss_fn.reads
+    loss, metrics = loss_fn({C.LOGPROBS: logits}, {C.LOSS_MASK: mask, C.ADVANTAGES: adv})
+    assert metrics["ratio"] == 1.0 and metrics["approx_kl"] == 0.0 and metrics["policy_clipfrac"] == 0.0
+    assert loss.item() == pytest.approx(-(1.0 - 2.0 + 0.0 + 3.0 + 1.0) / 5)  # -mean(A) at ratio 1
+    loss.backward()
+    torch.testing.assert_close(logits.grad, -adv * mask / 5)  # d/dlogp of -A * ratio: -A / tokens
