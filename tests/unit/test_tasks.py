@@ -1,4 +1,4 @@
-"""Built-in task `builtin:arith`, its character tokenizer (loadable from a model directory) and the
+"""Built-in tasks `builtin:arith` and `builtin:reverse`, the character tokenizer (loadable from a model directory) and the
 supervised warm-start batch and loss, with hand-computed values."""
 import json
 import math
@@ -31,6 +31,21 @@ def test_arith_is_deterministic_disjoint_and_correct(tmp_path):
     lines = files.eval.read_text().splitlines()
     assert len(lines) == 250 and json.loads(lines[0]) == held[0]
     assert len(files.train.read_text().splitlines()) == 750
+
+
+def test_reverse_is_disjoint_and_correct(tmp_path):
+    files = get_task("builtin:reverse").write(tmp_path, eval_size=200)
+    train = [json.loads(line) for line in files.train.read_text().splitlines()]
+    held = [json.loads(line) for line in files.eval.read_text().splitlines()]
+    assert (len(train), len(held)) == (700, 200)
+    assert not {r["prompt"] for r in train} & {r["prompt"] for r in held}
+    assert all(r["prompt"][:3][::-1] == r["answer"] and r["prompt"][3] == ">" for r in train + held)
+    assert {"prompt": "390>", "answer": "093"} in train + held  # leading zeros kept
+    from xray.rewards.builtin import exact_answer
+
+    assert exact_answer(["390>", "390>"], ["093", "93"], ["093", "093"]) == [1.0, 0.0]
+    with pytest.raises(TaskError, match="between 1 and 899"):
+        get_task("builtin:reverse").write(tmp_path, eval_size=900)
 
 
 def test_unknown_task_and_bad_eval_size():

@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Protocol
 
 # name -> "module:attribute" of the task object, imported on first use
-TASKS = {"arith": "xray.tasks.arith:ARITH", "arith_small": "xray.tasks.arith:ARITH_SMALL"}
+TASKS = {"arith": "xray.tasks.arith:ARITH", "arith_small": "xray.tasks.arith:ARITH_SMALL",
+         "reverse": "xray.tasks.reverse:REVERSE"}
 
 
 class TaskError(ValueError):
