@@ -1,6 +1,6 @@
 """Train-step throughput of the Megatron engine vs a plain Hugging Face + torch AdamW loop.
 
-One process, tp=pp=dp=1, the BENCH_19M model of xray/models/tiny.py, fp32, the same batch, loss
+One process, tp=pp=dp=1, the BENCH_27M model of xray/models/tiny.py, fp32, the same batch, loss
 (xray.check.reference.policy_loss), micro-batching, clipping and AdamW for both. The two loops
 alternate (one step each per round) so that machine noise hits both alike; on a shared machine
 the fastest step of each (best of `--rounds`) is the figure compared, the median is printed
@@ -31,7 +31,7 @@ from xray.backends.optim import build_optimizer, build_scheduler
 from xray.check import reference as R
 from xray.config.parallel import ParallelDims
 from xray.data import columns as C
-from xray.models.tiny import BENCH_19M, build_tiny_model
+from xray.models.tiny import BENCH_27M, build_tiny_model
 
 
 def matmul_peak(n: int = 2048, reps: int = 10) -> float:
@@ -49,7 +49,7 @@ def matmul_peak(n: int = 2048, reps: int = 10) -> float:
 def train_flops_per_token(seq: int) -> float:
     """6 x matmul parameters (embedding lookup excluded, output layer included) plus attention's
     12 x layers x hidden x seq (the usual convention, full rather than causal attention)."""
-    s = BENCH_19M
+    s = BENCH_27M
     d_head = s.hidden_size // s.num_heads
     attn = s.hidden_size * d_head * (s.num_heads + 2 * s.num_kv_heads) + s.num_heads * d_head * s.hidden_size
     mlp = 3 * s.hidden_size * s.intermediate_size
@@ -104,9 +104,9 @@ def main() -> None:
     dist.init_process_group("gloo", rank=0, world_size=1)
     from xray.backends.megatron import build_engine
 
-    model_dir = str(build_tiny_model(tempfile.mkdtemp(prefix="xray-bench-"), BENCH_19M, seed=0))
+    model_dir = str(build_tiny_model(tempfile.mkdtemp(prefix="xray-bench-"), BENCH_27M, seed=0))
     optim = OptimConfig(lr=1e-5)
-    batch = R.random_batch(args.batch, args.seq, BENCH_19M.vocab_size, seed=0)
+    batch = R.random_batch(args.batch, args.seq, BENCH_27M.vocab_size, seed=0)
     engine = build_engine(model_dir, ParallelDims(), "actor", optim, seed=0)
     hf = HFLoop(model_dir, optim)
     print(f"threads={torch.get_num_threads()} batch={args.batch}x{args.seq} micro={args.micro}")

@@ -1,8 +1,8 @@
-"""Rollout throughput: the vLLM engine against Hugging Face `generate`, on BENCH_19M.
+"""Rollout throughput: the vLLM engine against Hugging Face `generate`, on BENCH_27M.
 
     .venv/bin/python benchmarks/rollout_throughput.py [--prompts 128] [--new-tokens 128]
 
-One run builds the 19M-parameter Llama of xray/models/tiny.py (random weights), then times, on
+One run builds the 27M-parameter Llama of xray/models/tiny.py (random weights), then times, on
 the same prompts (random token ids, 16 to 48 long), the same sampling (temperature 1, a fixed
 seed) and the same number of torch threads, each engine's second call (the first one warms up):
   - Hugging Face `generate`, fp32, the whole batch at once (left padding, KV cache);
@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from xray.models.tiny import BENCH_19M, build_tiny_model
+from xray.models.tiny import BENCH_27M, build_tiny_model
 
 
 def make_prompts(count: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -80,9 +80,9 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = str(build_tiny_model(os.path.join(tmp, "bench19m"), BENCH_19M, seed=0))
-        prompts = make_prompts(args.prompts, BENCH_19M.vocab_size)
-        print(f"{args.prompts} prompts x {args.new_tokens} new tokens, BENCH_19M, {args.threads} threads")
+        model_dir = str(build_tiny_model(os.path.join(tmp, "bench27m"), BENCH_27M, seed=0))
+        prompts = make_prompts(args.prompts, BENCH_27M.vocab_size)
+        print(f"{args.prompts} prompts x {args.new_tokens} new tokens, BENCH_27M, {args.threads} threads")
         hf = time_hf(model_dir, prompts, args.new_tokens)
         print(f"hf_generate fp32: {hf:,.0f} tokens/s")
         vllm32 = time_vllm(model_dir, prompts, args.new_tokens, "float32")

@@ -1,8 +1,8 @@
-"""Weight sync actor -> rollout against one in-memory copy of the same state dict, on BENCH_19M.
+"""Weight sync actor -> rollout against one in-memory copy of the same state dict, on BENCH_27M.
 
     .venv/bin/python benchmarks/weight_sync.py [--repeats 7] [--bucket-mb 64] [--probes 4] [--probe-len 16]
 
-One run builds the "19M" Llama of xray/models/tiny.py (BENCH_19M: 6 layers, hidden 512, vocabulary
+One run builds the "27M" Llama of xray/models/tiny.py (BENCH_27M: 6 layers, hidden 512, vocabulary
 8192, 27.4M parameters with the untied output layer; random weights) in a temporary directory,
 starts an actor WholeModel (TrainWorkhorse on Megatron, tp=1) and a rollout WholeModel
 (RolloutWorkhorse on vLLM, one replica, fp32), then times, round by round so machine noise hits
@@ -32,7 +32,7 @@ import torch
 
 from xray.config.parallel import ParallelDims
 from xray.config.schema import SyncConfig
-from xray.models.tiny import BENCH_19M, build_tiny_model
+from xray.models.tiny import BENCH_27M, build_tiny_model
 from xray.sync import sync_weights
 from xray.wholemodel import WholeModel
 from xray.workhorse.base import covered_seconds
@@ -119,12 +119,12 @@ def main() -> None:
     torch.set_num_threads(1)
     times: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = str(build_tiny_model(f"{tmp}/bench19m", BENCH_19M, seed=0))
+        model_dir = str(build_tiny_model(f"{tmp}/bench27m", BENCH_27M, seed=0))
         actor, rollout = start_models(model_dir)
         try:
             state = actor.state_dict().get()
             nbytes = sum(v.numel() * v.element_size() for v in state.values())
-            probe, prompt_lens = probe_sequences(args.probes, BENCH_19M.vocab_size, args.probe_len)
+            probe, prompt_lens = probe_sequences(args.probes, BENCH_27M.vocab_size, args.probe_len)
             for round_ in range(args.repeats + 1):  # round 0 warms up
                 t, plain, checked = one_round(actor, rollout, 2 * round_ + 1, args.bucket_mb, probe,
                                               prompt_lens, state)

@@ -1,6 +1,6 @@
 """ZeRO-3 memory per process: dp=2 against dp=1 on the same model, in one run.
 
-Builds the 19M-parameter benchmark Llama (xray.models.tiny.BENCH_19M), then trains one step with
+Builds the 27M-parameter benchmark Llama (xray.models.tiny.BENCH_27M), then trains one step with
 the DeepSpeed engine at ZeRO stage 3 on 1 process and on 2 processes (gloo, CPU) with the same
 global batch, and counts the bytes each process holds afterwards in parameters, gradients and
 optimizer state.
@@ -35,7 +35,7 @@ from tests.dist_harness import run_distributed  # noqa: E402
 from xray.backends.base import OptimConfig  # noqa: E402
 from xray.check.reference import policy_loss, random_batch  # noqa: E402
 from xray.config.parallel import ParallelDims  # noqa: E402
-from xray.models.tiny import BENCH_19M, build_tiny_model  # noqa: E402
+from xray.models.tiny import BENCH_27M, build_tiny_model  # noqa: E402
 
 
 def _storage_bytes(tensors) -> int:
@@ -75,9 +75,9 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = str(build_tiny_model(Path(tmp) / "bench19m", BENCH_19M))
+        model_dir = str(build_tiny_model(Path(tmp) / "bench27m", BENCH_27M))
         n_params = sum(t.numel() for t in _load_state(model_dir).values())
-        batch = random_batch(args.batch, args.seq_len, BENCH_19M.vocab_size, seed=0)
+        batch = random_batch(args.batch, args.seq_len, BENCH_27M.vocab_size, seed=0)
         micro = args.batch // 2
         dp1 = run_distributed(_measure, 1, model_dir, batch, micro)
         dp2 = run_distributed(_measure, 2, model_dir, batch, micro)
