@@ -5,7 +5,8 @@ replicas (vLLM, and DeepSpeed-Inference). After the sync, greedy generation of 1
 equal Hugging Face `generate` on the actor's exported weights token for token (with a top-2
 logit gap > 1e-3 along the way, so the comparison means something); a tensor corrupted in transit
 must be caught by the verification; sampling with a seed must repeat, and the engine's
-log-probs must agree with the actor's recomputation.
+log-probs must agree with the actor's recomputation. A vLLM rollout of 2 replicas of tp=2 starts,
+syncs and generates what Hugging Face does (slow tier).
 """
 import asyncio
 
@@ -77,5 +78,27 @@ def test_sync_then_greedy_equals_hf_and_corruption_is_caught(actor, engine):
         with pytest.raises(WeightSyncError, match="version 2 failed verification"):
             asyncio.run(sync_weights(actor_wm, rollout, 2, SyncConfig(), probe, [len(p) for p in prompts[:4]],
                                      corrupt="model.layers.1.mlp.down_proj.weight"))
+    finally:
+        rollout.shutdown()
+
+
+@pytest.mark.slow  # 6 processes: the default tier's budget
+def test_vllm_tp2_dp2_generates_and_syncs(actor):
+    """Two vLLM replicas of tp=2 (4 processes): each replica's shards form their own world (vLLM's
+    external launcher wants one of tp); the sync reaches all four and greedy output matches HF."""
+    from transformers import AutoModelForCausalLM
+
+    actor_wm, model_dir = actor
+    rollout = WholeModel(RolloutWorkhorse, role="rollout", parallel=ParallelDims(tp=2, dp=2),
+                         init_kwargs=dict(backend="vllm", model_dir=str(model_dir), max_model_len=256))
+    try:
+        prompts = make_prompts(8)
+        probe = [list(p) + [5, 6, 7] for p in prompts[:4]]
+        report = asyncio.run(sync_weights(actor_wm, rollout, 1, SyncConfig(), probe, [len(p) for p in prompts[:4]]))
+        assert report.max_abs_logprob_diff <= 1e-4 and rollout.weight_version().get() == [1, 1, 1, 1]
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        hf.load_state_dict(actor_wm.state_dict().get())
+        got = rollout.generate(prompts, GREEDY).get()
+        assert got[C.RESPONSE_IDS] == hf_greedy(hf, prompts, GREEDY["max_new_tokens"])
     finally:
         rollout.shutdown()

@@ -82,6 +82,8 @@ def _prepare_environment(config: VllmEngineConfig) -> None:
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(int(config.kv_cache_gib))
     elif config.device != "cuda":
         raise VllmEngineError(f"device={config.device!r} is not supported; use 'cpu' or 'cuda'")
+    if config.tp > 1 and config.device == "cpu":
+        _replica_shm_names()
     if config.tp > 1:
         world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         if world != config.tp or "RANK" not in os.environ or "LOCAL_RANK" not in os.environ:
@@ -89,6 +91,26 @@ def _prepare_environment(config: VllmEngineConfig) -> None:
                 f"tp={config.tp} runs vLLM in-process on every rank (external_launcher): initialise "
                 f"torch.distributed over exactly {config.tp} processes (now {world}) with RANK and "
                 "LOCAL_RANK set, one group per rollout replica")
+
+
+def _replica_shm_names() -> None:
+    """vLLM on CPU all-reduces a tensor-parallel group through a shared-memory segment named after
+    the rendezvous, which under the external launcher is `env://` for every replica: the second tp
+    replica on a host then fails (`create shm in SHMManager failed. errno: 17`). The segment's name
+    gains this replica's own MASTER_PORT (`RolloutWorkhorse.replica_world` gives each its own), the
+    same on all of its ranks. Installed once per process, before the engine starts."""
+    from vllm.distributed.device_communicators import cpu_communicator
+
+    shm = cpu_communicator._CPUSHMDistributed
+    original = shm.make_group_name
+    if getattr(original, "xray_replica", False):
+        return
+
+    def make_group_name(communicator) -> str:
+        return f"{original(communicator)}-{os.environ.get('MASTER_PORT', '')}"
+
+    make_group_name.xray_replica = True
+    shm.make_group_name = staticmethod(make_group_name)
 
 
 def build_engine(model_dir: str | Path, *, dtype: str = "float32", seed: int = 0,

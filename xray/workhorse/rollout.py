@@ -33,10 +33,36 @@ class RolloutWorkhorse(Workhorse):
 
     def init_dist(self, master_addr: str, master_port: int, timeout_s: float = 300.0) -> None:
         """Join the role's group when the engine needs one: DeepSpeed-Inference always (AutoTP
-        groups), vLLM only for tensor parallelism (with tp=1 it builds its own world of one)."""
-        if self.config.get("backend") == "vllm" and self.parallel.tp == 1:
+        groups), vLLM only for tensor parallelism (with tp=1 it builds its own world of one), and
+        then in a world of its replica's tp shards alone (`replica_world`)."""
+        vllm = self.config.get("backend") == "vllm"
+        if vllm and self.parallel.tp == 1:
             return
         super().init_dist(master_addr, master_port, timeout_s)
+        if vllm and self.parallel.dp > 1:
+            self.replica_world(timeout_s)
+
+    def replica_world(self, timeout_s: float) -> None:
+        """vLLM's `external_launcher` takes the default group as its tensor-parallel world, so each
+        replica needs a world of its own tp processes: the model's group of all shards only carries
+        each replica's rendezvous point (its tp rank 0's address) to the replica's shards, then
+        gives way to the replica's own group."""
+        import os
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        c = self.parallel.coords(self.rank)
+        points: list = [None] * self.parallel.world_size
+        dist.all_gather_object(points, self.address() if c.tp_rank == 0 else None)
+        addr, port = points[self.parallel.rank_of(0, 0, c.dp_rank)]
+        backend = dist.get_backend()
+        dist.destroy_process_group()
+        os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port), RANK=str(c.tp_rank),
+                          WORLD_SIZE=str(self.parallel.tp), LOCAL_RANK="0")
+        dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=c.tp_rank,
+                                world_size=self.parallel.tp, timeout=timedelta(seconds=timeout_s))
+        self.log.info("replica %d: its own group of %d at %s:%d", c.dp_rank, self.parallel.tp, addr, port)
 
     def shard_info(self) -> ShardInfo:
         return layout_of(self.parallel, self.rank)
