@@ -42,6 +42,22 @@ class Task(Protocol):
         """Write `<directory>/<name>-train.jsonl` and `-eval.jsonl` (eval_size rows) and return them."""
 
 
+def write_splits(directory: Path, name: str, rows: list[dict], eval_size: int) -> TaskFiles:
+    """A task's seeded `rows` as `<name>-eval.jsonl` (the first `eval_size`) and `<name>-train.jsonl`
+    (the rest) under `directory`."""
+    import json
+
+    if not 0 < eval_size < len(rows):
+        raise TaskError(f"builtin:{name} has {len(rows)} prompts; data.eval_size={eval_size} must be "
+                        f"between 1 and {len(rows) - 1}")
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    files = TaskFiles(directory / f"{name}-train.jsonl", directory / f"{name}-eval.jsonl")
+    for path, part in ((files.train, rows[eval_size:]), (files.eval, rows[:eval_size])):
+        path.write_text("".join(json.dumps(r) + "\n" for r in part), encoding="utf-8")
+    return files
+
+
 def get_task(path: str) -> Task:
     """The task named by `builtin:<name>` (or a bare name)."""
     name = path.split(":", 1)[1] if path.startswith("builtin:") else path

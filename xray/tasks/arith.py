@@ -13,12 +13,11 @@ Rows are `{"prompt": "37+5=", "answer": "42"}`; `xray.rewards.builtin:exact_answ
 """
 from __future__ import annotations
 
-import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from xray.tasks import TaskError, TaskFiles
+from xray.tasks import TaskError, TaskFiles, write_splits
 
 
 @dataclass(frozen=True)
@@ -53,13 +52,7 @@ class ArithTask:
         return rows[eval_size:], rows[:eval_size]
 
     def write(self, directory: Path, eval_size: int) -> TaskFiles:
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        train, held_out = self.splits(eval_size)
-        files = TaskFiles(directory / f"{self.name}-train.jsonl", directory / f"{self.name}-eval.jsonl")
-        for path, rows in ((files.train, train), (files.eval, held_out)):
-            path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-        return files
+        return write_splits(directory, self.name, self.rows(), eval_size)
 
 
 ARITH = ArithTask()

@@ -9,12 +9,11 @@ fixed seed; the first `eval_size` are held out. Rows are `{"prompt": "472>", "an
 """
 from __future__ import annotations
 
-import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from xray.tasks import TaskError, TaskFiles
+from xray.tasks import TaskFiles, write_splits
 
 
 @dataclass(frozen=True)
@@ -35,16 +34,7 @@ class ReverseTask:
         return [{"prompt": f"{n}>", "answer": str(n)[::-1]} for n in numbers]
 
     def write(self, directory: Path, eval_size: int) -> TaskFiles:
-        rows = self.rows()
-        if not 0 < eval_size < len(rows):
-            raise TaskError(f"builtin:{self.name} has {len(rows)} prompts; data.eval_size={eval_size} must be "
-                            f"between 1 and {len(rows) - 1}")
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        files = TaskFiles(directory / f"{self.name}-train.jsonl", directory / f"{self.name}-eval.jsonl")
-        for path, part in ((files.train, rows[eval_size:]), (files.eval, rows[:eval_size])):
-            path.write_text("".join(json.dumps(r) + "\n" for r in part), encoding="utf-8")
-        return files
+        return write_splits(directory, self.name, self.rows(), eval_size)
 
 
 REVERSE = ReverseTask()
