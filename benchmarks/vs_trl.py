@@ -6,7 +6,9 @@ Both trainers get the same model directory, task (`builtin:arith`, reward
 `xray.rewards.builtin:exact_answer`, TRL's calling convention), training prompts, batch (prompts x
 4 generations), response length, learning rate and GRPO settings: group mean/std advantages, no
 KL (TRL's default beta=0, so xray starts no reference), clip 0.2, one optimizer step per batch,
-constant lr, grad clip 1.0. TRL runs in this process on every core (`use_cpu`, HF `generate`);
+constant lr, grad clip 1.0, and the same micro-batch (TRL's `per_device_train_batch_size`, with
+gradient accumulation over the step's completions; xray's `actor.micro_batch_size`): all 64 at the
+small size, 16 at the big one (on this CPU the faster choice for xray at each). TRL runs in this process on every core (`use_cpu`, HF `generate`);
 xray runs `grpo` as `python -m xray.train grpo` would (`configs/critic_free_tiny_cpu.yaml`:
 actor on device 0, vLLM rollout on device 1), one after the other.
 Sizes: small, a ~1M-parameter Llama, 12-token responses, 64 completions a step; big (compute
@@ -35,11 +37,11 @@ from xray.models.tiny import TinySpec, build_tiny_model
 from xray.rewards.builtin import exact_answer
 from xray.tasks.arith import ARITH
 
-SIZES = {  # spec, response tokens, completions per step
+SIZES = {  # spec, response tokens, completions per step, micro-batch
     "small": (TinySpec(vocab_size=VOCAB_SIZE, hidden_size=128, intermediate_size=512, num_layers=4,
-                       num_heads=4, num_kv_heads=2, max_position_embeddings=256), 12, 64),
+                       num_heads=4, num_kv_heads=2, max_position_embeddings=256), 12, 64, 64),
     "big": (TinySpec(vocab_size=VOCAB_SIZE, hidden_size=512, intermediate_size=1536, num_layers=8,
-                     num_heads=8, num_kv_heads=8, max_position_embeddings=512), 128, 64),
+                     num_heads=8, num_kv_heads=8, max_position_embeddings=512), 128, 64, 16),
 }
 GENERATIONS = 4
 EVAL_SIZE = 200
@@ -78,12 +80,13 @@ class StepTimes:
         self.callback = Callback()
 
 
-def run_trl(model_dir: Path, train: list[dict], length: int, completions: int, steps: int, lr: float,
+def run_trl(model_dir: Path, train: list[dict], length: int, completions: int, micro: int, steps: int, lr: float,
             out: Path) -> list[float]:
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    args = GRPOConfig(output_dir=str(out), per_device_train_batch_size=completions, num_generations=GENERATIONS,
+    args = GRPOConfig(output_dir=str(out), per_device_train_batch_size=micro,
+                      gradient_accumulation_steps=completions // micro, num_generations=GENERATIONS,
                       max_completion_length=length, learning_rate=lr, lr_scheduler_type="constant",
                       warmup_steps=0, max_steps=steps, beta=0.0, epsilon=0.2, temperature=1.0,
                       scale_rewards="group", loss_type="dapo", num_iterations=1, max_grad_norm=1.0,
@@ -117,7 +120,7 @@ def xray_config(layout: str, out: Path) -> Path:
     return path
 
 
-def run_xray(model_dir: Path, length: int, completions: int, steps: int, lr: float, out: Path,
+def run_xray(model_dir: Path, length: int, completions: int, micro: int, steps: int, lr: float, out: Path,
              layout: str) -> list[float]:
     from algorithms.ppo.run import ppo_trainer
     from xray.backends.hf_dir import save_hf_model
@@ -129,7 +132,7 @@ def run_xray(model_dir: Path, length: int, completions: int, steps: int, lr: flo
                  f"--rollout.n_samples={GENERATIONS}", f"--ppo.rollout_batch_size={completions // GENERATIONS}",
                  f"--ppo.mini_batch_size={completions}", "--ppo.ppo_epochs=1", "--ppo.cliprange=0.2",
                  "--critic_free.kl_in=none",
-                 f"--actor.optim.lr={lr}", f"--actor.micro_batch_size={completions // 4}",
+                 f"--actor.optim.lr={lr}", f"--actor.micro_batch_size={micro}",
                  f"--data.eval_size={EVAL_SIZE}", "--data.max_prompt_tokens=16", "--trainer.max_restarts=0"]
     _, cfg, plan, _, _ = resolve(["grpo", *overrides])
     seconds, phases = [], []
@@ -146,12 +149,13 @@ def run_xray(model_dir: Path, length: int, completions: int, steps: int, lr: flo
 
 
 def race(size: str, steps: int, warmup: int, lr: float, tmp: Path, layout: str) -> dict[str, float]:
-    spec, length, completions = SIZES[size]
+    spec, length, completions, micro = SIZES[size]
     model_dir = build_tiny_model(tmp / f"{size}-model", spec, seed=0)
     save_char_tokenizer(model_dir)
     train, held_out = ARITH.splits(EVAL_SIZE)
-    trl_s = run_trl(model_dir, train, length, completions, steps + warmup, lr, tmp / f"{size}-trl")[warmup:]
-    xray_s = run_xray(model_dir, length, completions, steps + warmup, lr, tmp / f"{size}-xray", layout)[warmup:]
+    trl_s = run_trl(model_dir, train, length, completions, micro, steps + warmup, lr, tmp / f"{size}-trl")[warmup:]
+    xray_s = run_xray(model_dir, length, completions, micro, steps + warmup, lr, tmp / f"{size}-xray",
+                      layout)[warmup:]
     result = dict(trl_s=statistics.median(trl_s), xray_s=statistics.median(xray_s),
                   eval_before=greedy_accuracy(model_dir, held_out),
                   eval_trl=greedy_accuracy(tmp / f"{size}-trl/final", held_out),
