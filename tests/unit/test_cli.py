@@ -138,3 +138,27 @@ def test_sample_and_distill_mistakes_say_the_fix(tmp_path):
     assert p.returncode == 2 and "distill.dataset is not set; pass --distill.dataset=FILE" in p.stderr
     p, _ = run("distill", "--output-dir", str(tmp_path / "d"), f"--distill.dataset={tmp_path / 'none.jsonl'}")
     assert p.returncode == 2 and "does not exist; run `python -m xray.train sample` first" in p.stderr
+
+
+def test_gpu_rollout_memory_share_is_passed_and_checked(tmp_path):
+    from xray.backends.vllm import VllmEngineConfig
+    from xray.config import ConfigError
+    from xray.run.models import role_init_kwargs
+    from xray.train import resolve
+
+    on_gpu = VllmEngineConfig(model_dir="m", device="cuda", gpu_memory_utilization=0.4).llm_kwargs()
+    assert on_gpu["gpu_memory_utilization"] == 0.4
+    assert "gpu_memory_utilization" not in VllmEngineConfig(model_dir="m").llm_kwargs()  # CPU: the KV cache size
+    gpu8 = ROOT / "configs/ppo_gpu_8x.yaml"
+    _, cfg, plan, _, _ = resolve(["ppo", "--config", str(gpu8)])
+    assert plan.role("rollout").parallel.tp == 2 and plan.role("rollout").parallel.dp == 2
+    assert role_init_kwargs(cfg, "rollout", "vllm", "m")["gpu_memory_utilization"] == 0.85
+    data = yaml.safe_load(gpu8.read_text())  # the rollout on the training GPUs: 0.85 would starve them
+    data["device_groups"] = {"nproc_per_node": 4, "all": {"device": "GPU", "ranks": 4,
+                                                          "workers": ["actor", "critic", "reference", "rollout"]}}
+    colocated = tmp_path / "colocated.yaml"
+    colocated.write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError, match="shares with the rollout|set it to 0.5 or less"):
+        resolve(["ppo", "--config", str(colocated)])
+    _, _, plan, _, _ = resolve(["ppo", "--config", str(colocated), "--rollout.gpu_memory_utilization=0.3"])
+    assert plan.role("rollout").group == plan.role("actor").group

@@ -58,6 +58,8 @@ class VllmEngineConfig:
     """cpu or cuda; on cpu the KV cache size comes from `kv_cache_gib`."""
     kv_cache_gib: int = 1
     """KV cache size on CPU in whole GiB (VLLM_CPU_KVCACHE_SPACE)."""
+    gpu_memory_utilization: float = 0.9
+    """On cuda, the share of the GPU's memory the engine takes (vLLM's own setting)."""
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     """Further keyword arguments for `vllm.LLM` (they override the defaults set here)."""
 
@@ -68,6 +70,8 @@ class VllmEngineConfig:
                       logprobs_mode="raw_logprobs")
         if self.tp > 1:
             kwargs["distributed_executor_backend"] = "external_launcher"
+        if self.device == "cuda":
+            kwargs["gpu_memory_utilization"] = self.gpu_memory_utilization
         kwargs.update(self.engine_kwargs)
         return kwargs
 
@@ -115,12 +119,14 @@ def _replica_shm_names() -> None:
 
 def build_engine(model_dir: str | Path, *, dtype: str = "float32", seed: int = 0,
                  max_model_len: int = 1024, tp: int = 1, device: str = "cpu",
-                 kv_cache_gib: int = 1, **engine_kwargs: Any) -> "VllmEngine":
+                 kv_cache_gib: int = 1, gpu_memory_utilization: float = 0.9,
+                 **engine_kwargs: Any) -> "VllmEngine":
     """Start an in-process vLLM engine on `model_dir` (a script calling this needs the
     `if __name__ == "__main__":` guard)."""
     config = VllmEngineConfig(model_dir=str(model_dir), dtype=dtype, seed=seed,
                               max_model_len=max_model_len, tp=tp, device=device,
-                              kv_cache_gib=kv_cache_gib, engine_kwargs=dict(engine_kwargs))
+                              kv_cache_gib=kv_cache_gib, gpu_memory_utilization=gpu_memory_utilization,
+                              engine_kwargs=dict(engine_kwargs))
     return VllmEngine(config)
 
 

@@ -184,6 +184,13 @@ def _check_async(cfg: RunConfig, plan: Plan) -> None:
 
 
 def _check_sampling(cfg: RunConfig, plan: Plan, role: str = "rollout") -> None:
+    placed, share = plan.role(role), cfg.rollout.gpu_memory_utilization
+    if not 0.0 < share <= 1.0:
+        raise ConfigError(f"rollout.gpu_memory_utilization={share}: give the share of a GPU's memory, in (0, 1]")
+    shared = [r.role for r in plan.roles if r.group == placed.group and r.role in TRAINED_ROLES]
+    if placed.device == "GPU" and placed.backend == "vllm" and shared and share > 0.5:
+        raise ConfigError(f"rollout.gpu_memory_utilization={share} leaves too little of the GPUs {', '.join(shared)} "
+                          "share with the rollout (vLLM takes that share at start); set it to 0.5 or less")
     if plan.role(role).backend == "vllm" and not 0.0 <= cfg.rollout.temperature <= 2.0:
         raise ConfigError(f"rollout.temperature={cfg.rollout.temperature}: vLLM samples at temperatures from 0 "
                           "to 2; choose one in that range")

@@ -72,6 +72,9 @@ class RolloutConfig:
     """Responses sampled per prompt."""
     kv_cache_gib: float = 1.0
     """KV-cache size per replica on CPU (VLLM_CPU_KVCACHE_SPACE)."""
+    gpu_memory_utilization: float = 0.9
+    """On GPU, the share of each of its GPUs' memory a vLLM replica takes (weights and KV cache);
+    at most 0.5 when training roles share the rollout's GPUs (the plan checks)."""
 
 
 @dataclass(frozen=True)

@@ -126,7 +126,7 @@ def role_init_kwargs(cfg: RunConfig, role: str, backend: str, model_dir: str) ->
         kwargs = dict(backend=backend, model_dir=model_dir, dtype=r.dtype,
                       max_model_len=cfg.data.max_prompt_tokens + r.max_new_tokens + 8)
         if backend == "vllm":
-            kwargs["kv_cache_gib"] = r.kv_cache_gib
+            kwargs.update(kv_cache_gib=r.kv_cache_gib, gpu_memory_utilization=r.gpu_memory_utilization)
         return kwargs
     if role == "reward" or (role == "orm" and cfg.reward.model):
         return dict(model_dir=cfg.reward.model)
