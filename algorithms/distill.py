@@ -47,7 +47,6 @@ def distill_pairs(cfg: RunConfig, tokenizer) -> list[tuple[list[int], list[int]]
     from xray.tasks.sft import target_ids
 
     d = cfg.distill
-    check_dataset(cfg)
     rows = load_prompts(d.dataset, tokenizer, cfg.data.prompt_field, cfg.data.max_prompt_tokens,
                         cfg.data.on_long_prompt)
     if d.response_field not in rows.extras:

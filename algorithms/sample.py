@@ -82,20 +82,16 @@ def started_models(cfg: RunConfig, plan: Plan, model_dir: str, ray_address: Opti
     all shut down and their devices freed on the way out, also when one fails to start."""
     import ray
 
-    from xray.run.models import check_layouts, role_init_kwargs
-    from xray.wholemodel import WholeModel
+    from xray.run.models import check_layouts, start_model
     from xray.wholemodel.cluster import ensure_ray
     from xray.wholemodel.placement import reserve_plan
-    from xray.workhorse.roles import workhorse_class
 
     check_layouts(cfg, plan, model_dir)
     ensure_ray(ray_address, num_cpus=plan.nproc_per_node * plan.nnodes * cfg.threads_per_worker)
     bundles = reserve_plan(plan, cfg.threads_per_worker)
 
     def start(r):
-        return WholeModel(workhorse_class(r.backend, r.role), role=r.role, parallel=r.parallel, device=r.device,
-                          bundles=bundles[r.role], seed=cfg.seed, threads=cfg.threads_per_worker,
-                          init_kwargs=role_init_kwargs(cfg, r.role, r.backend, model_dir))
+        return start_model(cfg, plan.nproc_per_node, model_dir, r, bundles[r.role])
 
     models, failure = {}, None
     try:
@@ -116,11 +112,9 @@ def started_models(cfg: RunConfig, plan: Plan, model_dir: str, ray_address: Opti
             ray.util.remove_placement_group(pg)
 
 
-def call_whole(model, method: str, batch: Batch):
-    """`model.method(batch)`, on one replica when the rows do not split evenly over all of them."""
-    if len(batch) % model.parallel.dp:
-        model = model.replica(0)
-    return getattr(model, method)(batch)
+def fitted(model, rows: int):
+    """`model`, or its first replica alone when `rows` do not split evenly over all of them."""
+    return model.replica(0) if rows % model.parallel.dp else model
 
 
 class Sampling:
@@ -133,13 +127,11 @@ class Sampling:
         self.splitter = StepSplitter(tokenizer, cfg.sample.step_separator, self.stop_ids)
 
     def generate(self, rows: list[dict], call: int):
-        r = self.cfg.rollout
-        sampling = dict(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens,
-                        n=self.n, stop_token_ids=self.stop_ids, seed=self.cfg.seed * 100003 + call)
-        sampler = self.models["sampler"]
-        if len(rows) % sampler.parallel.dp:
-            sampler = sampler.replica(0)
-        return sampler.generate([row["prompt_ids"] for row in rows], sampling, pad_id=self.pad_id)
+        from algorithms.ppo.trainer import rollout_sampling
+
+        sampling = rollout_sampling(self.cfg, self.stop_ids, call)
+        return fitted(self.models["sampler"], len(rows)).generate([row["prompt_ids"] for row in rows], sampling,
+                                                                   pad_id=self.pad_id)
 
     def scores(self, rows: list[dict], exp: Batch) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
         """Outcome scores [B] and step scores [B, S] of the candidates (None for an absent role)."""
@@ -155,10 +147,11 @@ class Sampling:
             else:
                 plain = [{k: v for k, v in rows[i // self.n].items() if k != "prompt_ids"} for i in range(len(exp))]
                 batch = Batch.from_columns({ROWS: plain, C.RESPONSE_IDS: responses})
-            orm = call_whole(self.models["orm"], "score", batch)
+            orm = fitted(self.models["orm"], len(batch)).score(batch)
         if "prm" in self.models:
             ends = [self.splitter.ends(len(p), r) for p, r in zip(exp[C.PROMPT_IDS], responses)]
-            prm = call_whole(self.models["prm"], "score_steps", Batch({**model_inputs, STEP_ENDS: padded_ends(ends)}))
+            steps = Batch({**model_inputs, STEP_ENDS: padded_ends(ends)})
+            prm = fitted(self.models["prm"], len(steps)).score_steps(steps)
         return (orm.get() if orm is not None else None), (prm.get() if prm is not None else None)
 
     def records(self, rows: list[dict], exp: Batch, orm, steps) -> tuple[list[dict], list[float], int]:

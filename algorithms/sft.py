@@ -40,20 +40,16 @@ def started_role(cfg: RunConfig, plan: Plan, role: str, model_dir: str, ray_addr
                  warmup_steps: int = 0) -> Iterator:
     """One trained role's WholeModel alone, on its device group, with its optimizer at `lr`; shut
     down (and its devices freed) on the way out (SFT and reward-model training)."""
-    from xray.run.models import role_init_kwargs
-    from xray.wholemodel import WholeModel
+    from xray.run.models import start_model
     from xray.wholemodel.cluster import ensure_ray
     from xray.wholemodel.placement import reserve_plan
-    from xray.workhorse.roles import workhorse_class
 
     placed, section = plan.role(role), getattr(cfg, role)
     optim = dataclasses.replace(section.optim, lr=lr, warmup_steps=warmup_steps)
     role_cfg = dataclasses.replace(cfg, **{role: dataclasses.replace(section, optim=optim)})
     ensure_ray(ray_address, num_cpus=plan.nproc_per_node * plan.nnodes)
     bundles = reserve_plan(plan, cfg.threads_per_worker)[role]
-    model = WholeModel(workhorse_class(placed.backend, role), role=role, parallel=placed.parallel,
-                       device=placed.device, bundles=bundles, seed=cfg.seed, threads=cfg.threads_per_worker,
-                       init_kwargs=role_init_kwargs(role_cfg, role, placed.backend, model_dir))
+    model = start_model(role_cfg, plan.nproc_per_node, model_dir, placed, bundles)
     try:
         yield model
     finally:

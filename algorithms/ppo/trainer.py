@@ -100,6 +100,15 @@ def policy_loss_of(cfg: RunConfig, kl_coef: float = 0.0, kl_estimator: str = "k3
                       max_approx_kl=ppo.max_approx_kl)
 
 
+def rollout_sampling(cfg: RunConfig, stop_ids: list[int], step: int, greedy: bool = False) -> dict[str, Any]:
+    """The generation engine's sampling settings for call `step` (seeded by it): the `rollout`
+    section's, or one greedy response (evaluation)."""
+    r = cfg.rollout
+    return dict(temperature=0.0 if greedy else r.temperature, top_p=r.top_p, top_k=r.top_k,
+                max_new_tokens=r.max_new_tokens, n=1 if greedy else r.n_samples,
+                stop_token_ids=stop_ids, seed=cfg.seed * 100003 + step)
+
+
 class PPOTrainer:
     """Drives the actor, critic, reference and rollout WholeModels through PPO steps."""
 
@@ -127,10 +136,7 @@ class PPOTrainer:
         return train_batches(self.cfg, devices)
 
     def sampling(self, step: int, greedy: bool = False) -> dict[str, Any]:
-        r = self.cfg.rollout
-        return dict(temperature=0.0 if greedy else r.temperature, top_p=r.top_p, top_k=r.top_k,
-                    max_new_tokens=r.max_new_tokens, n=1 if greedy else r.n_samples,
-                    stop_token_ids=self.stop_ids, seed=self.cfg.seed * 100003 + step)
+        return rollout_sampling(self.cfg, self.stop_ids, step, greedy)
 
     async def step(self, rows: list[dict]) -> dict[str, float]:
         """One PPO step on prompt `rows` (each with `prompt_ids` and its dataset columns)."""

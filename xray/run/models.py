@@ -167,6 +167,24 @@ def check_layouts(cfg: RunConfig, plan: Plan, model_dir: str) -> None:
             raise ConfigError(f"{r.role}: {exc}") from None
 
 
+def start_model(cfg: RunConfig, nproc_per_node: int, model_dir: str, role_plan: RolePlan, devices: Bundles,
+                model: WholeModel | None = None) -> WholeModel:
+    """One role's WholeModel on `devices` (reserved for its group): its init kwargs, the elastic
+    micro-batch, CPU pinning (`pin_cpu_devices`). With `model`, its Workhorses restart there
+    instead, unless its WholeModel actor is gone. Every job starts its models through here."""
+    role = role_plan.role
+    kwargs = role_init_kwargs(cfg, role, role_plan.backend, model_dir)
+    if role in TRAINED and getattr(cfg, role).elasticity is not None:  # the elastic micro-batch
+        kwargs["forward_micro_batch_size"] = train_batches(cfg, {role: role_plan.num_workhorses}).micro_of(role)
+    if cfg.pin_cpu_devices and role_plan.device.upper() == "CPU":
+        kwargs["cpu_devices"] = [r % nproc_per_node for r in role_plan.ranks]
+    if model is not None and _restarted(model, role_plan, devices, kwargs):
+        return model
+    return WholeModel(workhorse_class(role_plan.backend, role), role=role, parallel=role_plan.parallel,
+                      device=role_plan.device, bundles=devices, seed=cfg.seed,
+                      threads=cfg.threads_per_worker, init_kwargs=kwargs)
+
+
 def build_models(cfg: RunConfig, plan: Plan, model_dir: str, ray_address: str | None = None) -> Models:
     """Start every role's WholeModel on its device group."""
     from xray.wholemodel.cluster import ensure_ray
@@ -176,17 +194,7 @@ def build_models(cfg: RunConfig, plan: Plan, model_dir: str, ray_address: str | 
     bundles = reserve_plan(plan, cfg.threads_per_worker)
 
     def start(role_plan: RolePlan, devices: Bundles, model: WholeModel | None = None) -> WholeModel:
-        role = role_plan.role
-        kwargs = role_init_kwargs(cfg, role, role_plan.backend, model_dir)
-        if role in TRAINED and getattr(cfg, role).elasticity is not None:  # the elastic micro-batch
-            kwargs["forward_micro_batch_size"] = train_batches(cfg, {role: role_plan.num_workhorses}).micro_of(role)
-        if cfg.pin_cpu_devices and role_plan.device.upper() == "CPU":
-            kwargs["cpu_devices"] = [r % plan.nproc_per_node for r in role_plan.ranks]
-        if model is not None and _restarted(model, role_plan, devices, kwargs):
-            return model
-        return WholeModel(workhorse_class(role_plan.backend, role), role=role, parallel=role_plan.parallel,
-                          device=role_plan.device, bundles=devices, seed=cfg.seed,
-                          threads=cfg.threads_per_worker, init_kwargs=kwargs)
+        return start_model(cfg, plan.nproc_per_node, model_dir, role_plan, devices, model)
 
     roles = [r.role for r in plan.roles]
     with ThreadPoolExecutor(max_workers=len(roles)) as pool:
