@@ -172,7 +172,7 @@ class PPOTrainer:
         return {"reward/mean": float(scores.mean()), "reward/std": float(scores.std()) if len(scores) > 1 else 0.0,
                 **kl, "kl_coef": kl_coef, **train,
                 "response_length": float(mask.sum(1).mean()), "sync/max_abs_logprob_diff": report.max_abs_logprob_diff,
-                "sync/verify_s": report.verify_s, **t.seconds,
+                "sync/held_checked": float(report.held_checked), "sync/verify_s": report.verify_s, **t.seconds,
                 "tokens_per_s": tokens / max(1e-9, sum(t.seconds.values()))}
 
     async def score(self, rows: list[dict], generated: Batch, pending) -> "tuple[torch.Tensor, torch.Tensor | None]":

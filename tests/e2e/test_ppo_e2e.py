@@ -1,9 +1,11 @@
-"""Three-step PPO runs per backend pair, through the real command, with an exact resume check.
+"""Three-step bf16 PPO runs per backend pair, through the real command, with an exact resume check.
 
 megatron-vllm: actor/critic/reference on Megatron with tp=2, a vLLM rollout of 2 replicas.
 deepspeed-dsinfer: actor/critic/reference on DeepSpeed ZeRO-3 with dp=2, DeepSpeed-Inference
-rollout of 2 replicas. Each run: metrics finite, every step's sync verified, actor weights
-changed. deepspeed-dsinfer: the step-2 (flash) checkpoint, resumed in a fresh run, gives the same
+rollout of 2 replicas. Every model in bf16 (`model.dtype`: bf16 weights, fp32 main weights in
+Megatron's and DeepSpeed's optimizers, bf16 engines). Each run: metrics finite, every step's
+sync verified (the engines hold exactly the actor's bf16 tensors, the probe within its bf16
+tolerance), actor weights changed. deepspeed-dsinfer: the step-2 (flash) checkpoint, resumed in a fresh run, gives the same
 step-3 metrics. megatron-vllm: a second run gets SIGTERM after its first step; it exits 0 within
 15 s printing the resume command, and resumed, its remaining steps equal the uninterrupted run's;
 its first run's exported actor loads in `transformers` and gives finite logits.
@@ -27,9 +29,9 @@ ROOT = Path(__file__).resolve().parents[2]
 VOLATILE = ("time/", "tokens_per_s", "sync/verify_s", "checkpoint/")
 
 
-def config(tmp_path: Path, model_dir: Path, backend: str) -> Path:
+def config(tmp_path: Path, model_dir: Path, backend: str, dtype: str = "float32") -> Path:
     cfg = yaml.safe_load((ROOT / "configs/ppo_tiny_cpu.yaml").read_text())
-    cfg["model"]["path"] = str(model_dir)
+    cfg["model"].update(path=str(model_dir), dtype=dtype)
     cfg["device_groups"] = {
         "nproc_per_node": 4,
         "train_group": {"device": "CPU", "ranks": [0, 1], "workers": ["actor", "critic", "reference"]},
@@ -67,7 +69,7 @@ def stable(row: dict) -> dict:
 def test_three_steps_then_exact_resume(tmp_path, tiny_model, backend):
     from safetensors.torch import load_file
 
-    cfg = config(tmp_path, tiny_model, backend)
+    cfg = config(tmp_path, tiny_model, backend, dtype="bfloat16")
     run_a = tmp_path / "a"
     out = train("--backend", backend, "--config", str(cfg), "--output-dir", str(run_a))
     assert "eval_before=" in out.stdout and "eval_after=" in out.stdout
@@ -75,7 +77,7 @@ def test_three_steps_then_exact_resume(tmp_path, tiny_model, backend):
     assert sorted(steps) == [1, 2, 3]
     for row in steps.values():
         assert all(math.isfinite(v) for v in row.values() if isinstance(v, float)), row
-        assert row["sync/max_abs_logprob_diff"] <= 1e-3  # verified after every sync
+        assert row["sync/max_abs_logprob_diff"] <= 0.25 and row["sync/held_checked"] >= 2 * 7  # verified each sync
     before = load_file(str(tiny_model / "model.safetensors"))
     after = load_file(str(run_a / "final/actor/model.safetensors"))
     assert sorted(before) == sorted(after)

@@ -54,6 +54,9 @@ def test_sync_then_greedy_equals_hf_and_corruption_is_caught(actor, engine):
         probe = [p + r for p, r in zip(prompts[:4], before[C.RESPONSE_IDS][:4])]
         report = asyncio.run(sync_weights(actor_wm, rollout, 1, SyncConfig(), probe, [len(p) for p in prompts[:4]]))
         assert report.max_abs_logprob_diff <= 1e-4 and report.bytes > 0
+        # every tensor compared bit for bit where the engine shows it; vLLM on CPU repacks its
+        # linear layers and drops their plain weights (embedding, 5 norms, lm_head stay readable)
+        assert report.held_checked == (2 * 21 if engine == "dsinfer" else 2 * 7), report
         assert rollout.weight_version().get() == [1, 1]
 
         hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -102,3 +105,36 @@ def test_vllm_tp2_dp2_generates_and_syncs(actor):
         assert got[C.RESPONSE_IDS] == hf_greedy(hf, prompts, GREEDY["max_new_tokens"])
     finally:
         rollout.shutdown()
+
+
+def test_bf16_sync_is_verified_exactly(local_ray, tmp_path_factory, actor):
+    """A bf16 Megatron actor (tp=2) synced to a bf16 vLLM and a bf16 DeepSpeed-Inference replica:
+    the exact checks pass (every readable engine tensor bit-equal to the actor's), the coarse probe
+    stays within `bf16_tolerance`, and a tensor changed in transit fails the sync even though the
+    probe could not see it. An fp32 actor's weights reach a bf16 engine rounded to nearest, as
+    held-checked."""
+    model_dir = trained_tiny_model(tmp_path_factory.mktemp("sync16") / "tiny", steps=30)
+    bf16_actor = WholeModel(TrainWorkhorse, role="actor", parallel=ParallelDims(tp=2),
+                            init_kwargs=dict(backend="megatron", model_dir=str(model_dir),
+                                             optim=OptimConfig(lr=5e-3), dtype="bfloat16"))
+    rollouts = [WholeModel(RolloutWorkhorse, role="rollout", parallel=ParallelDims(dp=1),
+                           init_kwargs=dict(backend=engine, model_dir=str(model_dir), max_model_len=256,
+                                            dtype="bfloat16")) for engine in ("vllm", "dsinfer")]
+    try:
+        for step in range(2):
+            bf16_actor.train_step(pattern_batch(8, 24, 256, seed=10 + step), policy_loss, 4).get()
+        prompts = make_prompts(4)
+        probe = [p + r for p, r in zip(prompts, rollouts[0].generate(prompts, GREEDY).get()[C.RESPONSE_IDS])]
+        lens = [len(p) for p in prompts]
+        for rollout, held in zip(rollouts, (7, 21)):
+            report = asyncio.run(sync_weights(bf16_actor, rollout, 1, SyncConfig(), probe, lens))
+            assert report.held_checked == held and report.max_abs_logprob_diff <= SyncConfig().bf16_tolerance
+            with pytest.raises(WeightSyncError, match="changed in transit"):
+                asyncio.run(sync_weights(bf16_actor, rollout, 2, SyncConfig(), probe, lens,
+                                         corrupt="model.layers.1.mlp.down_proj.weight"))
+        fp32_actor = actor[0]
+        report = asyncio.run(sync_weights(fp32_actor, rollouts[1], 3, SyncConfig(), probe, lens))
+        assert report.held_checked == 21 and report.max_abs_logprob_diff <= SyncConfig().bf16_tolerance
+    finally:
+        for m in (bf16_actor, *rollouts):
+            m.shutdown()

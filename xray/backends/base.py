@@ -124,6 +124,11 @@ class GenerationEngine(ABC):
         """Log-probabilities of each sequence's tokens after its prompt, as the engine computes
         them (used to verify a weight sync)."""
 
+    def held_check(self) -> dict:
+        """Since the last call: how many loaded tensors the engine was seen to hold exactly,
+        could not show, or holds otherwise (`xray/backends/held.py`). Default: none checked."""
+        return {"checked": 0, "unreadable": 0, "mismatched": []}
+
 
 def layout_of(parallel: ParallelDims, rank: int) -> ShardInfo:
     """The ShardInfo of `rank` in Megatron's default rank order."""

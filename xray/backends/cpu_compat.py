@@ -12,6 +12,8 @@ on CPU"):
    schedules, p2p communication, a few layers): `on_cpu()` is a TorchFunctionMode that rewrites
    those to CPU while Megatron code runs, and `apply()` makes `torch.cuda.current_device()` and
    `torch.cuda.synchronize()` harmless.
+5. Megatron's mixed-precision optimizer accepts only parameters whose `.type()` names a CUDA
+   tensor: inside `on_cpu()`, a CPU tensor's `.type()` reads as its `torch.cuda.*` name.
 
 Usage: call `apply()` once (idempotent) after `parallel_state.initialize_model_parallel`, and wrap
 every call into Megatron (build, forward, train step) in `with on_cpu(): ...`.
@@ -51,6 +53,9 @@ class _CudaToCpu(TorchFunctionMode):
             kwargs = {**kwargs, "device": _CPU}
         if func is torch.Tensor.cuda:
             return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:  # Megatron's optimizer checks
+            name = func(*args)                                          # for `torch.cuda.*Tensor`
+            return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
             args = (args[0], _CPU, *args[2:])
         return func(*args, **kwargs)

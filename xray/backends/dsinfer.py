@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from xray.backends.base import GenerationEngine, WeightBucket
+from xray.backends.held import HeldCheck
 from xray.backends.sampling import SamplingSpec, call_seed, rollout_batch
 from xray.data.batch import Batch
 
@@ -166,6 +167,7 @@ class DsInferEngine(GenerationEngine):
         self.module = self.engine.module
         self.params = dict(self.module.named_parameters(remove_duplicate=False))
         self.slices = self._shard_slices(full_shapes, tp_config.get("mpu"))
+        self.held = HeldCheck()
         gen = self.module.generation_config
         eos = gen.eos_token_id if gen.eos_token_id is not None else self.module.config.eos_token_id
         self.eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
@@ -274,6 +276,12 @@ class DsInferEngine(GenerationEngine):
                 raise DsInferError(f"{name}: got shape {tuple(tensor.shape)}, the shard holds "
                                    f"{tuple(param.shape)}; send the full (unsharded) tensor")
             param.copy_(tensor.to(param.device))
+        held = dict(self.module.named_parameters(remove_duplicate=False))  # what the module computes with
+        for name, tensor in bucket:
+            self.held.compare(name, held.get(name), tensor.narrow(*self.slices[name]) if name in self.slices else tensor)
+
+    def held_check(self) -> dict:
+        return self.held.take()
 
     @torch.no_grad()
     def logprobs(self, sequences: list[list[int]], prompt_lens: list[int]) -> list[list[float]]:

@@ -24,6 +24,7 @@ from typing import Any, Iterator
 import torch
 
 from xray.backends.base import GenerationEngine, WeightBucket
+from xray.backends.held import HeldCheck
 from xray.backends.sampling import SamplingSpec, call_seed, rollout_batch
 from xray.data.batch import Batch
 
@@ -33,6 +34,8 @@ logger = logging.getLogger(__name__)
 # all its parts are at hand (a partial reload leaves the missing parts uninitialised).
 FUSED_PARTS = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
                "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
+# the order of the parts inside a fused tensor (rows, at tp=1)
+FUSED_ORDER = {"q_proj": 0, "k_proj": 1, "v_proj": 2, "gate_proj": 0, "up_proj": 1}
 
 
 class VllmEngineError(RuntimeError):
@@ -231,6 +234,7 @@ class VllmEngine(GenerationEngine):
         with _caller_state_kept():
             self.llm = vllm.LLM(**config.llm_kwargs())
         self.stager = FusedLayerStager(checkpoint_names(config.model_dir))
+        self.held = HeldCheck()
         self._calls = 0
         logger.info("vLLM engine ready: %s dtype=%s tp=%d device=%s", config.model_dir,
                     config.dtype, config.tp, config.device)
@@ -281,8 +285,24 @@ class VllmEngine(GenerationEngine):
         with _quiet_partial_reload():
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": ready})
         self.llm.reset_prefix_cache()
+        self._check_held(ready)
         logger.debug("reloaded %d tensors; %d waiting for their fused layer", len(ready),
                      len(self.stager.waiting()))
+
+    def _check_held(self, ready: WeightBucket) -> None:
+        """Compare the engine's tensors with what was just reloaded (`xray/backends/held.py`):
+        each fused tensor against its parts concatenated in vLLM's order."""
+        params = self.llm.apply_model(lambda model: dict(model.named_parameters()))[0]
+        fused: dict[str, list[tuple[str, torch.Tensor]]] = {}
+        for name, tensor in ready:
+            fused.setdefault(f"{fused_layer_of(name)}.{name.rsplit('.', 1)[1]}", []).append((name, tensor))
+        for target, parts in fused.items():
+            parts.sort(key=lambda part: FUSED_ORDER.get(part[0].split(".")[-2], 0))
+            expected = parts[0][1] if len(parts) == 1 else torch.cat([t for _, t in parts])
+            self.held.compare(target, params.get(target), expected)
+
+    def held_check(self) -> dict:
+        return self.held.take()
 
     def pending_weights(self) -> list[str]:
         """Names loaded but not yet applied because their fused layer is incomplete."""

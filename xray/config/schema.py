@@ -22,7 +22,10 @@ class ModelConfig:
     """A local Hugging Face model directory, or `builtin:tiny-llama` (a seeded tiny Llama built
     into the run's output directory on first use)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
-    """Parameter dtype of the training backends."""
+    """Parameter dtype of the trained and reference models (actor, critic, reference) on either
+    training backend: `bfloat16` keeps bf16 weights with fp32 main weights in the optimizer and
+    reduces gradients in fp32 (Megatron-core's mixed-precision optimizer, DeepSpeed's bf16). Also
+    the rollout's dtype unless `rollout.dtype` is set."""
 
 
 @dataclass(frozen=True)
@@ -58,8 +61,9 @@ class RolloutConfig:
     """Tensor-parallel size inside one replica (vLLM on GPU)."""
     dp: int = 1
     """Number of engine replicas; tp * dp must equal the role's device group size."""
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    """Generation dtype."""
+    dtype: Optional[Literal["float32", "bfloat16"]] = None
+    """Generation dtype (None: `model.dtype`). The weight sync casts the actor's weights to it and
+    verifies the engine holds exactly those values."""
     max_new_tokens: int = 16
     """Longest response."""
     temperature: float = 1.0
@@ -157,9 +161,14 @@ class SyncConfig:
     """Weight sync from the actor to the rollout engine."""
 
     verify: bool = True
-    """Check after every sync that both sides give the same log-probs."""
+    """Check after every sync that the engine holds exactly the tensors sent (checksums in transit,
+    the engine's tensors compared bit for bit) and that both sides give the same log-probs."""
     tolerance: float = 1e-3
-    """Largest allowed absolute log-prob difference in the check."""
+    """Largest allowed absolute log-prob difference in the check when both sides are fp32."""
+    bf16_tolerance: float = 0.25
+    """The same when either side is bf16: two bf16 implementations of one model differ by up to
+    ~0.1 (see docs); here the probe only catches a model that computes wrongly, the exact checks
+    catch a wrong tensor."""
     bucket_mb: int = 64
     """Largest bucket of tensors sent at once."""
 

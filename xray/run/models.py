@@ -123,7 +123,7 @@ def role_init_kwargs(cfg: RunConfig, role: str, backend: str, model_dir: str) ->
     """What a role's Workhorses are built with: its own config section, nothing more."""
     if role in ("rollout", "sampler"):
         r = cfg.rollout
-        kwargs = dict(backend=backend, model_dir=model_dir, dtype=r.dtype,
+        kwargs = dict(backend=backend, model_dir=model_dir, dtype=r.dtype or cfg.model.dtype,
                       max_model_len=cfg.data.max_prompt_tokens + r.max_new_tokens + 8)
         if backend == "vllm":
             kwargs.update(kv_cache_gib=r.kv_cache_gib, gpu_memory_utilization=r.gpu_memory_utilization)
@@ -136,7 +136,7 @@ def role_init_kwargs(cfg: RunConfig, role: str, backend: str, model_dir: str) ->
         return dict(model_dir=cfg.sample.prm_model, steps=True)
     rc = getattr(cfg, role)
     kwargs: dict[str, Any] = dict(backend=backend, model_dir=rc.model_path or model_dir, optim=rc.optim,
-                                  forward_micro_batch_size=rc.micro_batch_size)
+                                  forward_micro_batch_size=rc.micro_batch_size, dtype=cfg.model.dtype)
     if backend == "deepspeed":
         kwargs["zero_stage"] = rc.zero_stage
     return kwargs

@@ -5,11 +5,19 @@ object store to every rollout replica (`TrainWorkhorse.push_weights`), which loa
 and takes the new weight version. A bucket travels in its wire form (`pack_bucket`): each tensor
 as a flat NumPy byte view, which Ray moves out of band, so putting a bucket costs one copy into
 the object store and reading it on the same node costs none (a pickled torch tensor is copied
-in band on both sides, several times slower). Then, unless the config turns it off, a few probe
-sequences are scored by both sides, concurrently: the actor's per-token log-probabilities against
-the rollout engine's own. A difference above the tolerance raises `WeightSyncError` naming the
-version and the worst position: a wrong sync never drifts silently. `sync_weights` is a
-coroutine: a run awaits it on its one event loop (a script: `asyncio.run(sync_weights(...))`).
+in band on both sides, several times slower).
+
+Verification, unless the config turns it off, has an exact part and a coarse one:
+- exact: each tensor travels with an integer checksum of its bytes, recomputed on arrival (a
+  tensor changed in transit), and each engine compares the tensors it holds, bit for bit, with
+  what it was sent, in its own dtype (`xray/backends/held.py`): any difference fails the sync;
+- coarse: a few probe sequences are scored by both sides, concurrently, the actor's per-token
+  log-probabilities against the engine's own, within `sync.tolerance` when both sides are fp32
+  and `sync.bf16_tolerance` when either is bf16 (two bf16 implementations of one model differ by
+  far more than a missed update: the probe there only catches a model that computes wrongly).
+A failure raises `WeightSyncError` naming the version and what differs: a wrong sync never
+drifts silently. `sync_weights` is a coroutine: a run awaits it on its one event loop (a script:
+`asyncio.run(sync_weights(...))`).
 """
 from __future__ import annotations
 
@@ -33,6 +41,27 @@ class WeightSyncError(RuntimeError):
     """The rollout engine does not agree with the actor after a sync."""
 
 
+def check_exact(version: int, replicas: list[dict]) -> dict:
+    """Judge the exact checks the rollout replicas report (`RolloutWorkhorse.finish_sync`): a
+    tensor changed in transit or held otherwise than sent raises WeightSyncError. Returns the
+    totals: tensors checked and unreadable, and the dtypes the replicas hold."""
+    transit = sorted({n for r in replicas for n in r.get("changed_in_transit", [])})
+    held = sorted({n for r in replicas for n in r.get("held", {}).get("mismatched", [])})
+    if transit or held:
+        what = (f"{len(transit)} tensor(s) changed in transit ({', '.join(transit[:3])})" if transit else
+                f"the engine holds {len(held)} tensor(s) otherwise than sent ({', '.join(held[:3])})")
+        raise WeightSyncError(f"weight sync to version {version} failed verification: {what}. A tensor was "
+                              "lost or changed in transit, or the two sides map names differently")
+    return {"checked": sum(r.get("held", {}).get("checked", 0) for r in replicas),
+            "unreadable": sum(r.get("held", {}).get("unreadable", 0) for r in replicas),
+            "dtypes": sorted({r["dtype"] for r in replicas if "dtype" in r})}
+
+
+def probe_tolerance(cfg: SyncConfig, dtypes: list[str]) -> float:
+    """The probe's tolerance: `cfg.tolerance` when every side is fp32, else `cfg.bf16_tolerance`."""
+    return cfg.tolerance if set(dtypes) <= {"float32"} else cfg.bf16_tolerance
+
+
 @dataclass(frozen=True)
 class SyncReport:
     """What one sync cost and how well the two sides agree."""
@@ -43,29 +72,66 @@ class SyncReport:
     verify_s: float
     max_abs_logprob_diff: float
     """NaN when verification is off."""
+    held_checked: int = 0
+    """Engine tensors (over all replicas) found equal, bit for bit, to what was sent."""
+    held_unreadable: int = 0
+    """Engine tensors that could not be read back to compare (vLLM on CPU: its linear layers)."""
 
 
-# One tensor on the wire: (Hugging Face name, torch dtype name, shape, its bytes as a flat uint8 array).
-WireTensor = tuple[str, str, tuple[int, ...], "numpy.ndarray"]
+# One tensor on the wire: (Hugging Face name, torch dtype name, shape, its bytes as a flat uint8
+# array, the checksum of those bytes).
+WireTensor = tuple[str, str, tuple[int, ...], "numpy.ndarray", int]
+
+
+def _bytes_tensor(data) -> torch.Tensor:
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(data)
+
+
+def checksum(data) -> int:
+    """The sum of a byte array read as 32-bit integers (8-bit when its length is not a multiple
+    of 4), in int64: exact, so any change of the bytes (short of a rearrangement that keeps the
+    sum) changes it, whatever order the sum runs in."""
+    words = _bytes_tensor(data)
+    if words.numel() % 4 == 0:
+        words = words.view(torch.int32)
+    return int(words.sum(dtype=torch.int64))
 
 
 def pack_bucket(bucket: WeightBucket) -> list[WireTensor]:
-    """The wire form of a bucket: byte views of the tensors (no copy for contiguous CPU tensors)."""
+    """The wire form of a bucket: byte views of the tensors (no copy for contiguous CPU tensors),
+    each with its checksum."""
     wire = []
     for name, tensor in bucket:
-        flat = tensor.detach().cpu().contiguous().reshape(-1)
-        wire.append((name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape),
-                     flat.view(torch.uint8).numpy()))
+        data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+        wire.append((name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), data, checksum(data)))
     return wire
+
+
+def perturbed(wire: list[WireTensor], name: str) -> list[WireTensor]:
+    """`wire` with tensor `name` changed by +1e-2 and its checksum kept: a tensor changed in
+    transit (fault injection for testing the verification, never in a run)."""
+    out = []
+    for entry in wire:
+        if entry[0] == name:
+            (_, tensor), = unpack_bucket([entry])
+            changed = (tensor + 1e-2).to(tensor.dtype).reshape(-1).view(torch.uint8).numpy()
+            entry = (*entry[:3], changed, entry[4])
+        out.append(entry)
+    return out
 
 
 def unpack_bucket(wire: list[WireTensor]) -> WeightBucket:
     """Tensors viewing the wire's bytes (read-only object-store memory on the receiving side:
     load them by copying, never write into them)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        return [(name, torch.from_numpy(data).view(getattr(torch, dtype)).view(shape))
-                for name, dtype, shape, data in wire]
+    return [(name, _bytes_tensor(data).view(getattr(torch, dtype)).view(shape))
+            for name, dtype, shape, data, _ in wire]
+
+
+def changed_in_transit(wire: list[WireTensor]) -> list[str]:
+    """Names of the tensors whose bytes no longer match their checksum."""
+    return [name for name, _, _, data, sent in wire if checksum(data) != sent]
 
 
 def random_probe(model_dir: str | None, actor_dp: int, rollout_dp: int, seed: int, length: int = 16,
@@ -144,12 +210,15 @@ async def sync_weights(actor, rollout, version: int, cfg: SyncConfig, probe: lis
     sync_s = time.perf_counter() - t0
     diff, verify_s = float("nan"), 0.0
     if cfg.verify:
+        exact = check_exact(version, pushed["replica_reports"])
         actor_out, engine_logp = await asyncio.gather(actor_call, engine_call)
-        diff = check_logprobs(actor_out[C.LOGPROBS], engine_logp, probe, prompt_lens, version, cfg.tolerance)
+        tolerance = probe_tolerance(cfg, exact["dtypes"] + [pushed["dtype"]])
+        diff = check_logprobs(actor_out[C.LOGPROBS], engine_logp, probe, prompt_lens, version, tolerance)
         verify_s = time.perf_counter() - t0 - sync_s
     log.debug("weight sync v%d: %.1f MB in %.2f s, verify %.2f s (max diff %.2e)", version,
               pushed["bytes"] / 1e6, sync_s, verify_s, diff)
-    return SyncReport(version, pushed["bytes"], sync_s, verify_s, diff)
+    held = (exact["checked"], exact["unreadable"]) if cfg.verify else (0, 0)
+    return SyncReport(version, pushed["bytes"], sync_s, verify_s, diff, *held)
 
 
 @dataclass
@@ -159,7 +228,7 @@ class Staged:
 
     version: int
     export: object
-    """Pending answer of `stage_weights`: {"buckets": [ref, ...], "bytes": n}."""
+    """Pending answer of `stage_weights`: {"buckets": [ref, ...], "bytes": n, "dtype": name}."""
     actor_probe: object | None
     """Pending actor forward over the probe (None when verification is off)."""
     probe: list[list[int]] | None
@@ -188,15 +257,17 @@ async def deliver(staged: Staged, rollout, cfg: SyncConfig) -> SyncReport:
     targets = rollout.shard_handles()
     for ref in export["buckets"]:  # in order; each target loads one bucket after the other
         await asyncio.gather(*[t.load_bucket.remote(ref) for t in targets])
-    await asyncio.gather(*[t.finish_sync.remote(staged.version) for t in targets])
+    replicas = await asyncio.gather(*[t.finish_sync.remote(staged.version) for t in targets])
     sync_s = time.perf_counter() - t0
     diff, verify_s = float("nan"), 0.0
     if cfg.verify:
+        exact = check_exact(staged.version, list(replicas))
         engine_logp = await rollout.call("logprobs", staged.probe, staged.prompt_lens)
         actor_out = await staged.actor_probe
         diff = check_logprobs(actor_out[C.LOGPROBS], engine_logp, staged.probe, staged.prompt_lens,
-                              staged.version, cfg.tolerance)
+                              staged.version, probe_tolerance(cfg, exact["dtypes"] + [export["dtype"]]))
         verify_s = time.perf_counter() - t0 - sync_s
     log.debug("weight sync v%d (staged): %.1f MB in %.2f s, verify %.2f s (max diff %.2e)", staged.version,
               export["bytes"] / 1e6, sync_s, verify_s, diff)
-    return SyncReport(staged.version, export["bytes"], sync_s, verify_s, diff)
+    held = (exact["checked"], exact["unreadable"]) if cfg.verify else (0, 0)
+    return SyncReport(staged.version, export["bytes"], sync_s, verify_s, diff, *held)

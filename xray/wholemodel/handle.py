@@ -206,7 +206,7 @@ class WholeModel:
         self._synced = getattr(self, "_synced", 0) + 1
         probe, prompt_lens = random_probe(self.init_kwargs.get("model_dir"), self.parallel.dp,
                                           rollout.parallel.dp, seed=self._synced)
-        report = blocking(sync_weights(self, rollout, self._synced, SyncConfig(verify, tolerance, bucket_mb),
+        report = blocking(sync_weights(self, rollout, self._synced, SyncConfig(verify=verify, tolerance=tolerance, bucket_mb=bucket_mb),
                                        probe, prompt_lens))
         return dataclasses.asdict(report)
 

@@ -15,7 +15,7 @@ from xray.backends.base import GenerationEngine, ShardInfo, layout_of
 from xray.data import columns as C
 from xray.data.batch import Batch
 from xray.data.sequences import pack_sequences
-from xray.sync.weights import unpack_bucket
+from xray.sync.weights import changed_in_transit, unpack_bucket
 from xray.wholemodel.protocol import fanout
 from xray.workhorse.base import Workhorse
 
@@ -30,6 +30,7 @@ class RolloutWorkhorse(Workhorse):
         self.version = 0
         self._sync_started = 0.0
         self._received = 0
+        self._changed: list[str] = []
 
     def init_dist(self, master_addr: str, master_port: int, timeout_s: float = 300.0) -> None:
         """Join the role's group when the engine needs one: DeepSpeed-Inference always (AutoTP
@@ -130,13 +131,18 @@ class RolloutWorkhorse(Workhorse):
             self._sync_started = time.perf_counter()
         bucket = unpack_bucket(wire)
         with self.busy():
+            self._changed += changed_in_transit(wire)
             self.engine.load_weights(bucket)
         self._received += sum(t.numel() * t.element_size() for _, t in bucket)
         return len(bucket)
 
     def finish_sync(self, version: int) -> dict:
-        """Mark the sync complete at `version`; returns what this replica received."""
+        """Mark the sync complete at `version`; returns what this replica received and its exact
+        checks (`xray.sync.weights.check_exact` judges them): tensors whose bytes changed in
+        transit, and what the engine was seen to hold (`xray/backends/held.py`)."""
         report = {"rank": self.rank, "bytes": self._received, "version": version,
-                  "load_s": time.perf_counter() - self._sync_started if self._sync_started else 0.0}
-        self.version, self._received, self._sync_started = version, 0, 0.0
+                  "load_s": time.perf_counter() - self._sync_started if self._sync_started else 0.0,
+                  "dtype": self.config.get("dtype", "float32"), "changed_in_transit": self._changed,
+                  "held": self.engine.held_check()}
+        self.version, self._received, self._sync_started, self._changed = version, 0, 0.0, []
         return report

@@ -15,7 +15,7 @@ from xray.backends.base import LossFn, ShardInfo, TrainEngine
 from xray.config.optim import OptimConfig
 from xray.data import columns as C
 from xray.data.batch import Batch
-from xray.sync.weights import pack_bucket
+from xray.sync.weights import pack_bucket, perturbed
 from xray.wholemodel.protocol import fanout
 from xray.workhorse.base import Workhorse, train_step_columns
 
@@ -106,15 +106,16 @@ class TrainWorkhorse(Workhorse):
         import ray
 
         sent = count = 0
+        dtype = None
         t0 = time.perf_counter()
         in_flight: list[list] = []
         exports = self.engine.exports(replica)
         for bucket in self.timed(self.engine.export_weights(bucket_bytes, replica)):
             if not exports or not bucket:
                 continue
-            if corrupt is not None:
-                bucket = [(n, t + 1e-2 if n == corrupt else t) for n, t in bucket]
-            ref = ray.put(pack_bucket(bucket))
+            dtype = dtype or str(bucket[0][1].dtype).removeprefix("torch.")
+            wire = pack_bucket(bucket)
+            ref = ray.put(perturbed(wire, corrupt) if corrupt is not None else wire)
             in_flight.append([t.load_bucket.remote(ref) for t in targets])
             if len(in_flight) == 2:
                 ray.get(in_flight.pop(0))
@@ -126,7 +127,7 @@ class TrainWorkhorse(Workhorse):
             return None
         replicas = ray.get([t.finish_sync.remote(version) for t in targets])
         return {"version": version, "bytes": sent, "tensors": count, "replicas": len(replicas),
-                "push_s": time.perf_counter() - t0}
+                "push_s": time.perf_counter() - t0, "dtype": dtype, "replica_reports": replicas}
 
     @fanout(dispatch="all", collect=_exported, deadline_s=1800.0)
     def stage_weights(self, bucket_bytes: int = 64 << 20, replica: int = 0) -> dict | None:
@@ -136,13 +137,14 @@ class TrainWorkhorse(Workhorse):
         The object store holds the whole model until the references are dropped."""
         import ray
 
-        refs, sent = [], 0
+        refs, sent, dtype = [], 0, None
         exports = self.engine.exports(replica)
         for bucket in self.engine.export_weights(bucket_bytes, replica):
             if exports and bucket:
                 refs.append(ray.put(pack_bucket(bucket)))
                 sent += sum(t.numel() * t.element_size() for _, t in bucket)
-        return {"buckets": refs, "bytes": sent} if exports else None
+                dtype = dtype or str(bucket[0][1].dtype).removeprefix("torch.")
+        return {"buckets": refs, "bytes": sent, "dtype": dtype} if exports else None
 
     @fanout(dispatch="all", collect=lambda layout, results: max(results))
     def snapshot(self, directory: str) -> float:

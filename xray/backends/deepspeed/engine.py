@@ -13,6 +13,8 @@ DeepSpeed divides each micro-batch's loss by the accumulation steps and averages
 """
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import os
 from typing import Iterator
@@ -248,8 +250,12 @@ def _mean_over_ranks(values: dict[str, float]) -> dict[str, float]:
 
 def build_engine(model_dir: str, parallel: ParallelDims, role: str, optim: OptimConfig, seed: int,
                  zero_stage: int, device: str = "cpu", options: ZeroOptions = ZeroOptions(),
-                 forward_micro_batch_size: int | None = None) -> DeepSpeedEngine:
+                 forward_micro_batch_size: int | None = None, dtype: str | None = None) -> DeepSpeedEngine:
     """The DeepSpeed engine of this process's shard (see DeepSpeedEngine); `forward` runs in
-    micro-batches of at most `forward_micro_batch_size` rows (None: the whole batch at once)."""
+    micro-batches of at most `forward_micro_batch_size` rows (None: the whole batch at once);
+    `dtype` ("float32" or "bfloat16", DeepSpeed's bf16 with fp32 master weights) overrides the
+    options' dtype."""
+    if dtype is not None:
+        options = dataclasses.replace(options, dtype=dtype)
     return DeepSpeedEngine(model_dir, parallel, role, optim, seed, zero_stage, device, options,
                            forward_micro_batch_size)

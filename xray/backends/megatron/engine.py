@@ -23,6 +23,7 @@ from xray.backends.megatron import checkpoint, grads, reshard
 from xray.backends.megatron.convert import Entry, Kind
 from xray.backends.megatron.export import export_full
 from xray.backends.megatron.logprobs import PolicyOutputs, token_logprobs
+from xray.backends.megatron.mixed import Mixed, torch_dtype, wrap
 from xray.backends.megatron.model import ATTENTIONS, ROLES, build_and_load
 from xray.backends.megatron.spec import ModelSpec, check_layout
 from xray.backends.optim import SKIPPED, build_optimizer, build_scheduler, frozen_lr, skips_update
@@ -53,15 +54,19 @@ class MegatronEngine(TrainEngine):
 
     def __init__(self, model: torch.nn.Module, entries: list[Entry], spec: ModelSpec,
                  parallel: ParallelDims, role: str, optim: OptimConfig, device: torch.device,
-                 forward_micro_batch_size: int | None):
+                 forward_micro_batch_size: int | None, mixed: Mixed | None = None):
         self.model, self.spec, self.parallel, self.role = model, spec, parallel, role
+        self.mixed = mixed  # bf16: Megatron's Float16Module, DDP and optimizer (`mixed.py`)
+        self.runner = mixed.runner if mixed is not None else model
         self._replicated = {e.megatron_name for e in entries if e.kind is Kind.REPLICATED}
         self.device = device
         self.forward_micro_batch_size = forward_micro_batch_size
         self.rank = dist.get_rank()
         self.step = 0
         self.optimizer = self.scheduler = None
-        if role != "reference":
+        if mixed is not None:
+            self.optimizer, self.scheduler = mixed.optimizer, mixed.scheduler
+        elif role != "reference":
             self.optimizer = build_optimizer(model.parameters(), optim)
             self.scheduler = build_scheduler(self.optimizer, optim)
         self.optim = optim
@@ -91,7 +96,7 @@ class MegatronEngine(TrainEngine):
             return output, partial(loss_func, mb)
 
         return get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter(micro), model=[self.model],
+            forward_step_func=forward_step, data_iterator=iter(micro), model=[self.runner],
             num_microbatches=len(micro), seq_length=micro[0][C.INPUT_IDS].shape[1],
             micro_batch_size=len(micro[0]), forward_only=forward_only)
 
@@ -109,7 +114,7 @@ class MegatronEngine(TrainEngine):
                 outputs[C.ENTROPY]  # noqa: B018 - computes the entropy
             return output.new_zeros(()), {k: v.detach() for k, v in outputs.items()}
 
-        self.model.eval()
+        self.runner.eval()
         with self._compat(), torch.no_grad():
             stored = self._run(micro, keep, forward_only=True)
         if not self._info.collects:
@@ -126,22 +131,36 @@ class MegatronEngine(TrainEngine):
             loss, metrics = apply_loss(loss_fn, self._head_outputs(output, mb), mb)
             return loss, {"loss": float(loss.detach()), **{k: float(v) for k, v in metrics.items()}}
 
-        self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.runner.train()
+        if self.mixed is not None:
+            self.mixed.zero_grad()
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
         with self._compat():
             stored = self._run(micro, loss_func, forward_only=False)
-            params = [p for p in self.model.parameters() if p.requires_grad]
-            grads.allreduce_data_parallel(params)
-            grads.allreduce_tied_embedding(self.model)
-            norm = grads.clip_grad_norm(self.model, self.optim.grad_clip, self._replicated)
+            norm = self._finish_grads()
         lr = self.optimizer.param_groups[0]["lr"]
         metrics = self._reduce_metrics(stored)
         skipped = skips_update(metrics.get(SKIPPED))  # the same on every rank: reduced over all
-        with frozen_lr(self.optimizer, skipped):
-            self.optimizer.step()
+        with frozen_lr(self.optimizer, skipped), self._compat():
+            stepped = self.mixed.step() if self.mixed is not None else None
+            if stepped is None:
+                self.optimizer.step()
+        norm = stepped if stepped is not None else norm
         self.scheduler.step()
         self.step += 1
         return {**metrics, "grad_norm": norm, "lr": lr, "update_skipped": float(skipped)}
+
+    def _finish_grads(self) -> float | None:
+        """Gradients reduced over replicas and tied copies; fp32 also clips here (the norm),
+        bf16 leaves clipping to Megatron's optimizer step (None)."""
+        if self.mixed is not None:
+            self.mixed.finish_grads()
+            return None
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        grads.allreduce_data_parallel(params)
+        grads.allreduce_tied_embedding(self.model)
+        return grads.clip_grad_norm(self.model, self.optim.grad_clip, self._replicated)
 
     def _reduce_metrics(self, stored: list[dict[str, float]]) -> dict[str, float]:
         """Mean over micro-batches (last stage) and replicas, then shared with every stage."""
@@ -273,17 +292,19 @@ def _init_parallel_state(parallel: ParallelDims) -> None:
 
 def build_engine(model_dir: str, parallel: ParallelDims, role: str, optim: OptimConfig = OptimConfig(),
                  seed: int = 0, device: str = "cpu", forward_micro_batch_size: int | None = None,
-                 attention: str = "sdpa") -> MegatronEngine:
+                 attention: str = "sdpa", dtype: str = "float32") -> MegatronEngine:
     """Build this rank's engine. torch.distributed's default group must already span exactly
     `parallel.world_size` processes. `role` is "actor", "reference" or "critic";
     `forward_micro_batch_size` bounds the rows per micro-batch of `forward` (None: the whole
     batch at once); `attention` picks the core attention ("sdpa": torch's fused kernel,
-    "megatron": Megatron's DotProductAttention)."""
+    "megatron": Megatron's DotProductAttention); `dtype` "bfloat16" trains bf16 parameters with
+    fp32 main weights and fp32 gradient reduction through Megatron's own machinery (`mixed.py`)."""
     if role not in ROLES:
         raise ValueError(f"unknown role {role!r}; choose one of {', '.join(ROLES)}")
     if attention not in ATTENTIONS:
         raise ValueError(f"unknown attention {attention!r}; choose one of {', '.join(ATTENTIONS)}")
     spec = check_layout(model_dir, parallel)
+    params_dtype = torch_dtype(dtype)
     if not dist.is_initialized():
         raise EngineUsageError("torch.distributed is not initialised; the Workhorse (or "
                                "tests/dist_harness.run_distributed) must create the default group first")
@@ -302,8 +323,12 @@ def build_engine(model_dir: str, parallel: ParallelDims, role: str, optim: Optim
         torch.manual_seed(seed)
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
     with cpu_compat.device_context(device):
-        model, entries = build_and_load(model_dir, spec, parallel, role, on_cpu, seed, attention)
+        model, entries = build_and_load(model_dir, spec, parallel, role, on_cpu, seed, attention, params_dtype)
     model.to(dev)
     if role == "reference":
         model.requires_grad_(False)
-    return MegatronEngine(model, entries, spec, parallel, role, optim, dev, forward_micro_batch_size)
+    mixed = None
+    if params_dtype != torch.float32:
+        with cpu_compat.device_context(device):
+            mixed = wrap(model, None if role == "reference" else optim)
+    return MegatronEngine(model, entries, spec, parallel, role, optim, dev, forward_micro_batch_size, mixed)

@@ -13,7 +13,7 @@ import logging
 
 import torch
 
-from xray.backends.megatron.convert import VALUE_HEAD, Entry, stage_entries, to_shard
+from xray.backends.megatron.convert import VALUE_HEAD, Entry, Kind, stage_entries, to_shard
 from xray.backends.megatron.hf_weights import HFWeights
 from xray.backends.megatron.spec import ModelSpec, stage_layers, transformer_config
 from xray.config.parallel import ParallelDims
@@ -52,12 +52,13 @@ def layer_spec(attention: str):
     return layer
 
 
-def build_gpt(spec: ModelSpec, parallel: ParallelDims, role: str, on_cpu: bool, attention: str):
-    """This rank's GPTModel (parameters uninitialised; fill them with `load_hf`)."""
+def build_gpt(spec: ModelSpec, parallel: ParallelDims, role: str, on_cpu: bool, attention: str,
+              dtype: torch.dtype = torch.float32):
+    """This rank's GPTModel in `dtype` (parameters uninitialised; fill them with `load_hf`)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
-    config = transformer_config(spec, parallel, on_cpu)
+    config = transformer_config(spec, parallel, on_cpu, dtype)
     critic = role == "critic"
     model = GPTModel(
         config=config, transformer_layer_spec=layer_spec(attention),
@@ -66,7 +67,7 @@ def build_gpt(spec: ModelSpec, parallel: ParallelDims, role: str, on_cpu: bool, 
         parallel_output=True, position_embedding_type="rope", rotary_base=spec.rope_theta,
         share_embeddings_and_output_weights=spec.tie_word_embeddings and not critic)
     if critic and model.post_process:
-        model.output_layer = ValueHead(spec.hidden_size)
+        model.output_layer = ValueHead(spec.hidden_size).to(dtype)
     first = stage_layers(spec.num_layers, parallel.pp)[ps.get_pipeline_model_parallel_rank()].start
     numbers = [layer.layer_number - 1 for layer in model.decoder.layers]
     assert numbers == list(range(first, first + len(numbers))), (numbers, first)
@@ -102,12 +103,26 @@ def load_hf(model: torch.nn.Module, entries: list[Entry], weights: HFWeights, sp
 
 
 def build_and_load(model_dir: str, spec: ModelSpec, parallel: ParallelDims, role: str,
-                   on_cpu: bool, seed: int, attention: str) -> tuple[torch.nn.Module, list[Entry]]:
-    """Build this rank's model and fill it from `model_dir`; returns it with its entries."""
+                   on_cpu: bool, seed: int, attention: str,
+                   dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module, list[Entry]]:
+    """Build this rank's model in `dtype` and fill it from `model_dir` (rounded to nearest when
+    bf16); returns it with its entries."""
     from megatron.core import parallel_state as ps
 
     pp_rank, tp_rank = ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()
-    model = build_gpt(spec, parallel, role, on_cpu, attention)
+    model = build_gpt(spec, parallel, role, on_cpu, attention, dtype)
     entries = stage_entries(spec, pp_rank, parallel.pp, critic=role == "critic")
     load_hf(model, entries, HFWeights(model_dir), spec, tp_rank, parallel.tp, seed)
+    mark_tensor_parallel(model, entries, parallel.tp)
     return model, entries
+
+
+def mark_tensor_parallel(model: torch.nn.Module, entries: list[Entry], tp: int) -> None:
+    """Set Megatron's `tensor_model_parallel` flag on the sharded parameters, as Megatron's
+    layers do when they initialise their own weights (`perform_initialization=False` skips it):
+    its optimizer counts a parameter without the flag in the gradient norm on tp rank 0 only."""
+    params = dict(model.named_parameters())
+    for entry in entries:
+        param = params[entry.megatron_name]
+        if not getattr(param, "tensor_model_parallel", False):
+            param.tensor_model_parallel = tp > 1 and entry.kind is not Kind.REPLICATED

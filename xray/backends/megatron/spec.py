@@ -126,12 +126,14 @@ def stage_layers(num_layers: int, pp: int) -> list[range]:
     return [range(start, start + size) for start, size in zip(starts, sizes)]
 
 
-def transformer_config(spec: ModelSpec, parallel: ParallelDims, on_cpu: bool):
-    """Megatron-core's TransformerConfig for `spec` under `parallel`, fp32, no dropout, no fusions."""
+def transformer_config(spec: ModelSpec, parallel: ParallelDims, on_cpu: bool, dtype=None):
+    """Megatron-core's TransformerConfig for `spec` under `parallel` with `dtype` parameters
+    (fp32 by default; bf16 sets Megatron's `bf16` flag), no dropout, no fusions."""
     import torch
     import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    dtype = dtype or torch.float32
     first = stage_layers(spec.num_layers, parallel.pp)[0]
     uneven = parallel.pp > 1 and spec.num_layers % parallel.pp != 0
     return TransformerConfig(
@@ -143,7 +145,7 @@ def transformer_config(spec: ModelSpec, parallel: ParallelDims, on_cpu: bool):
         add_qkv_bias=spec.qkv_bias, hidden_dropout=0.0, attention_dropout=0.0,
         tensor_model_parallel_size=parallel.tp, pipeline_model_parallel_size=parallel.pp,
         num_layers_in_first_pipeline_stage=len(first) if uneven else None,
-        pipeline_dtype=torch.float32, params_dtype=torch.float32,
+        pipeline_dtype=dtype, params_dtype=dtype, bf16=dtype == torch.bfloat16,
         use_cpu_initialization=on_cpu, perform_initialization=False,
         bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
         apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
