@@ -1,19 +1,25 @@
-"""Train-step throughput of the Megatron engine vs a plain Hugging Face + torch AdamW loop.
+"""Train-step throughput of the Megatron engine: against a plain Hugging Face loop, or bf16 against fp32.
 
-One process, tp=pp=dp=1, the BENCH_27M model of xray/models/tiny.py, fp32, the same batch, loss
-(xray.check.reference.policy_loss), micro-batching, clipping and AdamW for both. The two loops
-alternate (one step each per round) so that machine noise hits both alike; on a shared machine
-the fastest step of each (best of `--rounds`) is the figure compared, the median is printed
-beside it. Achieved FLOP/s are set against a measured fp32 matmul peak (best of several tries,
-before and after the steps).
+One process, tp=pp=dp=1, a benchmark model of xray/models/tiny.py (random weights), the same batch,
+loss (xray.check.reference.policy_loss), micro-batching, clipping and AdamW for both sides, which
+alternate (one step each per round) so that machine noise hits both alike. Figures are medians
+over `--rounds` rounds after one warm-up step each.
 
-    .venv/bin/python benchmarks/megatron_train.py [--batch 8] [--seq 256] [--micro 4] [--rounds 10]
-        [--threads N]
+    .venv/bin/python benchmarks/megatron_train.py [--dtype float32|bfloat16] [--model 27M|110M]
+        [--batch 8] [--seq 256] [--micro 4] [--rounds 7] [--threads N]
 
-CPU time per step is printed too: on a machine shared with other jobs it moves far less than
-wall time (with --threads 1 it is the step's compute alone).
+`--dtype float32` (default model 27M): the Megatron engine against a plain HF + torch AdamW loop,
+both fp32. Last line `megatron_vs_hf=<HF median step s / Megatron median step s> mfu=<Megatron's
+achieved FLOP/s / the fp32 matmul peak>`.
 
-The last line is `megatron_vs_hf=<tokens/s ratio> mfu=<achieved FLOP/s / matmul peak>`.
+`--dtype bfloat16` (default model 110M): the Megatron engine in bf16 (bf16 weights, fp32 main
+weights and gradient reduction: `model.dtype: bfloat16`) against the same engine in fp32. Last line
+`bf16_over_fp32=<fp32 median step s / bf16 median step s> mfu_bf16=<bf16 achieved FLOP/s / the bf16
+matmul peak>`; the line above it gives the host's bf16/fp32 matmul ratio, the ceiling of the first.
+
+Matmul peaks are measured in the same run (2048^2 matmuls, median of 10, before and after the
+steps, the larger kept), with the steps' thread count. CPU time per step is printed too: on a
+machine shared with other jobs it moves far less than wall time.
 """
 from __future__ import annotations
 
@@ -31,25 +37,24 @@ from xray.backends.optim import build_optimizer, build_scheduler
 from xray.check import reference as R
 from xray.config.parallel import ParallelDims
 from xray.data import columns as C
-from xray.models.tiny import BENCH_27M, build_tiny_model
+from xray.models.tiny import BENCH_MODELS, TinySpec, build_tiny_model
 
 
-def matmul_peak(n: int = 2048, reps: int = 10) -> float:
-    """Measured fp32 matmul FLOP/s (best of `reps`) with torch's current thread count."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
+def matmul_peak(dtype: torch.dtype = torch.float32, n: int = 2048, reps: int = 10) -> float:
+    """Measured matmul FLOP/s in `dtype` (median of `reps`) with torch's current thread count."""
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     a @ b
-    best = float("inf")
+    times = []
     for _ in range(reps):
         t = time.perf_counter()
         a @ b
-        best = min(best, time.perf_counter() - t)
-    return 2 * n ** 3 / best
+        times.append(time.perf_counter() - t)
+    return 2 * n ** 3 / statistics.median(times)
 
 
-def train_flops_per_token(seq: int) -> float:
+def train_flops_per_token(s: TinySpec, seq: int) -> float:
     """6 x matmul parameters (embedding lookup excluded, output layer included) plus attention's
     12 x layers x hidden x seq (the usual convention, full rather than causal attention)."""
-    s = BENCH_27M
     d_head = s.hidden_size // s.num_heads
     attn = s.hidden_size * d_head * (s.num_heads + 2 * s.num_kv_heads) + s.num_heads * d_head * s.hidden_size
     mlp = 3 * s.hidden_size * s.intermediate_size
@@ -88,52 +93,75 @@ def _timed(fn) -> tuple[float, float]:
     return time.perf_counter() - wall, time.process_time() - cpu
 
 
+def _alternate(steps: dict, rounds: int) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Wall and CPU seconds of each step function, one call each per round, after a warm-up call."""
+    for step in steps.values():
+        step()
+    times: dict[str, list[float]] = {k: [] for k in steps}
+    cpu: dict[str, list[float]] = {k: [] for k in steps}
+    for _ in range(rounds):
+        for name, step in steps.items():
+            wall, used = _timed(step)
+            times[name].append(wall)
+            cpu[name].append(used)
+    return times, cpu
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--model", choices=sorted(BENCH_MODELS), default=None,
+                        help="benchmark model (default: 27M in fp32, 110M in bf16)")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--micro", type=int, default=4)
-    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    bf16 = args.dtype == "bfloat16"
+    name = args.model or ("110M" if bf16 else "27M")
+    spec = BENCH_MODELS[name]
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29531")
     dist.init_process_group("gloo", rank=0, world_size=1)
     from xray.backends.megatron import build_engine
 
-    model_dir = str(build_tiny_model(tempfile.mkdtemp(prefix="xray-bench-"), BENCH_27M, seed=0))
+    model_dir = str(build_tiny_model(tempfile.mkdtemp(prefix="xray-bench-"), spec, seed=0))
     optim = OptimConfig(lr=1e-5)
-    batch = R.random_batch(args.batch, args.seq, BENCH_27M.vocab_size, seed=0)
+    batch = R.random_batch(args.batch, args.seq, spec.vocab_size, seed=0)
     engine = build_engine(model_dir, ParallelDims(), "actor", optim, seed=0)
-    hf = HFLoop(model_dir, optim)
-    print(f"threads={torch.get_num_threads()} batch={args.batch}x{args.seq} micro={args.micro}")
-
-    mega_step = lambda: engine.train_step(batch, R.policy_loss, args.micro)  # noqa: E731
-    hf_step = lambda: hf.step(batch, args.micro)  # noqa: E731
-    peak = matmul_peak()
-    mega_step(), hf_step()  # warm-up
-    times: dict[str, list[float]] = {"megatron": [], "hf": []}
-    cpu: dict[str, list[float]] = {"megatron": [], "hf": []}
-    for _ in range(args.rounds):
-        for name, step in (("megatron", mega_step), ("hf", hf_step)):
-            wall, used = _timed(step)
-            times[name].append(wall)
-            cpu[name].append(used)
-    tokens = args.batch * args.seq
-    tps = {k: tokens / min(v) for k, v in times.items()}
+    if bf16:
+        other = build_engine(model_dir, ParallelDims(), "actor", optim, seed=0, dtype="bfloat16")
+        steps = {"megatron bf16": lambda: other.train_step(batch, R.policy_loss, args.micro),
+                 "megatron fp32": lambda: engine.train_step(batch, R.policy_loss, args.micro)}
+    else:
+        hf = HFLoop(model_dir, optim)
+        steps = {"megatron": lambda: engine.train_step(batch, R.policy_loss, args.micro),
+                 "hf": lambda: hf.step(batch, args.micro)}
+    print(f"model {name}, threads={torch.get_num_threads()} batch={args.batch}x{args.seq} micro={args.micro}")
+    peaks = {t: matmul_peak(t) for t in (torch.float32, torch.bfloat16)}
+    times, cpu = _alternate(steps, args.rounds)
+    peaks = {t: max(p, matmul_peak(t)) for t, p in peaks.items()}
+    tokens, flops = args.batch * args.seq, train_flops_per_token(spec, args.seq)
+    median = {k: statistics.median(v) for k, v in times.items()}
     for k, v in times.items():
-        print(f"{k}: step {min(v) * 1e3:.0f} ms best, {statistics.median(v) * 1e3:.0f} ms median "
-              f"of {len(v)} (CPU time {statistics.median(cpu[k]) * 1e3:.0f} ms median); "
-              f"{tps[k]:,.0f} tokens/s")
-    peak = max(peak, matmul_peak())
-    achieved = tps["megatron"] * train_flops_per_token(args.seq)
-    print(f"fp32 matmul peak {peak / 1e9:.0f} GFLOP/s; megatron achieved {achieved / 1e9:.1f} GFLOP/s, "
-          f"hf {tps['hf'] * train_flops_per_token(args.seq) / 1e9:.1f} GFLOP/s")
+        print(f"{k}: step {median[k] * 1e3:.0f} ms median of {len(v)} (range {min(v) * 1e3:.0f}-"
+              f"{max(v) * 1e3:.0f}; CPU time {statistics.median(cpu[k]) * 1e3:.0f} ms median); "
+              f"{tokens / median[k]:,.0f} tokens/s, {tokens / median[k] * flops / 1e9:.1f} GFLOP/s")
+    ratio = peaks[torch.bfloat16] / peaks[torch.float32]
+    print(f"matmul peaks: fp32 {peaks[torch.float32] / 1e9:.0f} GFLOP/s, bf16 {peaks[torch.bfloat16] / 1e9:.0f} "
+          f"GFLOP/s (host bf16/fp32 ratio {ratio:.2f}: the ceiling of a bf16 speed-up)")
     dist.destroy_process_group()
-    print(f"megatron_vs_hf={tps['megatron'] / tps['hf']:.3f} mfu={achieved / peak:.3f}")
+    if bf16:
+        achieved = tokens / median["megatron bf16"] * flops
+        print(f"bf16_over_fp32={median['megatron fp32'] / median['megatron bf16']:.3f} "
+              f"mfu_bf16={achieved / peaks[torch.bfloat16]:.3f}")
+    else:
+        achieved = tokens / median["megatron"] * flops
+        print(f"megatron_vs_hf={median['hf'] / median['megatron']:.3f} mfu={achieved / peaks[torch.float32]:.3f}")
 
 
 if __name__ == "__main__":

@@ -1,26 +1,34 @@
-"""Rollout throughput: the vLLM engine against Hugging Face `generate`, on BENCH_27M.
+"""Rollout throughput: the vLLM engine against Hugging Face `generate`, or vLLM bf16 against fp32.
 
-    .venv/bin/python benchmarks/rollout_throughput.py [--prompts 128] [--new-tokens 128]
+    .venv/bin/python benchmarks/rollout_throughput.py [--dtype float32|bfloat16] [--model 27M|110M]
+        [--prompts 128] [--new-tokens 128] [--repeats 3] [--threads 1]
 
-One run builds the 27M-parameter Llama of xray/models/tiny.py (random weights), then times, on
-the same prompts (random token ids, 16 to 48 long), the same sampling (temperature 1, a fixed
-seed) and the same number of torch threads, each engine's second call (the first one warms up):
-  - Hugging Face `generate`, fp32, the whole batch at once (left padding, KV cache);
-  - the vLLM engine (xray.backends.vllm), fp32, then bf16.
-Tokens counted are the generated response tokens. The last line is
-`vllm_vs_hf=<fp32 vLLM tokens/s over HF tokens/s> tokens_per_s=<fp32 vLLM tokens/s>`.
+One run builds a benchmark Llama of xray/models/tiny.py (random weights), then times, on the same
+prompts (random token ids, 16 to 48 long), the same sampling (temperature 1, a fixed seed) and the
+same number of torch threads, each engine's calls after a warm-up call (tokens/s: the median over
+`--repeats` calls). Tokens counted are the generated response tokens. The engines run one after
+the other (two in-process vLLM engines do not share a process), each on a quiet machine's share.
+
+`--dtype float32` (default model 27M): Hugging Face `generate` (fp32, the whole batch at once, left
+padding, KV cache), then the vLLM engine (xray.backends.vllm) in fp32 and in bf16. Last line
+`vllm_vs_hf=<fp32 vLLM tokens/s / HF tokens/s> tokens_per_s=<fp32 vLLM tokens/s>`.
+
+`--dtype bfloat16` (default model 110M): the vLLM engine in fp32, then in bf16. Last line
+`bf16_over_fp32=<bf16 tokens/s / fp32 tokens/s> tokens_per_s_bf16=<bf16 tokens/s>`; the line above
+it gives the host's bf16/fp32 matmul ratio (measured in the same run), the ceiling of the first.
 """
 from __future__ import annotations
 
 import argparse
 import gc
 import os
+import statistics
 import tempfile
 import time
 
 import torch
 
-from xray.models.tiny import BENCH_27M, build_tiny_model
+from xray.models.tiny import BENCH_MODELS, build_tiny_model
 
 
 def make_prompts(count: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -54,23 +62,45 @@ def time_hf(model_dir: str, prompts: list[list[int]], new_tokens: int) -> float:
     return tokens / (time.perf_counter() - start)
 
 
-def time_vllm(model_dir: str, prompts: list[list[int]], new_tokens: int, dtype: str) -> float:
+def time_vllm(model_dir: str, prompts: list[list[int]], new_tokens: int, dtype: str, repeats: int) -> float:
+    """Median tokens/s of `repeats` sampling calls of one vLLM engine, after a warm-up call."""
     from xray.backends import load_backend
 
     engine = load_backend("vllm").build_engine(model_dir, dtype=dtype, max_model_len=512, kv_cache_gib=2)
     sampling = {"temperature": 1.0, "max_new_tokens": new_tokens, "seed": 1}
     engine.generate(prompts, sampling)  # warm-up
-    start = time.perf_counter()
-    out = engine.generate(prompts, sampling)
-    elapsed = time.perf_counter() - start
+    rates = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        out = engine.generate(prompts, sampling)
+        rates.append(sum(len(r) for r in out["response_ids"]) / (time.perf_counter() - start))
     engine.shutdown()
     del engine
     gc.collect()
-    return sum(len(r) for r in out["response_ids"]) / elapsed
+    return statistics.median(rates)
+
+
+def matmul_ratio(n: int = 2048, reps: int = 10) -> float:
+    """The host's bf16 over fp32 matmul FLOP/s (medians of `reps`), with the current threads."""
+    speed = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+        a @ b
+        times = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            a @ b
+            times.append(time.perf_counter() - t)
+        speed[dtype] = 1 / statistics.median(times)
+    return speed[torch.bfloat16] / speed[torch.float32]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--model", choices=sorted(BENCH_MODELS), default=None,
+                        help="benchmark model (default: 27M in fp32, 110M in bf16)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed calls per engine (median)")
     parser.add_argument("--prompts", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=1,
@@ -79,17 +109,26 @@ def main() -> None:
                              "other jobs, 2 threads ran 5-20x slower than 1 (oversubscription)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    bf16 = args.dtype == "bfloat16"
+    name = args.model or ("110M" if bf16 else "27M")
+    spec = BENCH_MODELS[name]
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = str(build_tiny_model(os.path.join(tmp, "bench27m"), BENCH_27M, seed=0))
-        prompts = make_prompts(args.prompts, BENCH_27M.vocab_size)
-        print(f"{args.prompts} prompts x {args.new_tokens} new tokens, BENCH_27M, {args.threads} threads")
-        hf = time_hf(model_dir, prompts, args.new_tokens)
-        print(f"hf_generate fp32: {hf:,.0f} tokens/s")
-        vllm32 = time_vllm(model_dir, prompts, args.new_tokens, "float32")
+        model_dir = str(build_tiny_model(os.path.join(tmp, f"bench{name}"), spec, seed=0))
+        prompts = make_prompts(args.prompts, spec.vocab_size)
+        print(f"{args.prompts} prompts x {args.new_tokens} new tokens, BENCH_{name}, {args.threads} threads")
+        hf = None
+        if not bf16:
+            hf = time_hf(model_dir, prompts, args.new_tokens)
+            print(f"hf_generate fp32: {hf:,.0f} tokens/s")
+        vllm32 = time_vllm(model_dir, prompts, args.new_tokens, "float32", args.repeats)
         print(f"vllm fp32: {vllm32:,.0f} tokens/s")
-        vllm16 = time_vllm(model_dir, prompts, args.new_tokens, "bfloat16")
+        vllm16 = time_vllm(model_dir, prompts, args.new_tokens, "bfloat16", args.repeats)
         print(f"vllm bf16: {vllm16:,.0f} tokens/s (bf16 over fp32: {vllm16 / vllm32:.2f}x)")
-    print(f"vllm_vs_hf={vllm32 / hf:.2f} tokens_per_s={vllm32:.0f}")
+    if bf16:
+        print(f"host bf16/fp32 matmul ratio {matmul_ratio():.2f} ({args.threads} threads): the ceiling of a bf16 speed-up")
+        print(f"bf16_over_fp32={vllm16 / vllm32:.3f} tokens_per_s_bf16={vllm16:.0f}")
+    else:
+        print(f"vllm_vs_hf={vllm32 / hf:.2f} tokens_per_s={vllm32:.0f}")
 
 
 if __name__ == "__main__":

@@ -42,6 +42,12 @@ class TinySpec:
 # head: 8.4M; 6 layers of hidden 512: 19.0M), named by its real count.
 BENCH_27M = TinySpec(vocab_size=8192, hidden_size=512, intermediate_size=1376, num_layers=6,
                      num_heads=8, num_kv_heads=8, max_position_embeddings=1024)
+# The larger benchmark model (bf16 figures ask for >= 100M): a Llama of 110.1M parameters (untied
+# 16384-token embedding and head: 25.2M; 12 layers of hidden 768, 12 heads of 64: 84.9M).
+BENCH_110M = TinySpec(vocab_size=16384, hidden_size=768, intermediate_size=2048, num_layers=12,
+                      num_heads=12, num_kv_heads=12, max_position_embeddings=1024)
+BENCH_MODELS = {"27M": BENCH_27M, "110M": BENCH_110M}
+"""The benchmark models by name (`--model` of the benchmarks)."""
 
 
 def hf_config(spec: TinySpec):
