@@ -80,11 +80,9 @@ def sampler_model(cfg: RunConfig, plan: Plan, run: RunDir, ray_address: Optional
 def started_models(cfg: RunConfig, plan: Plan, model_dir: str, ray_address: Optional[str]) -> Iterator[dict]:
     """The plan's WholeModels (sampler, prm, orm), started concurrently on their device groups;
     all shut down and their devices freed on the way out, also when one fails to start."""
-    import ray
-
     from xray.run.models import check_layouts, start_model
     from xray.wholemodel.cluster import ensure_ray
-    from xray.wholemodel.placement import reserve_plan
+    from xray.wholemodel.placement import release_all, reserve_plan
 
     check_layouts(cfg, plan, model_dir)
     ensure_ray(ray_address, num_cpus=plan.nproc_per_node * plan.nnodes * cfg.threads_per_worker)
@@ -108,8 +106,7 @@ def started_models(cfg: RunConfig, plan: Plan, model_dir: str, ray_address: Opti
     finally:
         for model in models.values():
             model.shutdown()
-        for pg in {id(b.placement_group): b.placement_group for b in bundles.values()}.values():
-            ray.util.remove_placement_group(pg)
+        release_all(list(bundles.values()))
 
 
 def fitted(model, rows: int):

@@ -54,7 +54,7 @@ def started_role(cfg: RunConfig, plan: Plan, role: str, model_dir: str, ray_addr
         yield model
     finally:
         model.shutdown()
-        ray_release(bundles)
+        bundles.release()
 
 
 def run_sft(cfg: RunConfig, plan: Plan, pairs: list[tuple[list[int], list[int]]], model_dir: str,
@@ -75,12 +75,6 @@ def run_sft(cfg: RunConfig, plan: Plan, pairs: list[tuple[list[int], list[int]]]
                 run.log_metrics(step, metrics)
         state = actor.state_dict().get()
     return save_hf_model(state, model_dir, run.path / "final" / "actor")
-
-
-def ray_release(bundles) -> None:
-    import ray
-
-    ray.util.remove_placement_group(bundles.placement_group)
 
 
 def answer_pairs(prompt_ids: list[list[int]], answers: list, tokenizer) -> list[tuple[list[int], list[int]]]:

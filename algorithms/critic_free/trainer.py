@@ -13,6 +13,8 @@ One step, as in the papers:
   5. `ppo.ppo_epochs` passes of mini-batches of the clipped policy loss on the actor alone (clip
      ranges, aggregation and KL guards as PPO's, plus the KL loss term);
   6. the actor's weights synced (and verified) to the rollout engine.
+As in PPO, a sleeping rollout (`rollout.sleep`) frees its GPU memory once it has generated and
+takes it back before the sync.
 No critic WholeModel is started; checkpoints hold the actor alone.
 """
 from __future__ import annotations
@@ -80,10 +82,12 @@ class CriticFreeTrainer(PPOTrainer):
         """One critic-free step on prompt `rows` (each with `prompt_ids` and its dataset columns)."""
         t, step, m = PhaseTimer(), self.state.step + 1, self.models
         with t("generate"):
+            await self.wake_rollout()
             gen = m.rollout.generate([r["prompt_ids"] for r in rows], self.sampling(step), pad_id=self.pad_id)
             forwards = ([] if self.on_policy else [m.actor.forward(gen)]) + \
                 ([m.reference.forward(gen)] if self.kl_in != "none" else [])
             exp = await gen
+        await self.sleep_rollout(t)
         rows = [rows[i // self.cfg.rollout.n_samples] for i in range(len(exp))]
         with t("score"):
             scores, keep = await self.score(rows, exp, gen)

@@ -49,9 +49,12 @@ class Elastic:
         import ray
         from ray.util import placement_group_table
 
-        table = placement_group_table(self.trainer.models.bundles[self.ranges[group].roles[0]].placement_group)
         alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
-        return table.get("state") != "CREATED" or not set(table.get("bundles_to_node_id", {}).values()) <= alive
+        for pg in self.trainer.models.bundles[self.ranges[group].roles[0]].placement_groups():  # one per node pack
+            table = placement_group_table(pg)
+            if table.get("state") != "CREATED" or not set(table.get("bundles_to_node_id", {}).values()) <= alive:
+                return True
+        return False
 
     def _free(self, group: str) -> int:
         first = next(r for r in self.trainer.models.plan.roles if r.group == group)

@@ -11,6 +11,8 @@ One step, as on paper:
      back to back while the other does the same (with `ppo.target_kl`, epoch by epoch, stopping
      once an epoch's approx KL exceeds it);
   6. KL controller update, then the actor's weights synced (and verified) to the rollout engine.
+Where the rollout sleeps (`rollout.sleep`: vLLM sharing its GPUs with trained roles), its GPU
+memory is freed once it has generated (steps 2 to 5 run without it) and taken back before the sync.
 The `kl` metric is the mean per-token k1 estimate of KL(actor || reference), `kl_k3` the k3 one.
 Everything random is seeded from (run seed, step), so a resumed run repeats the same numbers.
 The driver fetches only what it computes on (responses for the score, log-probs and values for
@@ -21,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -124,6 +126,9 @@ class PPOTrainer:
         self.policy_loss = policy_loss_of(cfg)
         self.value_loss = ValueLoss(cliprange_value=ppo.cliprange_value, vf_coef=ppo.vf_coef)
         self.state = PPOState()
+        plan = getattr(models, "plan", None)
+        self.sleeps = bool(plan is not None and plan.rollout_sleep)
+        """Whether the rollout engine sleeps while the trained roles work (the plan's `rollout.sleep`)."""
 
     def losses(self) -> dict[str, Any]:
         """Each trained role's loss function."""
@@ -142,9 +147,11 @@ class PPOTrainer:
         """One PPO step on prompt `rows` (each with `prompt_ids` and its dataset columns)."""
         t, step, m = PhaseTimer(), self.state.step + 1, self.models
         with t("generate"):
+            await self.wake_rollout()
             gen = m.rollout.generate([r["prompt_ids"] for r in rows], self.sampling(step), pad_id=self.pad_id)
             forwards = m.actor.forward(gen), m.reference.forward(gen), m.critic.forward(gen)
             exp = await gen
+        await self.sleep_rollout(t)
         rows = [rows[i // self.cfg.rollout.n_samples] for i in range(len(exp))]
         with t("score"):
             scores, keep = await self.score(rows, exp, gen)
@@ -165,6 +172,7 @@ class PPOTrainer:
         """The KL controller's update and the sync (step 6); the step's metrics."""
         kl_coef = self.kl.value
         self.kl.update(kl.get("kl_sequence", 0.0), len(exp))
+        await self.wake_rollout(t)
         with t("sync"):
             report = await self.sync(exp, step)
         self.state.step = step
@@ -174,6 +182,20 @@ class PPOTrainer:
                 "response_length": float(mask.sum(1).mean()), "sync/max_abs_logprob_diff": report.max_abs_logprob_diff,
                 "sync/held_checked": float(report.held_checked), "sync/verify_s": report.verify_s, **t.seconds,
                 "tokens_per_s": tokens / max(1e-9, sum(t.seconds.values()))}
+
+    async def sleep_rollout(self, t: PhaseTimer) -> None:
+        """Free the rollout engine's GPU memory for the trained roles (`time/rollout_sleep_s`);
+        nothing unless the plan turned `rollout.sleep` on."""
+        if self.sleeps:
+            with t("rollout_sleep"):
+                await self.models.rollout.sleep()
+
+    async def wake_rollout(self, t: PhaseTimer | None = None) -> None:
+        """Take the rollout engine's GPU memory back before it generates or loads weights
+        (`time/rollout_wake_s` with `t`); nothing when it is awake or sleeping is off."""
+        if self.sleeps:
+            with t("rollout_wake") if t is not None else nullcontext():
+                await self.models.rollout.wake_up()
 
     async def score(self, rows: list[dict], generated: Batch, pending) -> "tuple[torch.Tensor, torch.Tensor | None]":
         """Scores of the generated responses: a reward WholeModel scores the rollout's answer by
@@ -231,11 +253,13 @@ class PPOTrainer:
     async def resync(self, rows: list[dict], version: int):
         """Bring the rollout engine to the actor's weights outside a step (after a resume)."""
         rows = rows[:self.probe_size()]
+        await self.wake_rollout()
         gen = await self.models.rollout.generate([r["prompt_ids"] for r in rows], self.sampling(0, greedy=True))
         return await self.sync(gen, version)
 
     async def evaluate(self, rows: list[dict]) -> float:
         """Mean score of greedy responses on held-out `rows` (accuracy for a 0/1 reward)."""
+        await self.wake_rollout()
         pending = self.models.rollout.generate([r["prompt_ids"] for r in rows], self.sampling(0, greedy=True),
                                                pad_id=self.pad_id)
         scores, keep = await self.score(rows, await pending, pending)

@@ -138,3 +138,29 @@ def test_bf16_sync_is_verified_exactly(local_ray, tmp_path_factory, actor):
     finally:
         for m in (bf16_actor, *rollouts):
             m.shutdown()
+
+
+@pytest.mark.parametrize("engine", ["vllm", "dsinfer"])
+def test_process_group_transport_syncs_exactly(actor, engine):
+    """The process-group transport: the same weights reach 2 replicas (greedy output equal to the
+    object store's), verified the same way, a tensor changed in transit caught; `auto` on one
+    node takes the object store."""
+    actor_wm, model_dir = actor
+    rollout = WholeModel(RolloutWorkhorse, role="rollout", parallel=ParallelDims(dp=2),
+                         init_kwargs=dict(backend=engine, model_dir=str(model_dir), max_model_len=256))
+    try:
+        prompts = make_prompts(8)
+        probe = [p + [5, 6, 7, 8] for p in prompts[:4]]
+        lens = [len(p) for p in prompts[:4]]
+        pg = asyncio.run(sync_weights(actor_wm, rollout, 1, SyncConfig(transport="pg"), probe, lens))
+        assert pg.transport == "pg" and pg.max_abs_logprob_diff <= 1e-4
+        assert pg.held_checked == (2 * 21 if engine == "dsinfer" else 2 * 7)
+        by_group = rollout.generate(prompts, GREEDY).get()[C.RESPONSE_IDS]
+        auto = asyncio.run(sync_weights(actor_wm, rollout, 2, SyncConfig(), probe, lens))
+        assert auto.transport == "objstore" and auto.bytes == pg.bytes
+        assert rollout.generate(prompts, GREEDY).get()[C.RESPONSE_IDS] == by_group
+        with pytest.raises(WeightSyncError, match="version 3 failed verification"):
+            asyncio.run(sync_weights(actor_wm, rollout, 3, SyncConfig(transport="pg"), probe, lens,
+                                     corrupt="model.layers.1.mlp.down_proj.weight"))
+    finally:
+        rollout.shutdown()

@@ -162,3 +162,31 @@ def test_gpu_rollout_memory_share_is_passed_and_checked(tmp_path):
         resolve(["ppo", "--config", str(colocated)])
     _, _, plan, _, _ = resolve(["ppo", "--config", str(colocated), "--rollout.gpu_memory_utilization=0.3"])
     assert plan.role("rollout").group == plan.role("actor").group
+
+
+def test_gpu_1x_and_2nodes_configs_pass_dry_run_with_their_layouts():
+    from xray.train import resolve
+
+    p, _ = run("ppo", "--dry-run", "--config", "configs/ppo_gpu_1x.yaml")
+    assert p.returncode == 0, p.stderr
+    assert "gpu_group      1 GPU in 1 pack of 1: each replica of rollout, actor, critic, reference" in p.stdout
+    assert "rollout sleep: on" in p.stdout and "ranks count devices, they do not choose them" in p.stdout
+    printed = yaml.safe_load(p.stdout.split("placement plan")[0])
+    assert printed["model"]["dtype"] == "bfloat16" and printed["rollout"]["gpu_memory_utilization"] <= 0.5
+    _, cfg, plan, _, _ = resolve(["ppo", "--config", str(ROOT / "configs/ppo_gpu_1x.yaml")])
+    assert {r.group for r in plan.roles} == {"gpu_group"} and plan.role("rollout").device == "GPU"
+
+    p, _ = run("ppo", "--dry-run", "--config", "configs/ppo_gpu_2nodes.yaml")
+    assert p.returncode == 0, p.stderr
+    assert "placement plan (backend megatron-vllm; 2 node(s) x 8 devices)" in p.stdout
+    assert "rollout_group  8 GPU in 4 packs of 2: each replica of rollout inside one pack" in p.stdout
+    assert "train_group    8 GPU in 4 packs of 2: each replica of actor, critic, reference inside one pack" in p.stdout
+    assert "rollout sleep: off" in p.stdout
+    _, cfg, plan, _, _ = resolve(["ppo", "--config", str(ROOT / "configs/ppo_gpu_2nodes.yaml")])
+    for role in ("actor", "critic", "reference", "rollout"):
+        placed = plan.role(role)
+        assert (placed.parallel.tp, placed.parallel.dp, placed.num_workhorses) == (2, 4, 8)
+        assert placed.packs == ((0, 1), (2, 3), (4, 5), (6, 7))
+    assert set(plan.role("actor").nodes) == {0} and set(plan.role("rollout").nodes) == {1}
+    assert plan.role("actor").resources == (("xray_train_node", 1.0),)
+    assert plan.role("rollout").resources == (("xray_rollout_node", 1.0),)

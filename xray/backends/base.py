@@ -129,6 +129,16 @@ class GenerationEngine(ABC):
         could not show, or holds otherwise (`xray/backends/held.py`). Default: none checked."""
         return {"checked": 0, "unreadable": 0, "mismatched": []}
 
+    def sleep(self) -> bool:
+        """Free the engine's device memory until `wake_up`, where the engine can (vLLM built with
+        sleep mode, on GPU); default: nothing. True when the engine sleeps now."""
+        return False
+
+    def wake_up(self) -> bool:
+        """Take back what `sleep` freed, before generating or loading weights; default: nothing.
+        True when the engine was asleep."""
+        return False
+
 
 def layout_of(parallel: ParallelDims, rank: int) -> ShardInfo:
     """The ShardInfo of `rank` in Megatron's default rank order."""

@@ -9,6 +9,11 @@ Log-probs are vLLM's `raw_logprobs` (its default `logprobs_mode`): the log-softm
 logits before temperature, top-k or top-p, which is what the actor recomputes, so the two can be
 compared token by token.
 
+On a GPU shared with training roles the engine can sleep (`sleep_mode`, vLLM's sleep mode):
+`sleep()` frees its GPU memory (weights to host memory, KV cache dropped) while the training roles
+train, `wake_up()` takes it back before the next generation or weight load. vLLM's CPU build does
+not support sleep mode, so on CPU it stays off and `sleep()` does nothing.
+
 This module's name equals the library's: `import vllm` below is an absolute import and always
 means the library (this file is `xray.backends.vllm`).
 """
@@ -63,6 +68,8 @@ class VllmEngineConfig:
     """KV cache size on CPU in whole GiB (VLLM_CPU_KVCACHE_SPACE)."""
     gpu_memory_utilization: float = 0.9
     """On cuda, the share of the GPU's memory the engine takes (vLLM's own setting)."""
+    sleep_mode: bool = False
+    """Build with vLLM's sleep mode (cuda only), so that `sleep()` frees the engine's GPU memory."""
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     """Further keyword arguments for `vllm.LLM` (they override the defaults set here)."""
 
@@ -75,6 +82,8 @@ class VllmEngineConfig:
             kwargs["distributed_executor_backend"] = "external_launcher"
         if self.device == "cuda":
             kwargs["gpu_memory_utilization"] = self.gpu_memory_utilization
+        if self.sleep_mode:
+            kwargs["enable_sleep_mode"] = True
         kwargs.update(self.engine_kwargs)
         return kwargs
 
@@ -89,6 +98,9 @@ def _prepare_environment(config: VllmEngineConfig) -> None:
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(int(config.kv_cache_gib))
     elif config.device != "cuda":
         raise VllmEngineError(f"device={config.device!r} is not supported; use 'cpu' or 'cuda'")
+    if config.sleep_mode and config.device != "cuda":
+        raise VllmEngineError("sleep_mode=True: vLLM's sleep mode is unsupported on CPU; build the engine "
+                              "without it (rollout.sleep: auto or false)")
     if config.tp > 1 and config.device == "cpu":
         _replica_shm_names()
     if config.tp > 1:
@@ -122,14 +134,14 @@ def _replica_shm_names() -> None:
 
 def build_engine(model_dir: str | Path, *, dtype: str = "float32", seed: int = 0,
                  max_model_len: int = 1024, tp: int = 1, device: str = "cpu",
-                 kv_cache_gib: int = 1, gpu_memory_utilization: float = 0.9,
+                 kv_cache_gib: int = 1, gpu_memory_utilization: float = 0.9, sleep_mode: bool = False,
                  **engine_kwargs: Any) -> "VllmEngine":
     """Start an in-process vLLM engine on `model_dir` (a script calling this needs the
     `if __name__ == "__main__":` guard)."""
     config = VllmEngineConfig(model_dir=str(model_dir), dtype=dtype, seed=seed,
                               max_model_len=max_model_len, tp=tp, device=device,
                               kv_cache_gib=kv_cache_gib, gpu_memory_utilization=gpu_memory_utilization,
-                              engine_kwargs=dict(engine_kwargs))
+                              sleep_mode=sleep_mode, engine_kwargs=dict(engine_kwargs))
     return VllmEngine(config)
 
 
@@ -236,6 +248,7 @@ class VllmEngine(GenerationEngine):
         self.stager = FusedLayerStager(checkpoint_names(config.model_dir))
         self.held = HeldCheck()
         self._calls = 0
+        self.asleep = False
         logger.info("vLLM engine ready: %s dtype=%s tp=%d device=%s", config.model_dir,
                     config.dtype, config.tp, config.device)
 
@@ -258,6 +271,7 @@ class VllmEngine(GenerationEngine):
             logprobs=0, detokenize=False)
 
     def generate(self, prompts: list[list[int]], sampling: dict[str, Any]) -> Batch:
+        self._check_awake("generate")
         spec = SamplingSpec.from_dict(sampling)
         base_seed = call_seed(spec, self.config.seed, self._calls)
         self._calls += 1
@@ -282,12 +296,17 @@ class VllmEngine(GenerationEngine):
         ready = self.stager.add(list(bucket))
         if not ready:
             return
-        with _quiet_partial_reload():
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": ready})
-        self.llm.reset_prefix_cache()
+        self.reload(ready)
         self._check_held(ready)
         logger.debug("reloaded %d tensors; %d waiting for their fused layer", len(ready),
                      len(self.stager.waiting()))
+
+    def reload(self, tensors: WeightBucket) -> None:
+        """vLLM's own in-place reload of whole Hugging Face tensors (fused layers complete), then
+        the prefix cache dropped: the floor of every weight sync into this engine."""
+        with _quiet_partial_reload():
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": tensors})
+        self.llm.reset_prefix_cache()
 
     def _check_held(self, ready: WeightBucket) -> None:
         """Compare the engine's tensors with what was just reloaded (`xray/backends/held.py`):
@@ -297,9 +316,13 @@ class VllmEngine(GenerationEngine):
         for name, tensor in ready:
             fused.setdefault(f"{fused_layer_of(name)}.{name.rsplit('.', 1)[1]}", []).append((name, tensor))
         for target, parts in fused.items():
+            held = params.get(target)
+            if held is None or held.numel() == 0:  # repacked and dropped (CPU linear layers)
+                self.held.unreadable += 1
+                continue
             parts.sort(key=lambda part: FUSED_ORDER.get(part[0].split(".")[-2], 0))
             expected = parts[0][1] if len(parts) == 1 else torch.cat([t for _, t in parts])
-            self.held.compare(target, params.get(target), expected)
+            self.held.compare(target, held, expected)
 
     def held_check(self) -> dict:
         return self.held.take()
@@ -310,6 +333,7 @@ class VllmEngine(GenerationEngine):
 
     def logprobs(self, sequences: list[list[int]], prompt_lens: list[int]) -> list[list[float]]:
         """vLLM's log-probs of each sequence's tokens after its prompt (its prompt log-probs)."""
+        self._check_awake("score sequences")
         if len(sequences) != len(prompt_lens):
             raise VllmEngineError(f"{len(sequences)} sequences but {len(prompt_lens)} prompt lengths")
         for i, (seq, plen) in enumerate(zip(sequences, prompt_lens)):
@@ -324,6 +348,29 @@ class VllmEngine(GenerationEngine):
             steps = request.prompt_logprobs
             result.append([float(steps[t][seq[t]].logprob) for t in range(plen, len(seq))])
         return result
+
+    def sleep(self) -> bool:
+        """Free the engine's GPU memory until `wake_up` (vLLM's sleep level 1: weights to host
+        memory, KV cache dropped). Without `sleep_mode` (always on CPU) it does nothing. True when
+        the engine sleeps now."""
+        if self.config.sleep_mode and not self.asleep:
+            self.llm.sleep(level=1)
+            self.asleep = True
+        return self.asleep
+
+    def wake_up(self) -> bool:
+        """Take the engine's GPU memory back (weights and KV cache) after `sleep`; nothing when it
+        is awake. True when it was asleep."""
+        was = self.asleep
+        if was:
+            self.llm.wake_up()
+            self.asleep = False
+        return was
+
+    def _check_awake(self, what: str) -> None:
+        if self.asleep:
+            raise VllmEngineError(f"the engine sleeps (its GPU memory is freed) and cannot {what}; "
+                                  "call wake_up() first")
 
     def shutdown(self) -> None:
         """Free the engine (its KV cache and weights). vLLM's shutdown also destroys the default

@@ -2,17 +2,19 @@
 
 `plan_run(cfg, backend)` checks everything that can be known before Ray starts (each role placed
 once, layouts matching their group's size, batch sizes dividing what they must) and returns the
-`Plan`: which role runs on which device group, how many Workhorses, with what tp/pp/dp, on which
-nodes. The runtime applies exactly this plan; `--dry-run` prints it.
+`Plan`: which role runs on which device group, how many Workhorses, with what tp/pp/dp, in which
+node packs (`xray/config/packing.py`), and whether the rollout engine sleeps while the training
+roles train. The runtime applies exactly this plan; `--dry-run` prints it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from xray.backends import split_pair
 from xray.backends.elastic import ElasticityError
 from xray.config.batches import elastic_ranges, train_batches
 from xray.config.graph import build_graph
+from xray.config.packing import Packs, describe_packs, node_packs, whole_replicas
 from xray.config.parallel import LayoutError, ParallelDims
 from xray.config.schema import RunConfig
 from xray.config.typed import ConfigError
@@ -34,13 +36,16 @@ class RolePlan:
     device: str
     """GPU or CPU."""
     ranks: tuple[int, ...]
-    """Global device indices, one Workhorse each."""
+    """Global device indices as the config writes them, one Workhorse each. They count devices:
+    Ray picks each pack's node and each Workhorse's device on it."""
     nodes: tuple[int, ...]
-    """Node of each Workhorse."""
+    """Node of each Workhorse as the ranks would put it (rank // nproc_per_node); Ray may choose others."""
     parallel: ParallelDims
     """tp / pp / dp of the role."""
     resources: tuple[tuple[str, float], ...] = ()
     """Custom Ray resources each of its devices also reserves (the group's `resources`)."""
+    packs: Packs = ()
+    """The group's node packs (positions 0 .. workhorses - 1): each reserved on one node."""
 
     @property
     def num_workhorses(self) -> int:
@@ -55,6 +60,8 @@ class Plan:
     roles: tuple[RolePlan, ...]
     nproc_per_node: int
     nnodes: int
+    rollout_sleep: bool = False
+    """The rollout engine sleeps (frees its GPU memory) while the training roles train (`rollout.sleep`)."""
 
     def role(self, name: str) -> RolePlan:
         for r in self.roles:
@@ -70,6 +77,20 @@ class Plan:
             lines.append(
                 f"  {r.role:<9} {r.backend:<9} group={r.group:<14} {r.device} ranks={list(r.ranks)} "
                 f"nodes={sorted(set(r.nodes))} workhorses={r.num_workhorses} tp={p.tp} pp={p.pp} dp={p.dp}")
+        lines.append("device groups, each reserved as packs of devices that Ray keeps on one node (STRICT_PACK):")
+        for group in dict.fromkeys(r.group for r in self.roles):
+            roles = [r for r in self.roles if r.group == group]
+            first, whole = roles[0], whole_replicas(roles[0].packs, [r.parallel for r in roles])
+            lines.append(f"  {group:<14} {first.num_workhorses} {first.device} in {describe_packs(first.packs)}: "
+                         f"each {'replica' if whole else 'tensor-parallel group'} of "
+                         f"{', '.join(r.role for r in roles)} inside one pack"
+                         f"{'' if whole else ' (pipeline stages may sit on other nodes)'}")
+        if "rollout" in {r.role for r in self.roles}:
+            lines.append("rollout sleep: on (vLLM frees its GPU memory while the training roles train)"
+                         if self.rollout_sleep else "rollout sleep: off")
+        lines.append("note: ranks count devices, they do not choose them. Ray picks each pack's node and gives each\n"
+                     "  Workhorse a device there (CUDA_VISIBLE_DEVICES): the device indices and nodes above are not\n"
+                     "  pinned. To pin a group to nodes, give it `resources` its nodes are started with.")
         return "\n".join(lines)
 
 
@@ -196,6 +217,42 @@ def _check_sampling(cfg: RunConfig, plan: Plan, role: str = "rollout") -> None:
                           "to 2; choose one in that range")
 
 
+def _why_no_sleep(cfg: RunConfig, gen_backend: str, device: str) -> str | None:
+    """Why the rollout engine cannot sleep in this run (None: it can)."""
+    if gen_backend != "vllm":
+        return f"only the vllm rollout can sleep, this run's is {gen_backend}"
+    if device != "GPU":
+        return "vLLM's sleep mode needs a GPU (it is unsupported on CPU)"
+    if cfg.trainer.mode != "sync":
+        return "an asynchronous run generates while it trains"
+    return None
+
+
+def rollout_sleeps(cfg: RunConfig, gen_backend: str) -> bool:
+    """Whether the rollout engine sleeps (frees its GPU memory) while the training roles train,
+    from `rollout.sleep`: `auto` when a vLLM rollout shares its GPUs with a trained role in a
+    synchronous run; true wherever it can (a ConfigError where it cannot); false never."""
+    setting, group = cfg.rollout.sleep, cfg.device_groups.group_of("rollout")
+    if setting is False or group is None:
+        return False
+    why_not = _why_no_sleep(cfg, gen_backend, group.device)
+    if setting is True and why_not:
+        raise ConfigError(f"rollout.sleep=true: {why_not}; set rollout.sleep to auto or false")
+    return why_not is None and (setting is True or any(w in TRAINED_ROLES for w in group.workers))
+
+
+def _with_packs(roles: list[RolePlan], per_node: int) -> list[RolePlan]:
+    """Each role with its group's node packs: every replica of every role of a group on one node."""
+    packs = {}
+    for group in dict.fromkeys(r.group for r in roles):
+        members = [r for r in roles if r.group == group]
+        try:
+            packs[group] = node_packs(members[0].num_workhorses, [r.parallel for r in members], per_node)
+        except LayoutError as exc:
+            raise ConfigError(f"device_groups.{group}: {exc}") from None
+    return [replace(r, packs=packs[r.group]) for r in roles]
+
+
 def _check_batches(cfg: RunConfig, plan: Plan) -> None:
     _check_sampling(cfg, plan)
     if cfg.trainer.mode == "async":
@@ -270,8 +327,9 @@ def plan_run(cfg: RunConfig, backend: str, algo: str = "ppo") -> Plan:
         roles.append(RolePlan(role=role, backend=backend_of, group=g.name, device=g.device,
                               ranks=g.ranks, nodes=tuple(groups.node_of(r) for r in g.ranks),
                               parallel=dims, resources=g.resources))
-    plan = Plan(backend=backend, roles=tuple(roles), nproc_per_node=groups.nproc_per_node,
-                nnodes=groups.nnodes)
+    plan = Plan(backend=backend, roles=tuple(_with_packs(roles, groups.nproc_per_node)),
+                nproc_per_node=groups.nproc_per_node, nnodes=groups.nnodes,
+                rollout_sleep="rollout" in needed and rollout_sleeps(cfg, gen_backend))
     checks = {"sft": _check_sft_batches, "distill": _check_sft_batches, "rm": _check_rm_batches,
               "sample": lambda c, p: _check_sampling(c, p, "sampler")}
     checks.get(algo, _check_batches)(cfg, plan)

@@ -7,7 +7,7 @@ cross-field checks (devices, batch divisibility) live in `xray.config.validate`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
 from xray.backends.elastic import ElasticityConfig
 from xray.config.optim import OptimConfig
@@ -79,6 +79,12 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.9
     """On GPU, the share of each of its GPUs' memory a vLLM replica takes (weights and KV cache);
     at most 0.5 when training roles share the rollout's GPUs (the plan checks)."""
+    sleep: Union[Literal["auto"], bool] = "auto"
+    """Whether the vLLM rollout sleeps while the actor and critic train: its GPU memory (weights
+    moved to host memory, KV cache dropped: vLLM's sleep level 1) is freed after generation and
+    taken back before the next generation or weight sync. `auto`: when it shares its GPUs with a
+    trained role in a synchronous run; true (on) wherever that is possible, false (off) never.
+    Unsupported on CPU (the plan refuses true there; auto stays off)."""
 
 
 @dataclass(frozen=True)
@@ -171,6 +177,10 @@ class SyncConfig:
     catch a wrong tensor."""
     bucket_mb: int = 64
     """Largest bucket of tensors sent at once."""
+    transport: Literal["auto", "objstore", "pg"] = "auto"
+    """How the weights travel: the object store (shared memory on one node), a process group of
+    the actor's exporting shard and the rollout shards (gloo on CPU, NCCL on GPU), or auto: the
+    object store when the rollout is on the actor's node on CPU, else the group."""
 
 
 @dataclass(frozen=True)

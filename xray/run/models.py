@@ -16,12 +16,13 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional
 
 from xray.config.batches import TRAINED, role_parallel, train_batches
-from xray.config.plan import Plan, RolePlan
+from xray.config.packing import node_packs
+from xray.config.plan import Plan, RolePlan, rollout_sleeps
 from xray.config.schema import RunConfig
 from xray.config.typed import ConfigError
 from xray.wholemodel import WholeModel
 from xray.wholemodel.handle import Bundles
-from xray.wholemodel.placement import reserve, reserve_plan
+from xray.wholemodel.placement import release_all, reserve, reserve_plan
 from xray.workhorse.roles import workhorse_class
 
 log = logging.getLogger(__name__)
@@ -58,12 +59,10 @@ class Models:
     def release(self, group: str) -> None:
         """Stop the roles of device `group` and give its devices back to the cluster (elastic
         resizing, `algorithms/ppo/elastic.py`; `place` starts them again)."""
-        import ray
-
         roles = [r for r in self.plan.roles if r.group == group]
         with ThreadPoolExecutor(max_workers=len(roles)) as pool:  # their WholeModel actors stay
             list(pool.map(lambda r: _stop(getattr(self, r.role), r.role, keep_actor=True), roles))
-        ray.util.remove_placement_group(self.bundles[roles[0].role].placement_group)
+        self.bundles[roles[0].role].release()
 
     def place(self, group: str, devices: int, cfg: RunConfig, timeout_s: float = 30.0) -> None:
         """Reserve `devices` devices for `group` (released) and start its roles there, data-parallel
@@ -71,10 +70,11 @@ class Models:
         their state. PlacementError if the cluster does not grant them in `timeout_s`."""
         roles = [r for r in self.plan.roles if r.group == group]
         first, share = roles[0], self.bundles[roles[0].role].share
-        new = reserve(group, devices, first.device, cfg.threads_per_worker, timeout_s, share, first.resources)
+        dims = {r.role: role_parallel(cfg, r.role, devices) for r in roles}
+        packs = node_packs(devices, list(dims.values()), self.plan.nproc_per_node)
+        new = reserve(group, devices, first.device, cfg.threads_per_worker, timeout_s, share, first.resources, packs)
         ranks = (first.ranks + tuple(range(max(first.ranks) + 1, max(first.ranks) + 1 + devices)))[:devices]
-        layouts = {r.role: replace(r, ranks=ranks, nodes=(), parallel=role_parallel(cfg, r.role, devices))
-                   for r in roles}
+        layouts = {r.role: replace(r, ranks=ranks, nodes=(), parallel=dims[r.role], packs=packs) for r in roles}
         self.plan = replace(self.plan, roles=tuple(layouts.get(r.role, r) for r in self.plan.roles))
         for role in layouts:
             self.bundles[role] = new
@@ -88,13 +88,10 @@ class Models:
         return [m for m in (self.actor, self.critic, self.reference, self.rollout, self.reward) if m is not None]
 
     def shutdown(self) -> None:
-        import ray
-
         models = list(self.all())
         with ThreadPoolExecutor(max_workers=max(1, len(models))) as pool:  # a busy model waits its own grace only
             list(pool.map(lambda m: m.shutdown(), models))
-        for pg in {id(b.placement_group): b.placement_group for b in self.bundles.values()}.values():
-            ray.util.remove_placement_group(pg)
+        release_all(list(self.bundles.values()))
 
 
 def _stop(model: WholeModel, role: str, keep_actor: bool = False) -> None:
@@ -127,6 +124,8 @@ def role_init_kwargs(cfg: RunConfig, role: str, backend: str, model_dir: str) ->
                       max_model_len=cfg.data.max_prompt_tokens + r.max_new_tokens + 8)
         if backend == "vllm":
             kwargs.update(kv_cache_gib=r.kv_cache_gib, gpu_memory_utilization=r.gpu_memory_utilization)
+        if backend == "vllm" and role == "rollout":  # the sampler never sleeps: nothing trains beside it
+            kwargs["sleep_mode"] = rollout_sleeps(cfg, backend)
         return kwargs
     if role == "reward" or (role == "orm" and cfg.reward.model):
         return dict(model_dir=cfg.reward.model)

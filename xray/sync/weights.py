@@ -1,8 +1,12 @@
 """Weight sync actor -> rollout, and its verification. Called by the algorithm after each update.
 
-The actor's exporting shard streams full Hugging Face tensors in bounded buckets through the
-object store to every rollout replica (`TrainWorkhorse.push_weights`), which loads them in place
-and takes the new weight version. A bucket travels in its wire form (`pack_bucket`): each tensor
+The actor's exporting shard streams full Hugging Face tensors in bounded buckets to every rollout
+replica (`TrainWorkhorse.push_weights`), which loads them in place and takes the new weight
+version. `sync.transport` picks the way: through the object store (below), over a process group
+of the exporting shard and the rollout shards (`xray/sync/group.py`: gloo on CPU, NCCL on GPU), or
+`auto`: the object store when every rollout shard shares the exporting shard's node on CPU, else
+the group. A staged sync (`stage` / `deliver`, asynchronous runs) always goes through the object
+store, which holds the version until every replica has taken it. A bucket travels in its wire form (`pack_bucket`): each tensor
 as a flat NumPy byte view, which Ray moves out of band, so putting a bucket costs one copy into
 the object store and reading it on the same node costs none (a pickled torch tensor is copied
 in band on both sides, several times slower).
@@ -27,6 +31,7 @@ import time
 import warnings
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from xray.backends.base import WeightBucket
@@ -76,6 +81,8 @@ class SyncReport:
     """Engine tensors (over all replicas) found equal, bit for bit, to what was sent."""
     held_unreadable: int = 0
     """Engine tensors that could not be read back to compare (vLLM on CPU: its linear layers)."""
+    transport: str = "objstore"
+    """How the bytes travelled: "objstore" or "pg" (`sync.transport`)."""
 
 
 # One tensor on the wire: (Hugging Face name, torch dtype name, shape, its bytes as a flat uint8
@@ -90,13 +97,19 @@ def _bytes_tensor(data) -> torch.Tensor:
 
 
 def checksum(data) -> int:
-    """The sum of a byte array read as 32-bit integers (8-bit when its length is not a multiple
-    of 4), in int64: exact, so any change of the bytes (short of a rearrangement that keeps the
-    sum) changes it, whatever order the sum runs in."""
-    words = _bytes_tensor(data)
-    if words.numel() % 4 == 0:
-        words = words.view(torch.int32)
-    return int(words.sum(dtype=torch.int64))
+    """A checksum of a byte array (NumPy, or a torch uint8 tensor on any device): its bytes read
+    as little-endian 64-bit words summed modulo 2^64, plus its last (< 8) bytes. Exact and the
+    same in any summation order, so any change of the bytes (short of one that keeps the sum)
+    changes it; one pass at memory speed (a widening int32 -> int64 sum is 20x slower)."""
+    if isinstance(data, torch.Tensor) and data.device.type != "cpu":
+        whole = data.numel() // 8 * 8
+        head = data[:whole] if data.storage_offset() % 8 == 0 else data[:whole].clone()
+        words, tail = int(head.view(torch.int64).sum()), int(data[whole:].sum())
+    else:
+        array = data.numpy() if isinstance(data, torch.Tensor) else data
+        whole = array.size // 8 * 8
+        words, tail = int(array[:whole].view(np.int64).sum()), int(array[whole:].sum(dtype=np.int64))
+    return (words + tail) % 2**64
 
 
 def pack_bucket(bucket: WeightBucket) -> list[WireTensor]:
@@ -202,7 +215,7 @@ async def sync_weights(actor, rollout, version: int, cfg: SyncConfig, probe: lis
     if cfg.verify and not probe:
         raise ValueError("verification needs probe sequences; pass probe= and prompt_lens=")
     t0 = time.perf_counter()
-    push = actor.push_weights(rollout.shard_handles(), version, cfg.bucket_mb << 20, corrupt, replica)
+    push = actor.push_weights(rollout.shard_handles(), version, cfg.bucket_mb << 20, corrupt, replica, cfg.transport)
     if cfg.verify:
         actor_call = actor.forward(pad_sequences(probe))
         engine_call = rollout.call("logprobs", probe, prompt_lens, after=(push,))
@@ -218,7 +231,7 @@ async def sync_weights(actor, rollout, version: int, cfg: SyncConfig, probe: lis
     log.debug("weight sync v%d: %.1f MB in %.2f s, verify %.2f s (max diff %.2e)", version,
               pushed["bytes"] / 1e6, sync_s, verify_s, diff)
     held = (exact["checked"], exact["unreadable"]) if cfg.verify else (0, 0)
-    return SyncReport(version, pushed["bytes"], sync_s, verify_s, diff, *held)
+    return SyncReport(version, pushed["bytes"], sync_s, verify_s, diff, *held, pushed["transport"])
 
 
 @dataclass

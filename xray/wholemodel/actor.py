@@ -1,6 +1,6 @@
 """The WholeModel Ray actor: the control plane of one model. It owns the model's Workhorses.
 
-It creates one Workhorse Ray actor per device bundle of its placement group, has rank 0 pick the
+It creates one Workhorse Ray actor per device bundle of its placement groups, has rank 0 pick the
 rendezvous address, joins them into the model's process group, builds the shards, and checks
 that the shard infos they report agree. It is placed on the Ray head node, outside the devices'
 reservation: it outlives any Workhorse's node and a release of the devices, and `restart` starts
@@ -42,31 +42,32 @@ class WholeModelActor:
     """Runs as an async Ray actor; see the module docstring."""
 
     def __init__(self, role: str, workhorse_cls: type, parallel: ParallelDims, init_kwargs: dict,
-                 placement_group: Any, bundle_indices: list[int], resources: dict, env: dict):
+                 slots: list[tuple[Any, int]], resources: dict, env: dict):
         self.role, self.cls, self.parallel = role, workhorse_cls, parallel
         self.resources, self.env = resources, env
         self.shards: list = []
-        self._spawn(parallel, init_kwargs, placement_group, bundle_indices)
+        self._spawn(parallel, init_kwargs, slots)
         self.layout: list[ShardInfo] = []
 
-    def _spawn(self, parallel: ParallelDims, init_kwargs: dict, placement_group: Any, bundle_indices: list[int]) -> None:
-        """Create one Workhorse per bundle (they build in `start`)."""
+    def _spawn(self, parallel: ParallelDims, init_kwargs: dict, slots: list[tuple[Any, int]]) -> None:
+        """Create one Workhorse per slot, (placement group, bundle index) in rank order (they build
+        in `start`)."""
         remote_cls = ray.remote(self.cls)
         self.parallel, self.shards = parallel, []
-        for rank, bundle in enumerate(bundle_indices):
+        for rank, (placement_group, bundle) in enumerate(slots):
             options = dict(self.resources, runtime_env={"env_vars": self.env},
                            scheduling_strategy=PlacementGroupSchedulingStrategy(
                                placement_group=placement_group, placement_group_bundle_index=bundle))
             self.shards.append(remote_cls.options(**options).remote(
                 role=self.role, rank=rank, parallel=parallel, **init_kwargs))
 
-    async def restart(self, parallel: ParallelDims, init_kwargs: dict, placement_group: Any,
-                      bundle_indices: list[int], timeout_s: float = 600.0) -> tuple[list[ShardInfo], list]:
+    async def restart(self, parallel: ParallelDims, init_kwargs: dict, slots: list[tuple[Any, int]],
+                      timeout_s: float = 600.0) -> tuple[list[ShardInfo], list]:
         """Kill this model's Workhorses (dead, alive or stuck in a collective) and start new ones on
-        the given bundles, in a fresh process group: a replacement without a new control plane.
-        The new shards hold the initial weights."""
+        the given slots (`Bundles.slots()`), in a fresh process group: a replacement without a new
+        control plane. The new shards hold the initial weights."""
         self.kill_workhorses()
-        self._spawn(parallel, init_kwargs, placement_group, bundle_indices)
+        self._spawn(parallel, init_kwargs, slots)
         return await self.start(timeout_s)
 
     def kill_workhorses(self) -> None:

@@ -7,8 +7,8 @@
     logp = actor.forward(rollout.generate(prompts, sampling))   # by reference: no fetch here
     wm.shutdown()
 
-It starts (or joins) Ray, reserves the devices (a placement group of its own, or bundles of a run's
-group handed in by the run's placement), and starts the WholeModel Ray actor (the control plane),
+It starts (or joins) Ray, reserves the devices (placement groups of its own, one per replica kept on
+one node, or bundles of a run's group handed in by the run's placement), and starts the WholeModel Ray actor (the control plane),
 which starts the Workhorses and hands back their handles. A call is dispatched here, on the
 caller's side, and its shard tasks go straight to the Workhorses: each distinct part of the
 arguments is put in the object store once (only the columns the method reads), and the answer
@@ -34,12 +34,37 @@ QUIET_ENV = {"PYTHONWARNINGS": "ignore::UserWarning,ignore::FutureWarning,ignore
 
 @dataclass(frozen=True)
 class Bundles:
-    """Where a WholeModel's Workhorses go: bundles of a placement group, one per rank."""
+    """Where a WholeModel's Workhorses go: one placement-group bundle per rank, in one placement
+    group or in several (`groups`: one per node pack, `xray/wholemodel/placement.py`)."""
 
     placement_group: Any
+    """The placement group of every rank; with `groups`, that of rank 0."""
     indices: tuple[int, ...]
+    """Each rank's bundle index in its placement group."""
     share: int = 1
     """How many roles share these devices (colocation): each Workhorse takes 1/share of one."""
+    groups: tuple[Any, ...] = ()
+    """Each rank's placement group, when the ranks' bundles are in several; empty: all in `placement_group`."""
+
+    def __post_init__(self) -> None:
+        if self.groups and len(self.groups) != len(self.indices):
+            raise ValueError(f"{len(self.groups)} placement groups given for {len(self.indices)} bundle indices; "
+                             "give one per rank")
+
+    def slots(self) -> list[tuple[Any, int]]:
+        """(placement group, bundle index) of each rank."""
+        return list(zip(self.groups or [self.placement_group] * len(self.indices), self.indices))
+
+    def placement_groups(self) -> list[Any]:
+        """The distinct placement groups, in rank order."""
+        return list({id(pg): pg for pg in (self.groups or (self.placement_group,))}.values())
+
+    def release(self) -> None:
+        """Give every placement group back to the cluster."""
+        import ray
+
+        for pg in self.placement_groups():
+            ray.util.remove_placement_group(pg)
 
 
 class _Method:
@@ -76,6 +101,7 @@ class WholeModel:
                  start_timeout_s: float = 600.0, env: dict | None = None):
         import ray
 
+        from xray.config.packing import node_packs
         from xray.wholemodel.actor import WholeModelActor
         from xray.wholemodel.placement import reserve
 
@@ -86,7 +112,8 @@ class WholeModel:
         self.init_kwargs = dict(init_kwargs or {})
         self._own_pg = bundles is None
         if bundles is None:
-            bundles = reserve(role, parallel.world_size, self.device, threads)
+            bundles = reserve(role, parallel.world_size, self.device, threads,
+                              packs=node_packs(parallel.world_size, [parallel]))
         if len(bundles.indices) != parallel.world_size:
             raise ValueError(f"{role}: {len(bundles.indices)} devices given for tp*pp*dp = {parallel.world_size}")
         self.bundles = bundles
@@ -98,8 +125,7 @@ class WholeModel:
         kwargs = dict(seed=seed, device=self.device.lower(), threads=threads, **(init_kwargs or {}))
         self._actor = ray.remote(WholeModelActor).options(
             num_cpus=0, max_concurrency=1000, **_control_plane_placement()).remote(
-            role, workhorse_cls, parallel, kwargs, bundles.placement_group, list(bundles.indices),
-            resources, env)
+            role, workhorse_cls, parallel, kwargs, bundles.slots(), resources, env)
         try:
             self.layout, self.shards = _unwrapped(self._actor.start.remote(start_timeout_s), start_timeout_s + 30)
         except BaseException:
@@ -262,7 +288,7 @@ class WholeModel:
         if init_kwargs is not None:
             self.init_kwargs = dict(init_kwargs)
         kwargs = dict(seed=self._seed, device=self.device.lower(), threads=self._threads, **self.init_kwargs)
-        ref = self._actor.restart.remote(parallel, kwargs, bundles.placement_group, list(bundles.indices), timeout_s)
+        ref = self._actor.restart.remote(parallel, kwargs, bundles.slots(), timeout_s)
         self.layout, self.shards = _unwrapped(ref, timeout_s + 30)
         self.parallel, self.bundles = parallel, bundles
         log.info("%s restarted: %d Workhorses, tp=%d pp=%d dp=%d", self.role, len(self.layout),
@@ -291,7 +317,7 @@ class WholeModel:
             log.warning("%s: shutdown of Workhorses failed: %s", self.role, exc)
         ray.kill(self._actor)
         if self._own_pg and release:
-            ray.util.remove_placement_group(self.bundles.placement_group)
+            self.bundles.release()
 
     def __enter__(self) -> "WholeModel":
         return self

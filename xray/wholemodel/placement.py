@@ -1,15 +1,25 @@
-"""Reserving devices on the Ray cluster: one placement group per device group.
+"""Reserving devices on the Ray cluster: one placement group per node pack of a device group.
 
-A device group of the config becomes one Ray placement group with one bundle per rank (a GPU, or
-a CPU slot of `threads` CPUs); every role placed on that group gets the same bundles, and its
-Workhorses take `1 / (roles in the group)` of each (colocation). The PACK strategy fills nodes in
-order, so a group larger than a node spans nodes.
+A device group of the config is reserved as bundles, one per rank (a GPU, or a CPU slot of
+`threads` CPUs), split into node packs (`xray/config/packing.py`: the devices of each model
+replica, and of the colocated roles' replicas that overlap it). Each pack is one placement group
+with strategy STRICT_PACK, so Ray puts all of a pack on one node: the tensor- and
+pipeline-parallel peers of a replica never straddle nodes, while different packs go wherever
+there is room (a group larger than a node spans nodes, one whole replica per node at least).
+Every role placed on a group gets the same bundles, and its Workhorses take `1 / (roles in the
+group)` of each (colocation).
+
+Ray, not the config, picks the node of each pack and the device of each Workhorse on it (it sets
+CUDA_VISIBLE_DEVICES): a group's `ranks` count its devices. Custom `resources` pin a group to the
+nodes started with them.
 """
 from __future__ import annotations
 
 import logging
 import uuid
+from typing import Sequence
 
+from xray.config.packing import Packs
 from xray.wholemodel.handle import Bundles
 
 log = logging.getLogger(__name__)
@@ -33,34 +43,61 @@ def free_devices(device: str, threads: int = 1, resources: tuple = ()) -> int:
     return int(min(have.get(k, 0.0) // v for k, v in device_bundle(device, threads, resources).items()))
 
 
+def pack_slots(count: int, packs: Packs) -> list[tuple[int, int]]:
+    """(pack number, bundle index in that pack's placement group) of each of `count` ranks."""
+    slots: dict[int, tuple[int, int]] = {}
+    for n, pack in enumerate(packs):
+        for i, rank in enumerate(pack):
+            slots[rank] = (n, i)
+    if sorted(slots) != list(range(count)):
+        raise ValueError(f"packs {packs} do not hold each of the {count} ranks exactly once")
+    return [slots[r] for r in range(count)]
+
+
 def reserve(name: str, count: int, device: str, threads: int = 1, timeout_s: float = 120.0,
-            share: int = 1, resources: tuple = ()) -> Bundles:
-    """A placement group of `count` devices; waits until the cluster grants it."""
+            share: int = 1, resources: tuple = (), packs: Packs | None = None) -> Bundles:
+    """`count` devices, one STRICT_PACK placement group per pack of `packs` (default: one per
+    device); waits until the cluster grants them all, or frees them and raises PlacementError."""
     import ray
     from ray.util.placement_group import placement_group
 
+    packs = packs if packs is not None else tuple((i,) for i in range(count))
+    slots = pack_slots(count, packs)
     bundle = device_bundle(device, threads, resources)
-    pg = placement_group([dict(bundle) for _ in range(count)], strategy="PACK",
-                         name=f"xray-{name}-{uuid.uuid4().hex[:8]}")  # unique: runs and models coexist
-    ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
-    if not ready:
-        ray.util.remove_placement_group(pg)
+    tag = uuid.uuid4().hex[:8]  # unique: runs and models coexist
+    pgs = [placement_group([dict(bundle) for _ in pack], strategy="STRICT_PACK", name=f"xray-{name}-{tag}-{n}")
+           for n, pack in enumerate(packs)]
+    ready, _ = ray.wait([pg.ready() for pg in pgs], num_returns=len(pgs), timeout=timeout_s)
+    if len(ready) < len(pgs):
+        for pg in pgs:
+            ray.util.remove_placement_group(pg)
         have = ray.cluster_resources()
         raise PlacementError(
-            f"device group {name!r} asks for {count} x {bundle}, and the cluster did not grant it in "
-            f"{timeout_s:g} s (cluster resources: {have}); free devices, add nodes, or lower the group's ranks")
-    return Bundles(pg, tuple(range(count)), share)
+            f"device group {name!r} asks for {count} x {bundle} in packs of {sorted({len(p) for p in packs})} "
+            f"devices, each pack on one node, and the cluster did not grant it in {timeout_s:g} s (cluster "
+            f"resources: {have}); free devices, add nodes, lower the group's ranks, or check that each node "
+            "offers nproc_per_node devices")
+    groups = tuple(pgs[n] for n, _ in slots)
+    return Bundles(groups[0], tuple(i for _, i in slots), share, groups if len(pgs) > 1 else ())
 
 
 def reserve_plan(plan, threads: int = 1) -> dict[str, Bundles]:
-    """Bundles for every role of a `xray.config.plan.Plan`; roles of one group share them."""
+    """Bundles for every role of a `xray.config.plan.Plan`, in its groups' node packs; roles of one
+    group share them."""
     by_group: dict[str, list] = {}
     for r in plan.roles:
         by_group.setdefault(r.group, []).append(r)
     out: dict[str, Bundles] = {}
     for group, roles in by_group.items():
         first = roles[0]
-        bundles = reserve(group, len(first.ranks), first.device, threads, share=len(roles), resources=first.resources)
+        bundles = reserve(group, len(first.ranks), first.device, threads, share=len(roles),
+                          resources=first.resources, packs=first.packs or None)
         for r in roles:
             out[r.role] = bundles
     return out
+
+
+def release_all(bundles: Sequence[Bundles]) -> None:
+    """Give back every reservation among `bundles` once (roles of one group share theirs)."""
+    for b in {id(b): b for b in bundles}.values():
+        b.release()

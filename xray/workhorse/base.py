@@ -184,6 +184,18 @@ class Workhorse:
     def setup(self) -> None:
         """Build this shard (subclasses: the backend engine). Runs after `init_dist`."""
 
+    @property
+    def torch_device(self) -> str:
+        """Where this shard's model lives: `cuda` on a GPU (Ray shows each Workhorse its own GPU
+        as device 0), else `cpu`."""
+        return "cuda" if self.device == "gpu" else "cpu"
+
+    @property
+    def model_device(self) -> torch.device:
+        """The device of the weights of `self.model`, in Workhorses that hold a torch model (the
+        Hugging Face and reward ones): their inputs move there."""
+        return next(self.model.parameters()).device
+
     def shard_info(self) -> ShardInfo:
         """This shard's ranks; engine-backed subclasses report what their engine built."""
         return layout_of(self.parallel, self.rank)

@@ -4,7 +4,8 @@ The smallest real model behind the Workhorse contract: each shard holds a full c
 `transformers` causal LM (no tensor or pipeline parallelism); `forward` gives per-token
 log-probabilities of its slice of the batch, and `train_step` averages gradients over the
 data-parallel group before one AdamW step. Notebooks and runtime tests use it; it needs no
-Megatron or DeepSpeed.
+Megatron or DeepSpeed. On a GPU the model lives on it: each (micro-)batch moves to the model's
+device and the answers come back to host memory, as every Workhorse's answers do.
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ class HFWorkhorse(Workhorse):
     def setup(self) -> None:
         if self.parallel.tp != 1 or self.parallel.pp != 1:
             raise ValueError("HFWorkhorse is data parallel only; use tp=1 and pp=1, or the megatron backend")
-        self.model = load_hf(self.config["model_dir"]).to("cuda" if self.device == "gpu" else "cpu")
+        self.model = load_hf(self.config["model_dir"]).to(self.torch_device)
         self.optim_cfg = self.config.get("optim") or OptimConfig()
         self.optimizer = build_optimizer(self.model.parameters(), self.optim_cfg)
         self.scheduler = build_scheduler(self.optimizer, self.optim_cfg)
@@ -42,8 +43,8 @@ class HFWorkhorse(Workhorse):
     def forward(self, batch: Batch) -> Batch:
         """LOGPROBS [b, T-1] of this shard's slice."""
         with torch.no_grad():
-            logp = hf_logprobs(self.model, batch)
-        return Batch({C.LOGPROBS: logp})
+            logp = hf_logprobs(self.model, batch.to(self.model_device))
+        return Batch({C.LOGPROBS: logp.cpu()})
 
     @fanout(dispatch="slice", collect=_mean_metrics, reads=train_step_columns)
     def train_step(self, batch: Batch, loss_fn: LossFn, micro_batch_size: int | None = None) -> dict:
@@ -54,6 +55,7 @@ class HFWorkhorse(Workhorse):
         micro = batch.chunks(micro_batch_size or len(batch))
         total = 0.0
         for mb in micro:
+            mb = mb.to(self.model_device)
             loss, _ = apply_loss(loss_fn, {C.LOGPROBS: hf_logprobs(self.model, mb)}, mb)
             (loss / len(micro)).backward()
             total += float(loss.detach()) / len(micro)

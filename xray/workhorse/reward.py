@@ -6,7 +6,8 @@ label, and scores each prompt + response by the logit at its last real token (ri
 sample job's `prm` role is one too: `score_steps` reads the head's logits at the last token of
 each step instead (a causal trunk: the logit there sees exactly the prompt and the steps so far).
 The model must share the policy's tokenizer: it reads the same token ids. Its config needs
-`pad_token_id` (transformers finds each row's last real token by it).
+`pad_token_id` (transformers finds each row's last real token by it). On a GPU the model lives
+on the Workhorse's GPU: inputs move there, scores come back to host memory.
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ class RewardWorkhorse(Workhorse):
         from transformers import AutoModelForSequenceClassification
 
         self.model = AutoModelForSequenceClassification.from_pretrained(self.config["model_dir"], dtype=torch.float32)
+        self.model.to(self.torch_device)
         labels = self.model.config.num_labels
         if labels != 1 and not (labels == 2 and self.config.get("steps")):
             raise RewardModelError(f"the reward model in {self.config['model_dir']} has {labels} labels; a reward "
@@ -45,9 +47,10 @@ class RewardWorkhorse(Workhorse):
     @fanout(dispatch="slice", collect="flatten", reads=C.MODEL_INPUTS)
     def score(self, batch: Batch) -> torch.Tensor:
         """Scores [b]: the model's logit at each row's last real token."""
+        device = self.model_device
         with torch.no_grad():
-            out = self.model(input_ids=batch[C.INPUT_IDS], attention_mask=batch[C.ATTENTION_MASK])
-        return out.logits[:, 0].float()
+            out = self.model(input_ids=batch[C.INPUT_IDS].to(device), attention_mask=batch[C.ATTENTION_MASK].to(device))
+        return out.logits[:, 0].float().cpu()
 
     @fanout(dispatch="slice", collect="flatten", reads=(*C.MODEL_INPUTS, STEP_ENDS))
     def score_steps(self, batch: Batch) -> torch.Tensor:
@@ -58,11 +61,12 @@ class RewardWorkhorse(Workhorse):
         if not isinstance(head, torch.nn.Module):
             raise RewardModelError(f"{type(self.model).__name__} has no `score` head to read every position of; "
                                    "a process reward model must be a decoder's *ForSequenceClassification")
-        ends = batch[STEP_ENDS].long()
+        device = self.model_device
+        ends = batch[STEP_ENDS].long().to(device)
         with torch.no_grad():
-            hidden = self.model.base_model(input_ids=batch[C.INPUT_IDS],
-                                           attention_mask=batch[C.ATTENTION_MASK]).last_hidden_state
+            hidden = self.model.base_model(input_ids=batch[C.INPUT_IDS].to(device),
+                                           attention_mask=batch[C.ATTENTION_MASK].to(device)).last_hidden_state
             logits = head(hidden).float()  # [b, T, labels]
         at = logits.gather(1, ends.clamp(min=0)[:, :, None].expand(-1, -1, logits.shape[-1]))
         probs = torch.sigmoid(at[..., 0]) if at.shape[-1] == 1 else torch.softmax(at, -1)[..., 1]
-        return torch.where(ends >= 0, probs, torch.full_like(probs, float("nan")))
+        return torch.where(ends >= 0, probs, torch.full_like(probs, float("nan"))).cpu()

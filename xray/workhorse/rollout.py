@@ -8,6 +8,7 @@ version that every generation result carries in `meta["weight_version"]`.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
 from xray.backends import load_backend
@@ -136,6 +137,50 @@ class RolloutWorkhorse(Workhorse):
         self._received += sum(t.numel() * t.element_size() for _, t in bucket)
         return len(bucket)
 
+    def join_sync_group(self, addr: str, port: int, rank: int, world: int) -> None:
+        """Join the actor's sync group as `rank` (`xray/sync/group.py`; the actor's exporting shard
+        is rank 0 and serves its store at addr:port)."""
+        from xray.sync import group
+
+        self._sync_group = group.join(addr, port, rank, world, "cuda" if self.device == "gpu" else "cpu")
+
+    def receive_bucket(self, layout: list) -> int:
+        """Receive one bucket broadcast over the sync group and load it in place (its `layout`
+        came ahead: names, dtypes, shapes, byte counts, checksums)."""
+        from xray.sync import group
+
+        if not self._sync_started:
+            self._sync_started = time.perf_counter()
+        with self.busy():
+            bucket, changed = group.receive(self._sync_group, layout, "cuda" if self.device == "gpu" else "cpu")
+            self._changed += changed
+            self.engine.load_weights(bucket)
+        self._received += sum(n for _, _, _, n, _ in layout)
+        return len(bucket)
+
+    @fanout(dispatch="all", collect=lambda layout, results: results)
+    def time_reload(self, repeats: int = 5) -> float:
+        """Median seconds of the engine's own in-place reload (`VllmEngine.reload`) of its model
+        directory's tensors, read into memory first: the floor a weight sync is measured against
+        (benchmarks/weight_sync.py). The engine then holds the directory's weights."""
+        import statistics
+
+        from safetensors.torch import load_file
+
+        if not hasattr(self.engine, "reload"):
+            raise ValueError("time_reload measures vLLM's in-place reload; this rollout is not vLLM")
+        tensors = {}
+        for path in sorted(Path(self.config["model_dir"]).glob("*.safetensors")):
+            tensors.update(load_file(str(path)))
+        bucket = list(tensors.items())
+        self.engine.reload(bucket)  # warm-up
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            self.engine.reload(bucket)
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
     def finish_sync(self, version: int) -> dict:
         """Mark the sync complete at `version`; returns what this replica received and its exact
         checks (`xray.sync.weights.check_exact` judges them): tensors whose bytes changed in
@@ -146,3 +191,16 @@ class RolloutWorkhorse(Workhorse):
                   "held": self.engine.held_check()}
         self.version, self._received, self._sync_started, self._changed = version, 0, 0.0, []
         return report
+
+    # -- sleep mode (`rollout.sleep`): the engine's GPU memory freed while training roles use it --
+    @fanout(dispatch="all", collect=lambda layout, results: results)
+    def sleep(self) -> bool:
+        """Free the engine's GPU memory until `wake_up` (vLLM built with sleep mode; a no-op
+        otherwise, and always on CPU). True on shards that sleep now."""
+        return self.engine.sleep()
+
+    @fanout(dispatch="all", collect=lambda layout, results: results)
+    def wake_up(self) -> bool:
+        """Take the engine's GPU memory back before generating or loading weights; a no-op when
+        awake. True on shards that were asleep."""
+        return self.engine.wake_up()

@@ -15,7 +15,8 @@ from xray.backends.base import LossFn, ShardInfo, TrainEngine
 from xray.config.optim import OptimConfig
 from xray.data import columns as C
 from xray.data.batch import Batch
-from xray.sync.weights import pack_bucket, perturbed
+from xray.sync import group
+from xray.sync.weights import pack_bucket, perturbed, unpack_bucket
 from xray.wholemodel.protocol import fanout
 from xray.workhorse.base import Workhorse, train_step_columns
 
@@ -41,6 +42,8 @@ class TrainWorkhorse(Workhorse):
     def __init__(self, role: str, rank: int, parallel, seed: int = 0, **kwargs: Any):
         super().__init__(role, rank, parallel, seed=seed, **kwargs)
         self.run_seed = seed  # the same on every rank: model init must agree across shards
+        self._groups: dict[tuple, Any] = {}  # sync groups with rollout shards (`xray/sync/group.py`)
+        self._nodes: dict[tuple, bool] = {}  # whether a set of rollout shards is all on this node
 
     def setup(self) -> None:
         cfg = dict(self.config)
@@ -92,16 +95,18 @@ class TrainWorkhorse(Workhorse):
 
     @fanout(dispatch="all", collect=_exported, deadline_s=1800.0)
     def push_weights(self, targets: list, version: int, bucket_bytes: int = 64 << 20,
-                     corrupt: str | None = None, replica: int = 0) -> dict | None:
+                     corrupt: str | None = None, replica: int = 0, transport: str = "auto") -> dict | None:
         """Stream the full weights, bucket by bucket, to rollout Workhorses (Ray actor handles).
 
         Every shard takes part in the export (its gathers are collective); the exporting shard
         (the first of data-parallel replica `replica`: an asynchronous run's trainer d pushes to
-        its own makers)
-        puts each bucket in the object store once, in its wire form, and exports the next bucket
-        while the targets load this one: at most two buckets are in flight. `corrupt` names a
-        tensor to perturb on the way: a fault-injection knob for testing the verification, never
-        set in a run.
+        its own makers) sends each bucket once, with its tensors' checksums, by `transport`:
+        "objstore" puts it in the object store in its wire form; "pg" broadcasts it over a sync
+        group of its own with the targets (`xray/sync/group.py`, joined on first use); "auto" takes
+        the object store when every target is on this node and the device is the CPU (shared
+        memory wins there), else the group. It exports the next bucket while the targets load
+        this one: at most two buckets are in flight. `corrupt` names a tensor to perturb on the
+        way: a fault-injection knob for testing the verification, never set in a run.
         """
         import ray
 
@@ -110,13 +115,13 @@ class TrainWorkhorse(Workhorse):
         t0 = time.perf_counter()
         in_flight: list[list] = []
         exports = self.engine.exports(replica)
+        if exports:
+            transport = self._transport(targets, transport)
         for bucket in self.timed(self.engine.export_weights(bucket_bytes, replica)):
             if not exports or not bucket:
                 continue
             dtype = dtype or str(bucket[0][1].dtype).removeprefix("torch.")
-            wire = pack_bucket(bucket)
-            ref = ray.put(perturbed(wire, corrupt) if corrupt is not None else wire)
-            in_flight.append([t.load_bucket.remote(ref) for t in targets])
+            in_flight.append(self._send(bucket, targets, transport, corrupt))
             if len(in_flight) == 2:
                 ray.get(in_flight.pop(0))
             sent += sum(t.numel() * t.element_size() for _, t in bucket)
@@ -127,7 +132,52 @@ class TrainWorkhorse(Workhorse):
             return None
         replicas = ray.get([t.finish_sync.remote(version) for t in targets])
         return {"version": version, "bytes": sent, "tensors": count, "replicas": len(replicas),
-                "push_s": time.perf_counter() - t0, "dtype": dtype, "replica_reports": replicas}
+                "push_s": time.perf_counter() - t0, "dtype": dtype, "replica_reports": replicas,
+                "transport": transport}
+
+    def _transport(self, targets: list, transport: str) -> str:
+        """The transport a push to `targets` takes (see `push_weights`)."""
+        import ray
+
+        if transport not in ("auto", "objstore", "pg"):
+            raise ValueError(f"transport={transport!r}; choose auto, objstore or pg")
+        if transport != "auto":
+            return transport
+        key = tuple(t._actor_id.hex() for t in targets)
+        if key not in self._nodes:
+            self._nodes[key] = set(ray.get([t.node_id.remote() for t in targets])) == {self.node_id()}
+        return "objstore" if self._nodes[key] and self.device != "gpu" else "pg"
+
+    def _send(self, bucket, targets: list, transport: str, corrupt: str | None) -> list:
+        """Send one bucket to every target by `transport`; their pending loads."""
+        import ray
+
+        wire = pack_bucket(bucket)  # the bytes and their checksums
+        if corrupt is not None:
+            wire = perturbed(wire, corrupt)
+        if transport == "objstore":
+            ref = ray.put(wire)
+            return [t.load_bucket.remote(ref) for t in targets]
+        sync_group = self._sync_group(targets)
+        device = "cuda" if self.device == "gpu" else "cpu"
+        layout = [(name, dtype, shape, data.nbytes, sum_) for name, dtype, shape, data, sum_ in wire]
+        loads = [t.receive_bucket.remote(layout) for t in targets]  # they wait in the broadcast
+        group.send(sync_group, unpack_bucket(wire), device)
+        return loads
+
+    def _sync_group(self, targets: list):
+        """The sync group of this shard (rank 0) and `targets` (ranks 1..n), joined on first use."""
+        import ray
+
+        key = tuple(t._actor_id.hex() for t in targets)
+        if key not in self._groups:
+            addr, port = self.address()
+            world = 1 + len(targets)
+            joins = [t.join_sync_group.remote(addr, port, rank + 1, world) for rank, t in enumerate(targets)]
+            self._groups[key] = group.join(addr, port, 0, world, "cuda" if self.device == "gpu" else "cpu")
+            ray.get(joins)
+            self.log.info("weight-sync group of %d ranks at %s:%d", world, addr, port)
+        return self._groups[key]
 
     @fanout(dispatch="all", collect=_exported, deadline_s=1800.0)
     def stage_weights(self, bucket_bytes: int = 64 << 20, replica: int = 0) -> dict | None:
