@@ -17,6 +17,10 @@ weights and gradient reduction: `model.dtype: bfloat16`) against the same engine
 `bf16_over_fp32=<fp32 median step s / bf16 median step s> mfu_bf16=<bf16 achieved FLOP/s / the bf16
 matmul peak>`; the line above it gives the host's bf16/fp32 matmul ratio, the ceiling of the first.
 
+`--device cuda` (a lent GPU; default model 1B, `--dtype bfloat16`): the bf16 engine alone, in a
+world of one over NCCL. Last line `tokens_per_s=<median tokens/s> mfu=<achieved FLOP/s / the GPU's
+bf16 matmul peak measured in the same run (8192^3 products, median of 10)>`.
+
 Matmul peaks are measured in the same run (2048^2 matmuls, median of 10, before and after the
 steps, the larger kept), with the steps' thread count. CPU time per step is printed too: on a
 machine shared with other jobs it moves far less than wall time.
@@ -40,14 +44,22 @@ from xray.data import columns as C
 from xray.models.tiny import BENCH_MODELS, TinySpec, build_tiny_model
 
 
-def matmul_peak(dtype: torch.dtype = torch.float32, n: int = 2048, reps: int = 10) -> float:
-    """Measured matmul FLOP/s in `dtype` (median of `reps`) with torch's current thread count."""
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def matmul_peak(dtype: torch.dtype = torch.float32, n: int = 2048, reps: int = 10, device: str = "cpu") -> float:
+    """Measured matmul FLOP/s in `dtype` on `device` (median of `reps`; on the CPU with torch's
+    current thread count)."""
+    a, b = torch.randn(n, n, dtype=dtype, device=device), torch.randn(n, n, dtype=dtype, device=device)
     a @ b
     times = []
     for _ in range(reps):
+        _sync(device)
         t = time.perf_counter()
         a @ b
+        _sync(device)
         times.append(time.perf_counter() - t)
     return 2 * n ** 3 / statistics.median(times)
 
@@ -86,14 +98,16 @@ class HFLoop:
         return total
 
 
-def _timed(fn) -> tuple[float, float]:
+def _timed(fn, device: str = "cpu") -> tuple[float, float]:
     """(wall seconds, this process's CPU seconds over all its threads) of one call."""
+    _sync(device)
     wall, cpu = time.perf_counter(), time.process_time()
     fn()
+    _sync(device)
     return time.perf_counter() - wall, time.process_time() - cpu
 
 
-def _alternate(steps: dict, rounds: int) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+def _alternate(steps: dict, rounds: int, device: str = "cpu") -> tuple[dict[str, list[float]], dict[str, list[float]]]:
     """Wall and CPU seconds of each step function, one call each per round, after a warm-up call."""
     for step in steps.values():
         step()
@@ -101,10 +115,38 @@ def _alternate(steps: dict, rounds: int) -> tuple[dict[str, list[float]], dict[s
     cpu: dict[str, list[float]] = {k: [] for k in steps}
     for _ in range(rounds):
         for name, step in steps.items():
-            wall, used = _timed(step)
+            wall, used = _timed(step, device)
             times[name].append(wall)
             cpu[name].append(used)
     return times, cpu
+
+
+def cuda_main(args) -> None:
+    """The bf16 engine alone on a GPU: tokens/s and MFU against the GPU's measured bf16 peak."""
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29531")
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    from xray.backends.megatron import build_engine
+
+    name = args.model or "1B"
+    spec = BENCH_MODELS[name]
+    model_dir = str(build_tiny_model(tempfile.mkdtemp(prefix="xray-bench-"), spec, seed=0))
+    batch = R.random_batch(args.batch, args.seq, spec.vocab_size, seed=0)
+    engine = build_engine(model_dir, ParallelDims(), "actor", OptimConfig(lr=1e-5), seed=0, device="cuda",
+                          dtype="bfloat16")
+    print(f"model {name} on {torch.cuda.get_device_name()}, batch={args.batch}x{args.seq} micro={args.micro}")
+    times, _ = _alternate({"megatron bf16": lambda: engine.train_step(batch, R.policy_loss, args.micro)},
+                          args.rounds, "cuda")
+    peak = matmul_peak(torch.bfloat16, n=8192, device="cuda")
+    step = statistics.median(times["megatron bf16"])
+    tokens = args.batch * args.seq
+    achieved = tokens / step * train_flops_per_token(spec, args.seq)
+    print(f"step {step * 1e3:.0f} ms median of {len(times['megatron bf16'])}; achieved {achieved / 1e12:.0f} "
+          f"TFLOP/s; bf16 matmul peak {peak / 1e12:.0f} TFLOP/s; peak memory "
+          f"{torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
+    dist.destroy_process_group()
+    print(f"tokens_per_s={tokens / step:.0f} mfu={achieved / peak:.3f}")
 
 
 def main() -> None:
@@ -117,7 +159,11 @@ def main() -> None:
     parser.add_argument("--micro", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     args = parser.parse_args()
+    if args.device == "cuda":
+        cuda_main(args)
+        return
     if args.threads:
         torch.set_num_threads(args.threads)
     bf16 = args.dtype == "bfloat16"

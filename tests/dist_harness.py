@@ -24,7 +24,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank, world_size, port, fn, args, queue):
+def _entry(rank, world_size, port, fn, args, queue, backend="gloo"):
     import torch
     import torch.distributed as dist
 
@@ -32,7 +32,9 @@ def _entry(rank, world_size, port, fn, args, queue):
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        if backend == "nccl":  # one GPU per rank
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
         queue.put((rank, True, result))
     except BaseException:  # noqa: BLE001 - reported to the parent with its traceback
@@ -42,11 +44,13 @@ def _entry(rank, world_size, port, fn, args, queue):
             dist.destroy_process_group()
 
 
-def run_distributed(fn, world_size: int, *args, timeout: float = 600.0) -> list:
+def run_distributed(fn, world_size: int, *args, timeout: float = 600.0, backend: str = "gloo") -> list:
+    """`fn(rank, world_size, *args)` on `world_size` processes in a `backend` group ("gloo", or
+    "nccl": rank r on GPU r); their answers in rank order."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue), daemon=False)
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue, backend), daemon=False)
              for r in range(world_size)]
     for p in procs:
         p.start()

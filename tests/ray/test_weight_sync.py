@@ -140,7 +140,7 @@ def test_bf16_sync_is_verified_exactly(local_ray, tmp_path_factory, actor):
             m.shutdown()
 
 
-@pytest.mark.parametrize("engine", ["vllm", "dsinfer"])
+@pytest.mark.parametrize("engine", ["vllm", pytest.param("dsinfer", marks=pytest.mark.slow)])  # the default tier's budget
 def test_process_group_transport_syncs_exactly(actor, engine):
     """The process-group transport: the same weights reach 2 replicas (greedy output equal to the
     object store's), verified the same way, a tensor changed in transit caught; `auto` on one

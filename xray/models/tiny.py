@@ -46,7 +46,11 @@ BENCH_27M = TinySpec(vocab_size=8192, hidden_size=512, intermediate_size=1376, n
 # 16384-token embedding and head: 25.2M; 12 layers of hidden 768, 12 heads of 64: 84.9M).
 BENCH_110M = TinySpec(vocab_size=16384, hidden_size=768, intermediate_size=2048, num_layers=12,
                       num_heads=12, num_kv_heads=12, max_position_embeddings=1024)
-BENCH_MODELS = {"27M": BENCH_27M, "110M": BENCH_110M}
+# The GPU benchmark model: a Llama of 1.04B parameters (untied 32000-token embedding and head: 131M;
+# 18 layers of hidden 2048, 16 heads of 128, SwiGLU 5504: 911M).
+BENCH_1B = TinySpec(vocab_size=32000, hidden_size=2048, intermediate_size=5504, num_layers=18,
+                    num_heads=16, num_kv_heads=16, max_position_embeddings=4096)
+BENCH_MODELS = {"27M": BENCH_27M, "110M": BENCH_110M, "1B": BENCH_1B}
 """The benchmark models by name (`--model` of the benchmarks)."""
 
 
