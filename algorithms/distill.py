@@ -44,7 +44,7 @@ def check_dataset(cfg: RunConfig) -> None:
 def distill_pairs(cfg: RunConfig, tokenizer) -> list[tuple[list[int], list[int]]]:
     """(prompt ids, response ids + EOS) of every row of `distill.dataset` with a response."""
     from xray.data.prompts import PromptDataError, load_prompts
-    from xray.tasks.sft import target_ids
+    from xray.data.supervised import target_ids
 
     d = cfg.distill
     rows = load_prompts(d.dataset, tokenizer, cfg.data.prompt_field, cfg.data.max_prompt_tokens,
@@ -63,16 +63,14 @@ def distill_command(cfg: RunConfig, plan: Plan, output_dir: Path, ray_address: O
     """Fine-tune `model.path` on `distill.dataset`."""
     from algorithms.sft import run_sft
     from xray.config.typed import to_dict
-    from xray.run.task import BUILTIN_MODEL, build_builtin_model, load_tokenizer
+    from algorithms.warm_start import model_dir as resolve_model
+    from xray.run.inputs import load_tokenizer
 
     check_dataset(cfg)
     run = RunDir(output_dir)
     run.write_config(to_dict(cfg))
     try:
-        if cfg.model.path == BUILTIN_MODEL:
-            model_dir = str(build_builtin_model(cfg, plan, run, ray_address))
-        else:
-            model_dir = cfg.model.path
+        model_dir = resolve_model(cfg, plan, run, ray_address)
         tokenizer = load_tokenizer(model_dir)
         pairs = distill_pairs(cfg, tokenizer)
         losses: list[float] = []

@@ -30,7 +30,7 @@ from xray.data import columns as C
 from xray.data.batch import Batch
 from xray.data.sequences import pack_sequences
 from xray.run.outputs import RunDir
-from xray.tasks.sft import target_ids
+from xray.data.supervised import target_ids
 
 log = logging.getLogger(__name__)
 LAST = "last_index"
@@ -149,13 +149,13 @@ def rm_command(cfg: RunConfig, plan: Plan, output_dir: Path, ray_address: str | 
     """`python -m xray.train rm`: train a reward model from `model.path` on the data's pairs."""
     from xray.config.typed import to_dict
     from xray.data.prompts import load_prompt_splits
-    from xray.run.task import BUILTIN_MODEL, build_builtin_model, load_tokenizer
+    from algorithms.warm_start import model_dir as resolve_model
+    from xray.run.inputs import load_tokenizer
 
     run = RunDir(output_dir)
     run.write_config(to_dict(cfg))
     try:
-        model_dir = str(build_builtin_model(cfg, plan, run, ray_address)) if cfg.model.path == BUILTIN_MODEL \
-            else cfg.model.path
+        model_dir = resolve_model(cfg, plan, run, ray_address)
         tokenizer = load_tokenizer(model_dir)
         train, held_out = load_prompt_splits(cfg.data, tokenizer, run.path / "data")
         pad_id = tokenizer.pad_token_id or 0

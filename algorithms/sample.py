@@ -62,13 +62,11 @@ def sampler_model(cfg: RunConfig, plan: Plan, run: RunDir, ray_address: Optional
     """The sampler's model directory: `model.path`, or the built-in model warm-started (once, then
     cached) on the sampler's first device before the sampler starts there."""
     from xray.config.placement import DeviceGroup
-    from xray.run.task import BUILTIN_MODEL, build_builtin_model
+    from algorithms.warm_start import build_builtin_model
+    from xray.run.inputs import BUILTIN_MODEL, model_directory
 
     if cfg.model.path != BUILTIN_MODEL:
-        if not Path(cfg.model.path, "config.json").is_file():
-            raise FileNotFoundError(f"model.path {cfg.model.path!r} is not a Hugging Face model directory "
-                                    f"(no config.json); give a local directory or {BUILTIN_MODEL}")
-        return cfg.model.path
+        return model_directory(cfg.model.path)
     first = plan.role("sampler")
     group = DeviceGroup("warm_start", first.device, first.ranks[:1], ("actor",), first.resources)
     warm = dataclasses.replace(cfg, device_groups=dataclasses.replace(cfg.device_groups, groups=(group,)),
@@ -231,7 +229,7 @@ def sample_command(cfg: RunConfig, plan: Plan, output_dir: Path, ray_address: Op
     """`python -m xray.train sample`: sample, score and choose over the data's training prompts."""
     from xray.config.typed import to_dict
     from xray.data.prompts import load_prompt_splits
-    from xray.run.task import load_tokenizer
+    from xray.run.inputs import load_tokenizer
 
     run = RunDir(output_dir)
     run.write_config(to_dict(cfg))

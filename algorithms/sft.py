@@ -22,7 +22,7 @@ from xray.data.batch import Batch
 from xray.data.sequences import pack_sequences
 from xray.backends.hf_dir import save_hf_model
 from xray.run.outputs import RunDir
-from xray.tasks.sft import SFTLoss, target_ids
+from xray.data.supervised import SFTLoss, target_ids
 
 log = logging.getLogger(__name__)
 
@@ -85,13 +85,14 @@ def answer_pairs(prompt_ids: list[list[int]], answers: list, tokenizer) -> list[
 def sft_command(cfg: RunConfig, plan: Plan, output_dir: Path, ray_address: str | None) -> Path:
     """`python -m xray.train sft`: fine-tune `model.path` on the data's (prompt, answer) rows."""
     from xray.data.prompts import load_prompt_splits
-    from xray.run.task import BUILTIN_MODEL, build_base_model, load_tokenizer
+    from xray.builtin.tiny_llama import BUILTIN_MODEL, build_base_model
+    from xray.run.inputs import load_tokenizer
 
     run = RunDir(output_dir)
     from xray.config.typed import to_dict
 
     run.write_config(to_dict(cfg))
-    model_dir = str(build_base_model(cfg, run)) if cfg.model.path == BUILTIN_MODEL else cfg.model.path
+    model_dir = str(build_base_model(run.path / "base-model", cfg.seed)) if cfg.model.path == BUILTIN_MODEL else cfg.model.path
     tokenizer = load_tokenizer(model_dir)
     train, _ = load_prompt_splits(cfg.data, tokenizer, run.path / "data")
     if cfg.data.answer_field not in train.extras:

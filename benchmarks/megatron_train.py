@@ -1,6 +1,6 @@
 """Train-step throughput of the Megatron engine: against a plain Hugging Face loop, or bf16 against fp32.
 
-One process, tp=pp=dp=1, a benchmark model of xray/models/tiny.py (random weights), the same batch,
+One process, tp=pp=dp=1, a benchmark model of xray/builtin/tiny_llama.py (random weights), the same batch,
 loss (xray.check.reference.policy_loss), micro-batching, clipping and AdamW for both sides, which
 alternate (one step each per round) so that machine noise hits both alike. Figures are medians
 over `--rounds` rounds after one warm-up step each.
@@ -41,7 +41,7 @@ from xray.backends.optim import build_optimizer, build_scheduler
 from xray.check import reference as R
 from xray.config.parallel import ParallelDims
 from xray.data import columns as C
-from xray.models.tiny import BENCH_MODELS, TinySpec, build_tiny_model
+from xray.builtin.tiny_llama import BENCH_MODELS, TinySpec, build_tiny_model
 
 
 def _sync(device: str) -> None:

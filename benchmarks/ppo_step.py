@@ -39,7 +39,7 @@ from xray.config import DEFAULT_CONFIGS
 from xray.run.models import Models
 from xray.run.outputs import RunDir
 from xray.train import resolve
-from xray.workhorse.base import covered_seconds
+from xray.workhorse.busy import covered_seconds
 
 PHASES = ("generate", "score", "train", "sync")
 SMALL = ["--ppo.rollout_batch_size=8", "--rollout.n_samples=8", "--rollout.max_new_tokens=12",

@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/rollout_throughput.py [--dtype float32|bfloat16] [--model 27M|110M]
         [--prompts 128] [--new-tokens 128] [--repeats 3] [--threads 1]
 
-One run builds a benchmark Llama of xray/models/tiny.py (random weights), then times, on the same
+One run builds a benchmark Llama of xray/builtin/tiny_llama.py (random weights), then times, on the same
 prompts (random token ids, 16 to 48 long), the same sampling (temperature 1, a fixed seed) and the
 same number of torch threads, each engine's calls after a warm-up call (tokens/s: the median over
 `--repeats` calls). Tokens counted are the generated response tokens. The engines run one after
@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from xray.models.tiny import BENCH_MODELS, build_tiny_model
+from xray.builtin.tiny_llama import BENCH_MODELS, build_tiny_model
 
 
 def make_prompts(count: int, vocab: int, seed: int = 0) -> list[list[int]]:

@@ -33,9 +33,9 @@ from pathlib import Path
 import torch
 
 from xray.data.tokenizer import VOCAB_SIZE, save_char_tokenizer
-from xray.models.tiny import TinySpec, build_tiny_model
+from xray.builtin.tiny_llama import TinySpec, build_tiny_model
 from xray.rewards.builtin import exact_answer
-from xray.tasks.arith import ARITH
+from xray.builtin.arith import ARITH
 
 SIZES = {  # spec, response tokens, completions per step, micro-batch
     "small": (TinySpec(vocab_size=VOCAB_SIZE, hidden_size=128, intermediate_size=512, num_layers=4,

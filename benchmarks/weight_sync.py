@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/weight_sync.py [--model 27M|110M] [--repeats 7] [--bucket-mb 64]
         [--probes 4] [--probe-len 16]
 
-One run builds a benchmark Llama of xray/models/tiny.py (BENCH_27M: 27.4M parameters; BENCH_110M:
+One run builds a benchmark Llama of xray/builtin/tiny_llama.py (BENCH_27M: 27.4M parameters; BENCH_110M:
 110.1M; random weights, fp32) in a temporary directory, starts an actor WholeModel (TrainWorkhorse
 on Megatron, tp=1) and a rollout WholeModel (RolloutWorkhorse on vLLM, one replica, fp32) on this
 node, then times, round by round so that machine noise hits all alike:
@@ -32,10 +32,10 @@ import torch
 
 from xray.config.parallel import ParallelDims
 from xray.config.schema import SyncConfig
-from xray.models.tiny import BENCH_MODELS, build_tiny_model
+from xray.builtin.tiny_llama import BENCH_MODELS, build_tiny_model
 from xray.sync import sync_weights
 from xray.wholemodel import WholeModel
-from xray.workhorse.base import covered_seconds
+from xray.workhorse.busy import covered_seconds
 from xray.workhorse.rollout import RolloutWorkhorse
 from xray.workhorse.train import TrainWorkhorse
 

@@ -1,6 +1,6 @@
 """ZeRO-3 memory per process: dp=2 against dp=1 on the same model, in one run.
 
-Builds the 27M-parameter benchmark Llama (xray.models.tiny.BENCH_27M), then trains one step with
+Builds the 27M-parameter benchmark Llama (xray.builtin.tiny_llama.BENCH_27M), then trains one step with
 the DeepSpeed engine at ZeRO stage 3 on 1 process and on 2 processes (gloo, CPU) with the same
 global batch, and counts the bytes each process holds afterwards in parameters, gradients and
 optimizer state.
@@ -35,7 +35,7 @@ from tests.dist_harness import run_distributed  # noqa: E402
 from xray.backends.base import OptimConfig  # noqa: E402
 from xray.check.reference import policy_loss, random_batch  # noqa: E402
 from xray.config.parallel import ParallelDims  # noqa: E402
-from xray.models.tiny import BENCH_27M, build_tiny_model  # noqa: E402
+from xray.builtin.tiny_llama import BENCH_27M, build_tiny_model  # noqa: E402
 
 
 def _storage_bytes(tensors) -> int:

@@ -6,7 +6,7 @@ import pytest
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
     from xray.data.tokenizer import VOCAB_SIZE, save_char_tokenizer
-    from xray.models.tiny import TinySpec, build_tiny_model
+    from xray.builtin.tiny_llama import TinySpec, build_tiny_model
 
     spec = TinySpec(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_layers=2,
                     num_heads=2, num_kv_heads=2, max_position_embeddings=128)

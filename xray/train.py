@@ -6,9 +6,9 @@
 ALGO: ppo, the critic-free grpo, rloo and reinforce_pp, sft, rm (a reward model trained on
 preference pairs), sample (best-of-N candidates scored by the sampler/prm/orm roles, written as a
 dataset) or distill (fine-tuning on that dataset). Loads and checks the config (defaults:
-`configs/ppo_tiny_cpu.yaml`, `configs/critic_free_tiny_cpu.yaml`, `configs/sample_tiny_cpu.yaml`), builds the placement
-plan, and runs the algorithm. `--dry-run` prints the resolved config and the plan without
-starting Ray. User mistakes end with a one-line message on stderr and exit code 2, no traceback.
+`configs/ppo_tiny_cpu.yaml`, `configs/critic_free_tiny_cpu.yaml`, `configs/sample_tiny_cpu.yaml`),
+builds the placement plan, and runs the algorithm: a command the algorithms layer registered
+(`xray.commands`). `--dry-run` prints the resolved config and the plan without starting Ray. User mistakes end with a one-line message on stderr and exit code 2, no traceback.
 """
 from __future__ import annotations
 
@@ -21,11 +21,11 @@ from pathlib import Path
 import yaml
 
 from xray.backends import BACKEND_PAIRS, BackendError
+from xray.commands import load, registered
 from xray.config import DEFAULT_CONFIGS, ConfigError, LayoutError, load_config, to_dict
 from xray.config.plan import plan_run
+from xray.run.graceful import RunInterrupted
 
-RL_ALGOS = ("ppo", "grpo", "rloo", "reinforce_pp")
-ALGOS = (*RL_ALGOS, "sft", "rm", "sample", "distill")
 log = logging.getLogger("xray.train")
 
 
@@ -37,7 +37,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m xray.train", allow_abbrev=False,
                                 description="Train a language model with reinforcement learning on Ray.",
                                 epilog="Any config key can be overridden: --ppo.kl_coef=0.05")
-    p.add_argument("algo", choices=ALGOS, help="the algorithm to run")
+    p.add_argument("algo", choices=list(registered()), help="the algorithm to run")
     p.add_argument("--backend", default="megatron-vllm", help=f"TRAIN-GENERATION pair: {', '.join(BACKEND_PAIRS)}")
     p.add_argument("--config", default=None, help="YAML config (default: the algorithm's in configs/)")
     p.add_argument("--output-dir", default=None, help="where the run writes (default: runs/<algo>-<time>)")
@@ -69,7 +69,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
     """Mistakes in the command, config, data or reward spec: a one-line message, no traceback."""
     from xray.data.prompts import PromptDataError
     from xray.rewards.loader import RewardSpecError
-    from xray.tasks import TaskError
+    from xray.builtin.tasks import TaskError
 
     return (ConfigError, BackendError, UsageError, LayoutError, FileNotFoundError, PromptDataError,
             RewardSpecError, TaskError)
@@ -84,45 +84,16 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.write(yaml.safe_dump(to_dict(cfg), sort_keys=False))
             sys.stdout.write(plan.describe() + "\n")
             return 0
-        if args.algo in RL_ALGOS:
-            from algorithms.ppo.run import run_ppo
-            from xray.run.graceful import RunInterrupted
-
-            try:
-                before, after = run_ppo(cfg, plan, output_dir, args.resume, args.ray_address, args.algo)
-            except RunInterrupted as stop:
-                shutdown_ray()
-                sys.stdout.write(f"stopped: the latest checkpoint is step {stop.step}; continue with:\n"
-                                 f"  {stop.resume}\n")
-                return 0
-            shutdown_ray()  # no Workhorse log line may land after the result
-            sys.stdout.write(f"eval_before={before:.4f} eval_after={after:.4f}\n")
-        elif args.algo == "rm":
-            from algorithms.rm import rm_command
-
-            directory, before, after = rm_command(cfg, plan, output_dir, args.ray_address)
+        command = load(args.algo)
+        try:
+            result = command(cfg, plan, output_dir, args)
+        except RunInterrupted as stop:
             shutdown_ray()
-            sys.stdout.write(f"rm_model={directory} eval_accuracy_before={before:.4f} eval_accuracy_after={after:.4f}\n")
-        elif args.algo == "sample":
-            from algorithms.sample import sample_command
-
-            s = sample_command(cfg, plan, output_dir, args.ray_address)
-            shutdown_ray()
-            sys.stdout.write(f"sample_dataset={s.path} prompts={s.prompts} candidates={s.candidates} rows={s.rows} "
-                             f"prompts_passed={s.prompts_passed} orm_mean={s.orm_mean:.4f} orm_kept={s.orm_kept:.4f}\n")
-        elif args.algo == "distill":
-            from algorithms.distill import distill_command
-
-            d = distill_command(cfg, plan, output_dir, args.ray_address)
-            shutdown_ray()
-            sys.stdout.write(f"distill_model={d.model} rows={d.rows} loss_first={d.loss_first:.4f} "
-                             f"loss_last={d.loss_last:.4f}\n")
-        else:
-            from algorithms.sft import sft_command
-
-            final = sft_command(cfg, plan, output_dir, args.ray_address)
-            shutdown_ray()
-            sys.stdout.write(f"sft_model={final}\n")
+            sys.stdout.write(f"stopped: the latest checkpoint is step {stop.step}; continue with:\n"
+                             f"  {stop.resume}\n")
+            return 0
+        shutdown_ray()  # no Workhorse log line may land after the result
+        sys.stdout.write(result + "\n")
         return 0
     except user_errors() as exc:
         sys.stderr.write(f"error: {exc}\n")

@@ -28,7 +28,8 @@ from xray.backends.hf_dir import save_hf_model
 from xray.run.checkpoints import FlashCheckpoints
 from xray.run.graceful import GracefulStop, RunInterrupted
 from xray.run.outputs import RunDir, read_trainer_state
-from xray.run.task import BUILTIN_MODEL, RunData, prepare
+from algorithms.warm_start import model_dir
+from xray.run.inputs import BUILTIN_MODEL, RunData, prepare
 
 log = logging.getLogger(__name__)
 ASYNC_STATE = "async.pt"
@@ -90,7 +91,7 @@ def ppo_trainer(cfg: RunConfig, plan: Plan, run: RunDir, ray_address: str | None
     """Prepare the model and prompts, start the run's WholeModels, and yield (trainer, RunData)
     for `algo` (ppo, grpo, rloo, reinforce_pp); the WholeModels are shut down on the way out (the
     run command, the benchmarks and the tests use it)."""
-    data = prepare(cfg, plan, run, ray_address)
+    data = prepare(cfg, run, model_dir(cfg, plan, run, ray_address))
     models = build_models(cfg, plan, data.model_dir, ray_address)
     try:
         score = data.score or ModelScorer(models.reward, cfg.reward.on_nonfinite)

@@ -16,7 +16,7 @@ from xray.backends.base import OptimConfig
 from xray.check.reference import load_hf, policy_loss, reference_train_step
 from xray.data import columns as C
 from xray.data.batch import Batch
-from xray.models.tiny import TinySpec, build_tiny_model
+from xray.builtin.tiny_llama import TinySpec, build_tiny_model
 
 SPEC = TinySpec()  # head_dim = 128 / 4 = 32, the smallest vLLM's CPU attention accepts
 EOS = 2

@@ -26,7 +26,7 @@ from tests.dist_harness import run_distributed
 from xray.backends.base import OptimConfig
 from xray.check import reference as R
 from xray.data import columns as C
-from xray.models.tiny import TinySpec, build_tiny_model
+from xray.builtin.tiny_llama import TinySpec, build_tiny_model
 
 pytestmark = pytest.mark.backends
 

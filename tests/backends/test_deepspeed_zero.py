@@ -28,7 +28,7 @@ from xray.check.reference import (hf_logprobs, load_hf, max_rel_diff, policy_los
                                   reference_train_step)
 from xray.config.parallel import ParallelDims
 from xray.data import columns as C
-from xray.models.tiny import build_tiny_model
+from xray.builtin.tiny_llama import build_tiny_model
 
 pytestmark = pytest.mark.backends
 

@@ -14,7 +14,7 @@ from tests.dist_harness import as_bytes, from_bytes, run_distributed
 from xray.backends.base import OptimConfig
 from xray.check import reference as R
 from xray.config.parallel import ParallelDims
-from xray.models.tiny import TinySpec, build_tiny_model
+from xray.builtin.tiny_llama import TinySpec, build_tiny_model
 
 pytestmark = pytest.mark.backends
 

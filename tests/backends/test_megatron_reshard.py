@@ -14,7 +14,7 @@ from xray.backends.base import OptimConfig
 from xray.check import reference as R
 from xray.config.parallel import ParallelDims
 from xray.data import columns as C
-from xray.models.tiny import TinySpec, build_tiny_model
+from xray.builtin.tiny_llama import TinySpec, build_tiny_model
 
 pytestmark = pytest.mark.backends
 

@@ -27,7 +27,7 @@ from tests.dist_harness import run_distributed
 from xray.backends.base import OptimConfig
 from xray.check import reference as R
 from xray.data import columns as C
-from xray.models.tiny import TinySpec, build_tiny_model
+from xray.builtin.tiny_llama import TinySpec, build_tiny_model
 
 DEVICE = os.environ.get("XRAY_GPU_TIER_DEVICE") or ("cuda" if torch.cuda.is_available() else None)
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(DEVICE is None, reason="needs CUDA (or XRAY_GPU_TIER_DEVICE=cpu)")]

@@ -18,8 +18,8 @@ pytestmark = pytest.mark.ray
 def model_dir(local_ray, tmp_path_factory):
     """The built-in tiny Llama (4 heads, 2 layers) with its character tokenizer, untrained."""
     from xray.data.tokenizer import save_char_tokenizer
-    from xray.models.tiny import build_tiny_model
-    from xray.run.task import builtin_spec
+    from xray.builtin.tiny_llama import build_tiny_model
+    from xray.builtin.tiny_llama import builtin_spec
 
     directory = build_tiny_model(tmp_path_factory.mktemp("m") / "tiny", builtin_spec(), seed=0)
     save_char_tokenizer(directory)

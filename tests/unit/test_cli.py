@@ -70,7 +70,7 @@ def test_bad_backend_and_missing_config():
 def test_bad_layout_fails_before_any_workhorse(tmp_path):
     import sys as _sys
 
-    from xray.models.tiny import TinySpec, build_tiny_model
+    from xray.builtin.tiny_llama import TinySpec, build_tiny_model
 
     model = build_tiny_model(tmp_path / "m", TinySpec(num_heads=4, num_kv_heads=2))
     groups = {"nproc_per_node": 4,

@@ -17,11 +17,11 @@ from xray.config.schema import DataConfig
 from xray.data import columns as C
 from xray.data.prompts import PromptSampler, load_prompt_splits
 from xray.data.tokenizer import EOS_ID, PAD_ID, VOCAB_SIZE, build_char_tokenizer
-from xray.models.tiny import TinySpec, hf_config
+from xray.builtin.tiny_llama import TinySpec, hf_config
 from xray.rewards.loader import compute_scores, load_reward_function
-from xray.tasks import get_task
+from xray.builtin.tasks import get_task
 from xray.data.sequences import pack_sequences
-from xray.tasks.sft import SFTLoss, sft_batch
+from xray.data.supervised import SFTLoss, sft_batch
 
 pytestmark = pytest.mark.unit
 SPEC = TinySpec(vocab_size=VOCAB_SIZE, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,

@@ -9,10 +9,10 @@ import torch
 
 from xray.data import columns as C
 from xray.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, VOCAB_SIZE, build_char_tokenizer, save_char_tokenizer
-from xray.tasks import TaskError, get_task
-from xray.tasks.arith import ARITH, ArithTask
+from xray.builtin.tasks import TaskError, get_task
+from xray.builtin.arith import ARITH, ArithTask
 from xray.data.sequences import pack_sequences
-from xray.tasks.sft import SFTLoss, sft_batch
+from xray.data.supervised import SFTLoss, sft_batch
 
 pytestmark = pytest.mark.unit
 
@@ -59,7 +59,7 @@ def test_char_tokenizer_ids_and_roundtrip():
     tok = build_char_tokenizer()
     assert VOCAB_SIZE == len(tok) == 64
     assert (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id, tok.unk_token_id) == (PAD_ID, BOS_ID, EOS_ID, UNK_ID)
-    assert (PAD_ID, BOS_ID, EOS_ID) == (0, 1, 2)   # what xray.models.tiny configures
+    assert (PAD_ID, BOS_ID, EOS_ID) == (0, 1, 2)   # what xray.builtin.tiny_llama configures
     assert tok("37+5=").input_ids == [1, 7, 11, 41, 9, 45]
     assert tok("42", add_special_tokens=False).input_ids == [8, 6]
     assert tok.decode([8, 6, EOS_ID, PAD_ID], skip_special_tokens=True) == "42"
@@ -71,7 +71,7 @@ def test_char_tokenizer_ids_and_roundtrip():
 def test_tokenizer_loads_from_a_model_directory(tmp_path):
     from transformers import AutoConfig, AutoTokenizer
 
-    from xray.models.tiny import TinySpec, build_tiny_model
+    from xray.builtin.tiny_llama import TinySpec, build_tiny_model
 
     model_dir = build_tiny_model(tmp_path / "m", TinySpec(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=64,
                                                           num_layers=1, num_heads=2, num_kv_heads=2))

@@ -5,7 +5,8 @@ import pytest
 
 from xray.config.parallel import ParallelDims
 from xray.wholemodel.protocol import fanout_methods
-from xray.workhorse.base import Workhorse, covered_seconds
+from xray.workhorse.base import Workhorse
+from xray.workhorse.busy import covered_seconds
 
 pytestmark = pytest.mark.unit
 
@@ -42,7 +43,8 @@ def test_call_records_time_inside_the_method_and_busy_time_clears_it():
     t1 = time.time()
     first = w.call("busy_time", ((), {}))
     assert first["rank"] == 0 and first["role"] == "actor"
-    (a0, a1), (b0, b1) = first["intervals"]
+    (a0, a1, a_name), (b0, b1, b_name) = first["intervals"]
+    assert a_name == b_name == "nap"  # each interval names the method it was spent in
     assert t0 <= a0 < a1 <= b0 < b1 <= t1
     assert 0.05 <= a1 - a0 < 0.05 + 0.3 and 0.02 <= b1 - b0 < 0.02 + 0.3  # slack for a loaded machine
     assert first["busy_s"] == pytest.approx((a1 - a0) + (b1 - b0))
@@ -57,7 +59,7 @@ def test_self_timed_method_counts_only_what_it_marks():
     wall = time.perf_counter() - t0
     got = w.busy_time()
     # 3 items of 0.02 s plus the final (empty) next(); the 3 waits of 0.1 s are not busy
-    assert len(got["intervals"]) == 4
+    assert len(got["intervals"]) == 4 and {i[2] for i in got["intervals"]} == {"produce"}
     assert 0.06 <= got["busy_s"] < 0.06 + 0.2
     assert wall >= 0.06 + 0.3
 

@@ -99,7 +99,7 @@ def _tied_alias(model, name: str) -> bool:
 
 
 def main(args: argparse.Namespace) -> int:
-    from xray.models.tiny import TinySpec, build_tiny_model
+    from xray.builtin.tiny_llama import TinySpec, build_tiny_model
 
     parallel = ParallelDims(args.tp, args.pp, args.dp)
     model_dir = args.model

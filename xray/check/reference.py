@@ -14,28 +14,10 @@ from __future__ import annotations
 import torch
 
 from xray.backends.base import LossFn, OptimConfig
+from xray.backends.hf_logprobs import hf_logprobs, load_hf, token_logprobs  # noqa: F401 - re-exported
 from xray.backends.optim import build_optimizer, build_scheduler
 from xray.data import columns as C
 from xray.data.batch import Batch
-
-
-def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-    """log p(input_ids[:, t+1] | <= t) from logits [B, T, V] -> [B, T-1]."""
-    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-    return logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-
-
-def load_hf(model_dir: str) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    return model
-
-
-def hf_logprobs(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
-    """Per-token log-probs [B, T-1] of the Hugging Face model on INPUT_IDS / ATTENTION_MASK."""
-    out = model(input_ids=batch[C.INPUT_IDS], attention_mask=batch[C.ATTENTION_MASK], use_cache=False)
-    return token_logprobs(out.logits, batch[C.INPUT_IDS])
 
 
 def policy_loss(outputs: dict[str, torch.Tensor], batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:

@@ -33,7 +33,7 @@ def main(args: argparse.Namespace) -> int:
     import torch
 
     from xray.check.reference import policy_loss, random_batch
-    from xray.models.tiny import build_tiny_model
+    from xray.builtin.tiny_llama import build_tiny_model
     from xray.sync import sync_weights
     from xray.wholemodel import WholeModel
     from xray.workhorse.rollout import RolloutWorkhorse

@@ -205,7 +205,7 @@ def load_prompt_splits(config: DataConfig, tokenizer, workdir: str | Path,
     kwargs = dict(prompt_field=config.prompt_field, max_prompt_tokens=config.max_prompt_tokens,
                   on_long_prompt=config.on_long_prompt, chat_template=chat_template)
     if config.path.startswith("builtin:"):
-        from xray.tasks import get_task
+        from xray.builtin.tasks import get_task
 
         files = get_task(config.path).write(Path(workdir), eval_size=config.eval_size)
         return load_prompts(files.train, tokenizer, **kwargs), load_prompts(files.eval, tokenizer, **kwargs)

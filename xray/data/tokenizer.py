@@ -1,7 +1,7 @@
 """A character-level tokenizer for the built-in tasks, built locally (no hub on our machines).
 
 One token per character over a fixed 64-entry vocabulary: `<pad>`=0, `<s>`=1, `</s>`=2 (the ids
-`xray.models.tiny` configures), `<unk>`=3, then digits, space, lowercase letters and punctuation.
+`xray.builtin.tiny_llama` configures), `<unk>`=3, then digits, space, lowercase letters and punctuation.
 Encoding prepends `<s>`; decoding joins characters with nothing between them. It is saved as a
 `transformers` fast tokenizer (`tokenizer.json` + `tokenizer_config.json`) into a model directory,
 where `transformers.AutoTokenizer` and vLLM load it like any other. Build the model with

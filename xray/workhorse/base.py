@@ -9,9 +9,8 @@ marked methods (`@fanout`) serve calls. Errors leave a Workhorse as themselves w
 pickled, else as their text (`portable_errors`).
 
 Each Workhorse seeds torch, numpy and random from (run seed, role, rank), fixes its torch thread
-count, and logs with its role and ranks in every line. It also keeps its busy time: the wall-clock
-intervals spent inside its methods (`busy_time()` returns and clears them), so a benchmark can tell
-model compute from the runtime's own overhead (`benchmarks/ppo_step.py`).
+count, and logs with its role and ranks in every line. It keeps its busy time (`BusyRecorder` in
+`xray.workhorse.busy`): the run's timeline of a step and the benchmarks read it.
 """
 from __future__ import annotations
 
@@ -20,13 +19,11 @@ import os
 import pickle
 import random
 import socket
-import time
 import traceback
 import zlib
-from collections import deque
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterator
 
 import torch
 
@@ -34,6 +31,7 @@ from xray.backends.base import ShardInfo, layout_of
 from xray.config.parallel import ParallelDims
 from xray.data.columns import MODEL_INPUTS
 from xray.wholemodel.protocol import PartsSlice, assemble, fanout
+from xray.workhorse.busy import BusyRecorder
 
 log = logging.getLogger(__name__)
 
@@ -53,22 +51,6 @@ def node_ip() -> str:
     except ImportError:
         pass
     return "127.0.0.1"
-
-
-_END = object()
-
-
-def covered_seconds(intervals: Iterable[tuple[float, float]], lo: float = float("-inf"),
-                    hi: float = float("inf")) -> float:
-    """Seconds of [lo, hi] inside at least one of `intervals` (busy intervals of several
-    Workhorses: calls that overlap count once, calls one after another add up)."""
-    clipped = sorted((max(a, lo), min(b, hi)) for a, b in intervals if b > lo and a < hi)
-    total, reached = 0.0, lo
-    for a, b in clipped:
-        if b > reached:
-            total += b - max(a, reached)
-            reached = b
-    return total
 
 
 class WorkhorseError(RuntimeError):
@@ -119,14 +101,8 @@ def pin_to_cpu_device(index: int, threads: int) -> list[int]:
     return cores
 
 
-class Workhorse:
+class Workhorse(BusyRecorder):
     """One shard of one model. Subclasses add `setup()` and `@fanout` methods."""
-
-    SELF_TIMED: frozenset[str] = frozenset({"busy_time"})
-    """Methods that count their own busy time (with `busy()`) instead of `call` timing them whole:
-    those that also wait on other Workhorses or move data."""
-    MAX_INTERVALS = 10_000
-    """Busy intervals kept until `busy_time()` drains them (the oldest go first)."""
 
     def __init__(self, role: str, rank: int, parallel: ParallelDims, seed: int = 0,
                  device: str = "cpu", threads: int = 1, **config: Any):
@@ -139,7 +115,7 @@ class Workhorse:
         self.config = config
         self.seed = shard_seed(seed, role, rank)
         self.log = logging.LoggerAdapter(log, {"role": role, "rank": rank})
-        self._busy: deque[tuple[float, float]] = deque(maxlen=self.MAX_INTERVALS)
+        self._init_busy()
         torch.set_num_threads(threads)
         random.seed(self.seed)
         torch.manual_seed(self.seed)
@@ -209,11 +185,8 @@ class Workhorse:
         if any(isinstance(v, PartsSlice) for v in (*args, *kwargs.values())):
             args = tuple(_resolved(a) for a in args)
             kwargs = {k: _resolved(v) for k, v in kwargs.items()}
-        with portable_errors():
-            if method in self.SELF_TIMED:
-                return getattr(self, method)(*args, **kwargs)
-            with self.busy():
-                return getattr(self, method)(*args, **kwargs)
+        with portable_errors(), self.serving(method):
+            return getattr(self, method)(*args, **kwargs)
 
     @staticmethod
     def cancelled() -> bool:
@@ -225,33 +198,6 @@ class Workhorse:
             return ray.is_initialized() and ray.get_runtime_context().is_canceled()
         except Exception:  # noqa: BLE001 - outside a Ray task nothing cancels
             return False
-
-    @contextmanager
-    def busy(self) -> Iterator[None]:
-        """Count the time inside this block as busy (wall-clock epoch seconds)."""
-        start = time.time()
-        try:
-            yield
-        finally:
-            self._busy.append((start, time.time()))
-
-    def timed(self, items: Iterable) -> Iterator:
-        """Yield from `items`, counting only the time spent producing each item as busy."""
-        it = iter(items)
-        while True:
-            with self.busy():
-                item = next(it, _END)
-            if item is _END:
-                return
-            yield item
-
-    @fanout(dispatch="all", collect=lambda layout, results: results, deadline_s=30.0)
-    def busy_time(self) -> dict:
-        """This shard's busy intervals since the last call, then cleared (this call not counted)."""
-        intervals = list(self._busy)
-        self._busy.clear()
-        return {"rank": self.rank, "role": self.role, "intervals": intervals,
-                "busy_s": sum(end - start for start, end in intervals)}
 
     def pid(self) -> int:
         return os.getpid()

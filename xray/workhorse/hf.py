@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from xray.backends.base import LossFn, apply_loss
 from xray.backends.optim import build_optimizer, build_scheduler
-from xray.check.reference import hf_logprobs, load_hf
+from xray.backends.hf_logprobs import hf_logprobs, load_hf
 from xray.config.optim import OptimConfig
 from xray.data import columns as C
 from xray.data.batch import Batch

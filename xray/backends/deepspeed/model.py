@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from xray.check.reference import token_logprobs
+from xray.backends.hf_logprobs import token_logprobs
 from xray.data import columns as C
 from xray.data.batch import Batch
 

@@ -13,7 +13,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from xray.tasks import TaskFiles, write_splits
+from xray.builtin.tasks import TaskFiles, write_splits
 
 
 @dataclass(frozen=True)

@@ -92,3 +92,24 @@ def build_tiny_model(directory: str | Path, spec: TinySpec = TinySpec(), seed: i
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(directory, safe_serialization=True)
     return directory
+
+
+BUILTIN_MODEL = "builtin:tiny-llama"
+"""`model.path` of the default job: the model below, warm-started (`algorithms.warm_start`)."""
+
+
+def builtin_spec() -> TinySpec:
+    """The default job's tiny Llama (344K parameters) over the character tokenizer."""
+    from xray.data.tokenizer import VOCAB_SIZE
+
+    return TinySpec(vocab_size=VOCAB_SIZE, hidden_size=128, intermediate_size=256, num_layers=2,
+                    num_heads=4, num_kv_heads=2, max_position_embeddings=128)
+
+
+def build_base_model(directory: Path, seed: int) -> Path:
+    """The seeded built-in tiny Llama with the character tokenizer, before any training."""
+    from xray.data.tokenizer import save_char_tokenizer
+
+    build_tiny_model(directory, builtin_spec(), seed=seed)
+    save_char_tokenizer(directory)
+    return directory

@@ -2,7 +2,7 @@
 
 A task writes its train and held-out eval prompts as JSONL files, which the run then reads through
 the same path as a user's data (`xray.data.prompts`), and names the reward function that scores
-them. `arith` (`xray.tasks.arith`) is the default job's task; `xray.tasks.sft` turns a task's
+them. `arith` (`xray.builtin.arith`) is the default job's task; `xray.data.supervised` turns a task's
 (prompt, answer) rows into a supervised warm-start batch.
 """
 from __future__ import annotations
@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Protocol
 
 # name -> "module:attribute" of the task object, imported on first use
-TASKS = {"arith": "xray.tasks.arith:ARITH", "arith_small": "xray.tasks.arith:ARITH_SMALL",
-         "reverse": "xray.tasks.reverse:REVERSE"}
+TASKS = {"arith": "xray.builtin.arith:ARITH", "arith_small": "xray.builtin.arith:ARITH_SMALL",
+         "reverse": "xray.builtin.reverse:REVERSE"}
 
 
 class TaskError(ValueError):

@@ -17,7 +17,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from xray.tasks import TaskError, TaskFiles, write_splits
+from xray.builtin.tasks import TaskError, TaskFiles, write_splits
 
 
 @dataclass(frozen=True)

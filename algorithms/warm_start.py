@@ -1,0 +1,73 @@
+"""The default job's model: the built-in tiny Llama, warm-started by supervised fine-tuning.
+
+`model.path: builtin:tiny-llama` names a seeded tiny Llama (`xray.builtin.tiny_llama`) that this
+module fine-tunes on the built-in task's answers (`algorithms.sft`, on the run's own training
+backend) so that RL starts from a model that is sometimes right. The result is cached under
+`~/.cache/xray/builtin/<key>` (or `$XRAY_CACHE`), keyed by everything that shapes it, so later
+runs skip the warm start. Every command resolves `model.path` through `model_dir` here.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+
+from xray.builtin.tiny_llama import BUILTIN_MODEL, build_base_model, builtin_spec
+from xray.config.plan import Plan, plan_run
+from xray.config.schema import RunConfig
+from xray.config.typed import to_dict
+from xray.data.prompts import load_prompt_splits
+from xray.run.inputs import load_tokenizer, model_directory
+from xray.run.outputs import RunDir
+
+log = logging.getLogger(__name__)
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("XRAY_CACHE", Path.home() / ".cache" / "xray"))
+
+
+def warm_start_key(cfg: RunConfig, train_backend: str) -> str:
+    shaping = {"spec": to_dict(builtin_spec()), "sft": to_dict(cfg.sft), "seed": cfg.seed,
+               "data": cfg.data.path, "eval_size": cfg.data.eval_size, "backend": train_backend,
+               "actor": {"micro": cfg.actor.micro_batch_size, "tp": cfg.actor.tp, "pp": cfg.actor.pp,
+                         "dp": cfg.actor.dp}, "version": 1}
+    return hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def model_dir(cfg: RunConfig, plan: Plan, run: RunDir, ray_address: str | None) -> str:
+    """The directory a run starts from: `model.path`, or the built-in model warm-started."""
+    if cfg.model.path == BUILTIN_MODEL:
+        return str(build_builtin_model(cfg, plan, run, ray_address))
+    return model_directory(cfg.model.path)
+
+
+def build_builtin_model(cfg: RunConfig, plan: Plan, run: RunDir, ray_address: str | None) -> Path:
+    """The warm-started tiny model (cached)."""
+    from algorithms.sft import answer_pairs, run_sft
+
+    train_backend = plan.backend.split("-")[0]
+    target = cache_root() / "builtin" / f"tiny-llama-sft-{warm_start_key(cfg, train_backend)}"
+    if (target / "model.safetensors").is_file():
+        log.info("warm-started model from cache: %s", target)
+        return target
+    base = build_base_model(run.path / "base-model", cfg.seed)
+    tokenizer = load_tokenizer(str(base))
+    train, _ = load_prompt_splits(cfg.data, tokenizer, run.path / "data")
+    pairs = answer_pairs(train.prompt_ids, train.extras[cfg.data.answer_field], tokenizer)
+    log.info("warm start: %d supervised steps on %d prompts", cfg.sft.steps, len(pairs))
+    sft_dir = RunDir(run.path / "warm-start")
+    out = run_sft(cfg, plan_run(cfg, plan.backend, "sft"), pairs, str(base), sft_dir, tokenizer.pad_token_id or 0,
+                  ray_address)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (base / name).is_file() and not (out / name).is_file():
+            shutil.copy(base / name, out / name)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_suffix(".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(out, tmp)
+    tmp.replace(target)
+    return target

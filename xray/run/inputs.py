@@ -1,0 +1,76 @@
+"""What a run trains on: the model directory, its tokenizer, the prompts, and the reward.
+
+Sits between the config and an algorithm's trainer: `prepare` loads everything a run reads from
+`model_dir`. `model.path: builtin:tiny-llama` (`BUILTIN_MODEL`) is resolved to a directory before
+this, by `algorithms.warm_start` (a warm start is training, so it belongs to the algorithms layer).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from xray.builtin.tiny_llama import BUILTIN_MODEL
+from xray.config.schema import RunConfig
+from xray.data.prompts import PromptSampler, PromptSet, load_prompt_splits
+from xray.rewards.loader import RewardScorer
+from xray.run.outputs import RunDir
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunData:
+    """Model directory, tokenizer, prompt splits, sampler and scorer of a run."""
+
+    model_dir: str
+    tokenizer: object
+    train: PromptSet
+    eval: PromptSet
+    sampler: PromptSampler
+    score: RewardScorer | None
+    """The reward function's scorer; None when a reward model scores (see `xray.rewards.model`)."""
+
+    @property
+    def pad_id(self) -> int:
+        return self.tokenizer.pad_token_id or 0
+
+    @property
+    def stop_ids(self) -> list[int]:
+        return [self.tokenizer.eos_token_id]
+
+    @property
+    def eval_rows(self) -> list[dict]:
+        return self.eval.rows()
+
+    def next_train_rows(self) -> list[dict]:
+        return self.train.rows(self.sampler.next_indices())
+
+
+def load_tokenizer(model_dir: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_dir)
+    except (OSError, ValueError) as exc:
+        raise FileNotFoundError(f"no usable tokenizer in {model_dir} ({str(exc).splitlines()[0]}); save the "
+                                "model's tokenizer into its directory (tokenizer.save_pretrained(dir))") from None
+
+
+def model_directory(path: str) -> str:
+    """`model.path` when it is a Hugging Face model directory; else an error that says the fix."""
+    if not Path(path, "config.json").is_file():
+        raise FileNotFoundError(f"model.path {path!r} is not a Hugging Face model directory "
+                                f"(no config.json); give a local directory or {BUILTIN_MODEL}")
+    return path
+
+
+def prepare(cfg: RunConfig, run: RunDir, model_dir: str) -> RunData:
+    """Tokenizer, prompts, sampler and reward of a run on `model_dir` (built-in models are built by
+    the algorithms layer first: `algorithms.warm_start`)."""
+    tokenizer = load_tokenizer(model_dir)
+    train, held_out = load_prompt_splits(cfg.data, tokenizer, run.path / "data")
+    reward_fn = cfg.reward.function
+    scorer = RewardScorer(reward_fn, tokenizer, cfg.reward.on_nonfinite) if reward_fn else None
+    sampler = PromptSampler(len(train), cfg.ppo.rollout_batch_size, cfg.seed)
+    return RunData(model_dir, tokenizer, train, held_out, sampler, scorer)
