@@ -2,8 +2,9 @@
 `grpo`, `rloo`, `reinforce_pp`, whose trainers, `algorithms.critic_free`, step differently).
 
 Reads like the script it is: prepare the model and data, start the WholeModels, evaluate, loop
-steps with progress, metrics and checkpoints, evaluate again, export the actor, and print
-`eval_before=<x> eval_after=<y>`. `--resume` continues from the latest checkpoint of a run.
+steps with progress, metrics and checkpoints (and the timeline of step `trainer.timeline_step`,
+`xray.run.timeline`), evaluate again, export the actor, write the run report (`xray.report`), and
+print `eval_before=<x> eval_after=<y>`. `--resume` continues from the latest checkpoint of a run.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from xray.backends.hf_dir import save_hf_model
 from xray.run.checkpoints import FlashCheckpoints
 from xray.run.graceful import GracefulStop, RunInterrupted
 from xray.run.outputs import RunDir, read_trainer_state
+from xray.run.timeline import StepTimeline
 from algorithms.warm_start import model_dir
 from xray.run.inputs import BUILTIN_MODEL, RunData, prepare
 
@@ -113,6 +115,10 @@ def run_ppo(cfg: RunConfig, plan: Plan, output_dir: Path, resume: str | None,
             eval_after = asyncio.run(train(trainer, run, data, resume))
     finally:
         run.close()
+    if cfg.trainer.report:
+        from xray.report.write import report_at_end
+
+        report_at_end(run.path)
     log.info("run finished in %.0f s; outputs in %s", time.perf_counter() - t_start, run.path)
     return trainer.state.eval_before, eval_after
 
@@ -149,6 +155,7 @@ async def train(trainer: PPOTrainer, run: RunDir, data: RunData, resume: str | N
         stop.uninstall()
     await checkpoints.finish()
     eval_after = await trainer.evaluate(data.eval_rows)
+    run.write_evals(trainer.state.eval_before, eval_after, trainer.state.step)
     save_hf_model(await trainer.models.actor.state_dict(), data.model_dir, run.path / "final" / "actor")
     return eval_after
 
@@ -159,8 +166,11 @@ async def train_steps(trainer: PPOTrainer, run: RunDir, data: RunData, detached,
     cfg = trainer.cfg
     steps = range(trainer.state.step + 1, cfg.trainer.steps + 1)
     bar = tqdm(steps, desc=f"{trainer.algo} ({cfg.trainer.mode})", unit="step", file=sys.stderr, mininterval=1.0)
+    timeline = StepTimeline(cfg.trainer.timeline_step, run.path)  # busy intervals of one step, per role and rank
+    await timeline.begin(trainer.state.step + 1, trainer.models)
 
     async def on_step(step: int, metrics: dict) -> None:
+        await timeline.end(step, trainer.models)
         bar.update(1)
         shown = dict(reward=f"{metrics['reward/mean']:.3f}", kl=f"{metrics.get('kl', 0.0):.4f}")
         if cfg.trainer.mode == "async":
@@ -179,6 +189,7 @@ async def train_steps(trainer: PPOTrainer, run: RunDir, data: RunData, detached,
             metrics["eval"] = await trainer.evaluate(data.eval_rows)
         if step % cfg.trainer.log_every == 0:
             run.log_metrics(step, metrics)
+        await timeline.begin(step + 1, trainer.models)
 
     async def on_stop() -> None:  # a signal: checkpoint the last finished step unless saved or abandoned
         if not stop.abandoned and checkpoints.last_step != trainer.state.step and trainer.state.step > 0:

@@ -8,7 +8,8 @@ sync verified (the engines hold exactly the actor's bf16 tensors, the probe with
 tolerance), actor weights changed. deepspeed-dsinfer: the step-2 (flash) checkpoint, resumed in a fresh run, gives the same
 step-3 metrics. megatron-vllm: a second run gets SIGTERM after its first step; it exits 0 within
 15 s printing the resume command, and resumed, its remaining steps equal the uninterrupted run's;
-its first run's exported actor loads in `transformers` and gives finite logits.
+its first run's exported actor loads in `transformers` and gives finite logits, and that run
+wrote its report (HTML and PNG plots) and the Chrome-trace timeline of step 2 (every role busy).
 """
 import json
 import math
@@ -85,6 +86,7 @@ def test_three_steps_then_exact_resume(tmp_path, tiny_model, backend):
 
     if backend == "megatron-vllm":  # resumed after a signal: the same exactness, one run fewer
         final_actor_loads_in_transformers(run_a / "final/actor")
+        report_and_timeline_are_written(run_a)
         check_sigterm_then_resume(tmp_path / "c", backend, cfg, steps)
         return
     run_b = tmp_path / "b"
@@ -117,6 +119,31 @@ def check_sigterm_then_resume(run: Path, backend: str, cfg: Path, uninterrupted:
     assert sorted(steps) == [1, 2, 3] and stopped_at[-1] < 3  # the signal stopped it early
     for step in range(stopped_at[-1] + 1, 4):
         assert stable(steps[step]) == stable(uninterrupted[step]), step
+
+
+def report_and_timeline_are_written(run: Path) -> None:
+    """The run wrote its report (`trainer.report`: a page and its plots) and the timeline of step 2
+    (`trainer.timeline_step`): every Workhorse of the actor, critic, reference and rollout busy in it."""
+    from PIL import Image
+
+    html = (run / "report/index.html").read_text()
+    images = re.findall(r"<img src='([^']+)'", html)
+    assert {"reward.png", "kl.png", "policy_loss.png", "value_loss.png", "phase_seconds.png", "eval.png",
+            "timeline.png"} <= set(images), images
+    for name in images:
+        assert (run / "report" / name).stat().st_size > 8_000, name
+        with Image.open(run / "report" / name) as image:
+            assert image.format == "PNG" and min(image.size) >= 300, (name, image.size)
+    trace = json.loads((run / "timeline.json").read_text())
+    roles = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"}
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    step = [e for e in spans if roles[e["pid"]] == "driver"]
+    assert trace["otherData"]["step"] == 2 and len(step) == 1 and step[0]["dur"] > 0
+    busy = {(roles[e["pid"]], e["tid"]) for e in spans if e["dur"] > 0 and 0 <= e["ts"] <= step[0]["dur"]}
+    assert {(role, rank) for role in ("actor", "critic", "reference", "rollout") for rank in (0, 1)} <= busy, busy
+    methods = {(roles[e["pid"]], e["name"]) for e in spans}
+    assert {("actor", "train_step"), ("critic", "train_step"), ("reference", "forward"),
+            ("rollout", "generate"), ("rollout", "load_bucket")} <= methods, methods
 
 
 def final_actor_loads_in_transformers(directory: Path) -> None:

@@ -331,6 +331,15 @@ class TrainerConfig:
     eval_every: int = 0
     """Evaluate on the held-out prompts every this many steps too (metric `eval`; 0: only before
     and after training)."""
+    timeline_step: int = 2
+    """Record where this step's time goes: every Workhorse's busy intervals during it, per role and
+    rank, written as a Chrome trace (`timeline.json` in the output directory, opened by Perfetto or
+    chrome://tracing) and drawn in the run report (0: no timeline). Step 1 includes one-time
+    warm-ups; 2 shows a steady step."""
+    report: bool = True
+    """Write the run report when the run ends (`report/index.html` in the output directory: plots of
+    the metrics and the step timeline); a failure to write it is logged, never the run's.
+    `python -m xray.report RUN_DIR` writes it at any time."""
 
 
 @dataclass(frozen=True)

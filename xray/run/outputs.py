@@ -7,6 +7,10 @@
       checkpoints/step-000010/    actor/ critic/ (each Workhorse's shard) + trainer_state.json
       final/actor/                the trained actor as a Hugging Face directory
                                   (`xray.backends.hf_dir.save_hf_model`)
+      eval.json                   the evaluations before and after training (`write_evals`)
+      timeline.json               one step's busy intervals per role and rank, a Chrome trace
+                                  (`xray.run.timeline`)
+      report/index.html           the run report and its plots (`python -m xray.report`)
 """
 from __future__ import annotations
 
@@ -18,6 +22,8 @@ from typing import Any
 import yaml
 
 log = logging.getLogger(__name__)
+METRICS_FILE = "metrics.jsonl"
+EVAL_FILE = "eval.json"
 
 
 class RunDir:
@@ -43,6 +49,10 @@ class RunDir:
             if isinstance(v, (int, float)):
                 self._tb.add_scalar(k, v, step)
         self._tb.flush()
+
+    def write_evals(self, before: float, after: float, step: int) -> None:
+        """The evaluations before and after training (the latter after step `step`)."""
+        (self.path / EVAL_FILE).write_text(json.dumps({"eval_before": before, "eval_after": after, "step": step}))
 
     def checkpoint_dir(self, step: int) -> Path:
         return self.checkpoints / f"step-{step:06d}"

@@ -131,7 +131,7 @@ class RolloutWorkhorse(Workhorse):
         if not self._sync_started:
             self._sync_started = time.perf_counter()
         bucket = unpack_bucket(wire)
-        with self.busy():
+        with self.busy("load_bucket"):
             self._changed += changed_in_transit(wire)
             self.engine.load_weights(bucket)
         self._received += sum(t.numel() * t.element_size() for _, t in bucket)
@@ -151,7 +151,7 @@ class RolloutWorkhorse(Workhorse):
 
         if not self._sync_started:
             self._sync_started = time.perf_counter()
-        with self.busy():
+        with self.busy("receive_bucket"):
             bucket, changed = group.receive(self._sync_group, layout, "cuda" if self.device == "gpu" else "cpu")
             self._changed += changed
             self.engine.load_weights(bucket)
