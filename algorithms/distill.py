@@ -67,9 +67,9 @@ def distill_command(cfg: RunConfig, plan: Plan, output_dir: Path, ray_address: O
     from xray.run.inputs import load_tokenizer
 
     check_dataset(cfg)
-    run = RunDir(output_dir)
+    run = RunDir(output_dir, cfg.trainer.loggers)
     run.write_config(to_dict(cfg))
-    try:
+    with run:  # the loggers close, told whether the job failed
         model_dir = resolve_model(cfg, plan, run, ray_address)
         tokenizer = load_tokenizer(model_dir)
         pairs = distill_pairs(cfg, tokenizer)
@@ -78,5 +78,3 @@ def distill_command(cfg: RunConfig, plan: Plan, output_dir: Path, ray_address: O
                         ray_address, losses)
         tail = losses[-max(1, len(losses) // 10):]
         return DistillResult(final, len(pairs), losses[0], sum(tail) / len(tail))
-    finally:
-        run.close()

@@ -31,6 +31,7 @@ from xray.data.batch import Batch
 from xray.data.sequences import pack_sequences
 from xray.run.outputs import RunDir
 from xray.data.supervised import target_ids
+from xray.run.console import progress_shown
 
 log = logging.getLogger(__name__)
 LAST = "last_index"
@@ -130,7 +131,7 @@ def run_rm(cfg: RunConfig, plan: Plan, train: list[Pair], held_out: list[Pair], 
 
     with started_role(cfg, plan, "critic", model_dir, ray_address, cfg.rm.lr) as critic:
         before = accuracy(critic, held_out, pad_id)
-        bar = tqdm(range(1, cfg.rm.steps + 1), desc="rm", unit="step", mininterval=2.0)
+        bar = tqdm(range(1, cfg.rm.steps + 1), desc="rm", unit="step", mininterval=2.0, disable=not progress_shown())
         for step in bar:
             t0 = time.perf_counter()
             g = random.Random(cfg.seed * 1000003 + step)
@@ -152,9 +153,9 @@ def rm_command(cfg: RunConfig, plan: Plan, output_dir: Path, ray_address: str | 
     from algorithms.warm_start import model_dir as resolve_model
     from xray.run.inputs import load_tokenizer
 
-    run = RunDir(output_dir)
+    run = RunDir(output_dir, cfg.trainer.loggers)
     run.write_config(to_dict(cfg))
-    try:
+    with run:  # the loggers close, told whether the job failed
         model_dir = resolve_model(cfg, plan, run, ray_address)
         tokenizer = load_tokenizer(model_dir)
         train, held_out = load_prompt_splits(cfg.data, tokenizer, run.path / "data")
@@ -163,5 +164,3 @@ def rm_command(cfg: RunConfig, plan: Plan, output_dir: Path, ray_address: str | 
                                     preference_pairs(cfg, held_out, tokenizer), model_dir, run, pad_id, ray_address)
         log.info("reward model: held-out pair accuracy %.3f -> %.3f; written to %s", before, after, out)
         return out, before, after
-    finally:
-        run.close()

@@ -38,6 +38,7 @@ from xray.data import columns as C
 from xray.data.batch import Batch
 from xray.data.records import RecordWriter
 from xray.run.outputs import RunDir
+from xray.run.console import progress_shown
 
 log = logging.getLogger(__name__)
 
@@ -188,7 +189,7 @@ class Sampling:
         path = Path(s.output_file) if Path(s.output_file).is_absolute() else self.run.path / s.output_file
         chunks = [rows[i:i + s.batch_prompts] for i in range(0, len(rows), s.batch_prompts)]
         writer, all_orm, kept_orm, passed = RecordWriter(path), [], [], 0
-        bar = tqdm(total=len(rows), desc="sample", unit="prompt", mininterval=2.0)
+        bar = tqdm(total=len(rows), desc="sample", unit="prompt", mininterval=2.0, disable=not progress_shown())
         try:
             pending = self.generate(chunks[0], 0)
             for k, chunk in enumerate(chunks):
@@ -231,9 +232,9 @@ def sample_command(cfg: RunConfig, plan: Plan, output_dir: Path, ray_address: Op
     from xray.data.prompts import load_prompt_splits
     from xray.run.inputs import load_tokenizer
 
-    run = RunDir(output_dir)
+    run = RunDir(output_dir, cfg.trainer.loggers)
     run.write_config(to_dict(cfg))
-    try:
+    with run:  # the loggers close, told whether the job failed
         model_dir = sampler_model(cfg, plan, run, ray_address)
         tokenizer = load_tokenizer(model_dir)
         train, _ = load_prompt_splits(cfg.data, tokenizer, run.path / "data")
@@ -241,5 +242,3 @@ def sample_command(cfg: RunConfig, plan: Plan, output_dir: Path, ray_address: Op
         log.info("sampling %d candidates for each of %d prompts", cfg.rollout.n_samples, len(rows))
         with started_models(cfg, plan, model_dir, ray_address) as models:
             return Sampling(cfg, models, tokenizer, run).run_all(rows)
-    finally:
-        run.close()

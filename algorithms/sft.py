@@ -23,6 +23,7 @@ from xray.data.sequences import pack_sequences
 from xray.backends.hf_dir import save_hf_model
 from xray.run.outputs import RunDir
 from xray.data.supervised import SFTLoss, target_ids
+from xray.run.console import progress_shown
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +63,7 @@ def run_sft(cfg: RunConfig, plan: Plan, pairs: list[tuple[list[int], list[int]]]
     """Train the actor on `pairs`; return the Hugging Face directory of the result (each step's
     loss is appended to `losses` when given)."""
     with started_role(cfg, plan, "actor", model_dir, ray_address, cfg.sft.lr, cfg.sft.warmup_steps) as actor:
-        bar = tqdm(range(1, cfg.sft.steps + 1), desc="sft", unit="step", mininterval=2.0)
+        bar = tqdm(range(1, cfg.sft.steps + 1), desc="sft", unit="step", mininterval=2.0, disable=not progress_shown())
         for step in bar:
             t0 = time.perf_counter()
             batch = sft_rows(pairs, cfg.sft.batch_size, step, cfg.seed, pad_id)
@@ -88,7 +89,7 @@ def sft_command(cfg: RunConfig, plan: Plan, output_dir: Path, ray_address: str |
     from xray.builtin.tiny_llama import BUILTIN_MODEL, build_base_model
     from xray.run.inputs import load_tokenizer
 
-    run = RunDir(output_dir)
+    run = RunDir(output_dir, cfg.trainer.loggers)
     from xray.config.typed import to_dict
 
     run.write_config(to_dict(cfg))
@@ -99,7 +100,5 @@ def sft_command(cfg: RunConfig, plan: Plan, output_dir: Path, ray_address: str |
         raise ValueError(f"the data has no {cfg.data.answer_field!r} column for supervised targets; "
                          f"set data.answer_field to one of {sorted(train.extras)}")
     pairs = answer_pairs(train.prompt_ids, train.extras[cfg.data.answer_field], tokenizer)
-    try:
+    with run:  # the loggers close, told whether the job failed
         return run_sft(cfg, plan, pairs, model_dir, run, tokenizer.pad_token_id or 0, ray_address)
-    finally:
-        run.close()

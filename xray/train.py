@@ -1,14 +1,17 @@
 """`python -m xray.train ALGO`: the command users run.
 
     python -m xray.train ppo [--backend megatron-vllm] [--config FILE] [--output-dir DIR]
-                             [--resume [DIR]] [--ray-address ADDR] [--dry-run] [--a.b.c=VALUE ...]
+                             [--resume [DIR]] [--ray-address ADDR] [--dry-run] [-v | --quiet]
+                             [--a.b.c=VALUE ...]
 
 ALGO: ppo, the critic-free grpo, rloo and reinforce_pp, sft, rm (a reward model trained on
 preference pairs), sample (best-of-N candidates scored by the sampler/prm/orm roles, written as a
 dataset) or distill (fine-tuning on that dataset). Loads and checks the config (defaults:
 `configs/ppo_tiny_cpu.yaml`, `configs/critic_free_tiny_cpu.yaml`, `configs/sample_tiny_cpu.yaml`),
 builds the placement plan, and runs the algorithm: a command the algorithms layer registered
-(`xray.commands`). `--dry-run` prints the resolved config and the plan without starting Ray. User mistakes end with a one-line message on stderr and exit code 2, no traceback.
+(`xray.commands`). `--dry-run` prints the resolved config and the plan without starting Ray. User
+mistakes end with a one-line message on stderr and exit code 2, no traceback. `-v` adds DEBUG lines,
+`--quiet` keeps only warnings, errors and the result line (`xray.run.console`).
 """
 from __future__ import annotations
 
@@ -24,7 +27,9 @@ from xray.backends import BACKEND_PAIRS, BackendError
 from xray.commands import load, registered
 from xray.config import DEFAULT_CONFIGS, ConfigError, LayoutError, load_config, to_dict
 from xray.config.plan import plan_run
+from xray.run.console import console_flags, console_level, setup_console
 from xray.run.graceful import RunInterrupted
+from xray.run.loggers import check_loggers
 
 log = logging.getLogger("xray.train")
 
@@ -34,7 +39,7 @@ class UsageError(ValueError):
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m xray.train", allow_abbrev=False,
+    p = argparse.ArgumentParser(prog="python -m xray.train", allow_abbrev=False, parents=[console_flags()],
                                 description="Train a language model with reinforcement learning on Ray.",
                                 epilog="Any config key can be overridden: --ppo.kl_coef=0.05")
     p.add_argument("algo", choices=list(registered()), help="the algorithm to run")
@@ -55,6 +60,7 @@ def resolve(argv: list[str]):
     if args.backend not in BACKEND_PAIRS:
         raise UsageError(f"unknown --backend {args.backend!r}; choose one of {', '.join(BACKEND_PAIRS)}")
     plan = plan_run(cfg, args.backend, args.algo)
+    check_loggers(cfg.trainer.loggers)  # an optional logger's package: missing is one line, before anything starts
     output_dir = Path(args.output_dir or f"runs/{args.algo}-{time.strftime('%Y%m%d-%H%M%S')}")
     return args, cfg, plan, config_path, output_dir
 
@@ -76,9 +82,10 @@ def user_errors() -> tuple[type[BaseException], ...]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    argv = sys.argv[1:] if argv is None else argv
+    setup_console(console_level(console_flags(exclusive=False).parse_known_args(argv)[0]))
     try:
-        args, cfg, plan, config_path, output_dir = resolve(sys.argv[1:] if argv is None else argv)
+        args, cfg, plan, config_path, output_dir = resolve(argv)
         if args.dry_run:
             sys.stdout.write(f"# config: {config_path} (backend {args.backend})\n")
             sys.stdout.write(yaml.safe_dump(to_dict(cfg), sort_keys=False))

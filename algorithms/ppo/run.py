@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Iterator
 
 import torch
-from tqdm import tqdm
 
 from algorithms.ppo.trainer import PPOTrainer, PPOState
 from xray.config.plan import Plan
@@ -29,6 +28,7 @@ from xray.backends.hf_dir import save_hf_model
 from xray.run.checkpoints import FlashCheckpoints
 from xray.run.graceful import GracefulStop, RunInterrupted
 from xray.run.outputs import RunDir, read_trainer_state
+from xray.run.progress import StepProgress
 from xray.run.timeline import StepTimeline
 from algorithms.warm_start import model_dir
 from xray.run.inputs import BUILTIN_MODEL, RunData, prepare
@@ -108,13 +108,10 @@ def run_ppo(cfg: RunConfig, plan: Plan, output_dir: Path, resume: str | None,
     t_start = time.perf_counter()
     if cfg.model.path != BUILTIN_MODEL:
         check_layouts(cfg, plan, cfg.model.path)  # before anything is built or started
-    run = RunDir(Path(resume) if resume not in (None, "latest") else output_dir)
+    run = RunDir(Path(resume) if resume not in (None, "latest") else output_dir, cfg.trainer.loggers)
     run.write_config(to_dict(cfg))
-    try:
-        with ppo_trainer(cfg, plan, run, ray_address, algo) as (trainer, data):
-            eval_after = asyncio.run(train(trainer, run, data, resume))
-    finally:
-        run.close()
+    with run, ppo_trainer(cfg, plan, run, ray_address, algo) as (trainer, data):  # the loggers close either way
+        eval_after = asyncio.run(train(trainer, run, data, resume))
     if cfg.trainer.report:
         from xray.report.write import report_at_end
 
@@ -165,20 +162,13 @@ async def train_steps(trainer: PPOTrainer, run: RunDir, data: RunData, detached,
     """The steps from the one after the resumed (or 0) to `trainer.steps`, or to a signal."""
     cfg = trainer.cfg
     steps = range(trainer.state.step + 1, cfg.trainer.steps + 1)
-    bar = tqdm(steps, desc=f"{trainer.algo} ({cfg.trainer.mode})", unit="step", file=sys.stderr, mininterval=1.0)
+    progress = StepProgress(steps, f"{trainer.algo} ({cfg.trainer.mode})",
+                            cfg.ppo.rollout_batch_size * cfg.rollout.n_samples, trainer.state.eval_before)
     timeline = StepTimeline(cfg.trainer.timeline_step, run.path)  # busy intervals of one step, per role and rank
     await timeline.begin(trainer.state.step + 1, trainer.models)
 
     async def on_step(step: int, metrics: dict) -> None:
         await timeline.end(step, trainer.models)
-        bar.update(1)
-        shown = dict(reward=f"{metrics['reward/mean']:.3f}", kl=f"{metrics.get('kl', 0.0):.4f}")
-        if cfg.trainer.mode == "async":
-            shown.update(samples_per_s=f"{metrics['samples_per_s']:.0f}",
-                         staleness=f"{metrics['async/staleness']:.0f}")
-        else:
-            shown.update(s_per_step=f"{sum(v for k, v in metrics.items() if k.startswith('time/')):.1f}")
-        bar.set_postfix(shown, refresh=False)
         if checkpoints.written_s is not None:  # the last checkpoint's figures, once known
             metrics["checkpoint/write_s"], checkpoints.written_s = checkpoints.written_s, None
         if checkpoints.stall_s is not None:
@@ -189,31 +179,39 @@ async def train_steps(trainer: PPOTrainer, run: RunDir, data: RunData, detached,
             metrics["eval"] = await trainer.evaluate(data.eval_rows)
         if step % cfg.trainer.log_every == 0:
             run.log_metrics(step, metrics)
+        progress.step(metrics)  # the one progress line: xray.run.progress
         await timeline.begin(step + 1, trainer.models)
 
     async def on_stop() -> None:  # a signal: checkpoint the last finished step unless saved or abandoned
         if not stop.abandoned and checkpoints.last_step != trainer.state.step and trainer.state.step > 0:
             await save_checkpoint(trainer, checkpoints, data, detached)
 
-    if detached is not None:
-        from algorithms.ppo.recovery import recover_async
-        from xray.wholemodel.errors import WholeModelError
+    with progress:
+        if detached is not None:
+            await async_steps(trainer, run, data, detached, checkpoints, stop, on_step, on_stop)
+        else:
+            await sync_steps(trainer, run, data, checkpoints, stop, on_step)
+            if stop.requested:
+                await on_stop()
 
-        restarts = 0
-        if cfg.trainer.max_restarts and run.latest_checkpoint() is None:
-            await save_checkpoint(trainer, checkpoints, data, detached)  # somewhere to go back to
-        while True:
-            try:
-                await detached.run(range(trainer.state.step + 1, cfg.trainer.steps + 1), on_step, stop, on_stop)
-                break
-            except WholeModelError as exc:  # makers and buffer are stopped: start them again
-                restarts += 1
-                detached = await recover_async(exc, trainer, data, checkpoints, run, restarts, detached)
-    else:
-        await sync_steps(trainer, run, data, checkpoints, stop, on_step)
-        if stop.requested:
-            await on_stop()
-    bar.close()
+
+async def async_steps(trainer: PPOTrainer, run: RunDir, data: RunData, detached, checkpoints: FlashCheckpoints,
+                      stop: GracefulStop, on_step, on_stop) -> None:
+    """Asynchronous steps to `trainer.steps`, or to a signal; lost makers or trainers are
+    recovered (`algorithms.ppo.recovery`), from a step-0 checkpoint if none is newer."""
+    from algorithms.ppo.recovery import recover_async
+    from xray.wholemodel.errors import WholeModelError
+
+    cfg, restarts = trainer.cfg, 0
+    if cfg.trainer.max_restarts and run.latest_checkpoint() is None:
+        await save_checkpoint(trainer, checkpoints, data, detached)  # somewhere to go back to
+    while True:
+        try:
+            await detached.run(range(trainer.state.step + 1, cfg.trainer.steps + 1), on_step, stop, on_stop)
+            break
+        except WholeModelError as exc:  # makers and buffer are stopped: start them again
+            restarts += 1
+            detached = await recover_async(exc, trainer, data, checkpoints, run, restarts, detached)
 
 
 async def sync_steps(trainer: PPOTrainer, run: RunDir, data: RunData, checkpoints: FlashCheckpoints,

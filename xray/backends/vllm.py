@@ -77,7 +77,7 @@ class VllmEngineConfig:
         kwargs = dict(model=self.model_dir, dtype=self.dtype, seed=self.seed,
                       max_model_len=self.max_model_len, tensor_parallel_size=self.tp,
                       enforce_eager=self.device == "cpu", skip_tokenizer_init=True,
-                      logprobs_mode="raw_logprobs")
+                      logprobs_mode="raw_logprobs", use_tqdm_on_load=False)  # no loading bar per replica
         if self.tp > 1:
             kwargs["distributed_executor_backend"] = "external_launcher"
         if self.device == "cuda":

@@ -90,7 +90,15 @@ def build_tiny_model(directory: str | Path, spec: TinySpec = TinySpec(), seed: i
     finally:
         torch.random.set_rng_state(gen_state)
     directory.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(directory, safe_serialization=True)
+    from transformers.utils import logging as hf_logging
+
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # a one-file tiny model needs no "Writing model shards" bar
+    try:
+        model.save_pretrained(directory, safe_serialization=True)
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
     return directory
 
 

@@ -303,6 +303,9 @@ def plan_run(cfg: RunConfig, backend: str, algo: str = "ppo") -> Plan:
         _check_critic_free(cfg, algo)
     if algo == "sample":
         _check_sample(cfg)
+    if algo in ("ppo", *CRITIC_FREE) and cfg.trainer.report and "jsonl" not in cfg.trainer.loggers:
+        raise ConfigError("trainer.report draws the metrics of metrics.jsonl: keep jsonl in trainer.loggers, "
+                          "or set trainer.report=false")
     needed = needed_roles(cfg, algo)
     for role in needed:
         if groups.group_of(role) is None:

@@ -340,6 +340,12 @@ class TrainerConfig:
     """Write the run report when the run ends (`report/index.html` in the output directory: plots of
     the metrics and the step timeline); a failure to write it is logged, never the run's.
     `python -m xray.report RUN_DIR` writes it at any time."""
+    loggers: tuple[Literal["jsonl", "tensorboard", "wandb", "mlflow"], ...] = ("jsonl", "tensorboard")
+    """Where every command's metrics go, each logger with the resolved config as hyper-parameters:
+    `jsonl` (`metrics.jsonl`, which the run report reads), `tensorboard` (`tensorboard/`), `wandb`
+    (offline under `wandb/` unless WANDB_MODE or WANDB_API_KEY is set; `pip install 'wandb>=0.31'`),
+    `mlflow` (a file store in `mlruns/` unless MLFLOW_TRACKING_URI is set; `pip install
+    'mlflow-skinny>=3.17'`). A missing package stops the run before it starts."""
 
 
 @dataclass(frozen=True)

@@ -1,1 +1,2 @@
-"""A run: the WholeModels of a plan, its output directory, checkpoints, metrics and progress."""
+"""A run: the WholeModels of a plan, its output directory and metric loggers, checkpoints, the
+progress line and the console."""

@@ -2,8 +2,9 @@
 
     <output-dir>/
       config.yaml                 the resolved config the run used
-      metrics.jsonl               one JSON object per logged step
-      tensorboard/                the same metrics as TensorBoard events
+      metrics.jsonl               one JSON object per logged step      } the loggers of
+      tensorboard/                the same metrics as TensorBoard events } trainer.loggers
+      wandb/  mlruns/             W&B offline run, MLflow file store   } (`xray.run.loggers`)
       checkpoints/step-000010/    actor/ critic/ (each Workhorse's shard) + trainer_state.json
       final/actor/                the trained actor as a Hugging Face directory
                                   (`xray.backends.hf_dir.save_hf_model`)
@@ -17,9 +18,11 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import yaml
+
+from xray.run.loggers import DEFAULT_LOGGERS, MetricLoggers
 
 log = logging.getLogger(__name__)
 METRICS_FILE = "metrics.jsonl"
@@ -27,28 +30,22 @@ EVAL_FILE = "eval.json"
 
 
 class RunDir:
-    """Paths and writers of one run."""
+    """Paths and writers of one run; its metrics go to the metric loggers `loggers`
+    (`trainer.loggers`; a missing optional package fails here, before anything starts)."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, loggers: Sequence[str] = DEFAULT_LOGGERS):
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
         self.checkpoints = self.path / "checkpoints"
-        self._tb = None
+        self.loggers = MetricLoggers(self.path, loggers)
 
     def write_config(self, plain: dict) -> None:
+        """config.yaml, and the run's hyper-parameters in every logger."""
         (self.path / "config.yaml").write_text(yaml.safe_dump(plain, sort_keys=False))
+        self.loggers.log_config(plain)
 
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
-        with open(self.path / "metrics.jsonl", "a") as f:
-            f.write(json.dumps({"step": step, **metrics}) + "\n")
-        if self._tb is None:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tb = SummaryWriter(str(self.path / "tensorboard"))
-        for k, v in metrics.items():
-            if isinstance(v, (int, float)):
-                self._tb.add_scalar(k, v, step)
-        self._tb.flush()
+        self.loggers.log(step, metrics)
 
     def write_evals(self, before: float, after: float, step: int) -> None:
         """The evaluations before and after training (the latter after step `step`)."""
@@ -66,9 +63,15 @@ class RunDir:
         tmp.write_text(json.dumps(state, indent=1))
         tmp.replace(directory / "trainer_state.json")  # written last: marks the checkpoint complete
 
-    def close(self) -> None:
-        if self._tb is not None:
-            self._tb.close()
+    def __enter__(self) -> "RunDir":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close(exc)
+
+    def close(self, error: BaseException | None = None) -> None:
+        """Close the loggers, telling them whether the run finished, failed (`error`) or was stopped."""
+        self.loggers.close(error)
 
 
 def read_trainer_state(directory: Path) -> dict[str, Any]:

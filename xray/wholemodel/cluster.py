@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 import os
 
+from xray.workhorse.quiet import quiet_driver
+
 log = logging.getLogger(__name__)
 MIN_LOCAL_CPU_SLOTS = 16
 
@@ -20,6 +22,7 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None, dashboar
 
     if ray.is_initialized():
         return
+    quiet_driver()  # Ray's and DeepSpeed's start-up notices (xray.workhorse.quiet), in notebooks too
     address = address or os.environ.get("RAY_ADDRESS") or None
     env = {"env_vars": {"PYTHONUNBUFFERED": "1"}}
     if address:

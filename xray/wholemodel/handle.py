@@ -24,12 +24,10 @@ from xray.config.parallel import ParallelDims
 from xray.wholemodel import protocol
 from xray.wholemodel.cluster import ensure_ray
 from xray.wholemodel.pending import Pending
+from xray.workhorse.quiet import workhorse_env
 
 log = logging.getLogger(__name__)
 _SCALARS = (int, float, str, bool, type(None))
-# Workhorse environment: the libraries' start-up warnings, repeated by every Workhorse, are noise.
-QUIET_ENV = {"PYTHONWARNINGS": "ignore::UserWarning,ignore::FutureWarning,ignore::DeprecationWarning",
-             "VLLM_LOGGING_LEVEL": "ERROR"}
 
 
 @dataclass(frozen=True)
@@ -121,7 +119,8 @@ class WholeModel:
             resources = {"num_gpus": 1.0 / bundles.share, "num_cpus": 0}
         else:
             resources = {"num_cpus": threads / bundles.share}
-        env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), **QUIET_ENV, **(env or {})}
+        env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), **workhorse_env(self.device),
+               **(env or {})}  # quiet start-up: xray.workhorse.quiet
         kwargs = dict(seed=seed, device=self.device.lower(), threads=threads, **(init_kwargs or {}))
         self._actor = ray.remote(WholeModelActor).options(
             num_cpus=0, max_concurrency=1000, **_control_plane_placement()).remote(

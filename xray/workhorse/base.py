@@ -32,6 +32,7 @@ from xray.config.parallel import ParallelDims
 from xray.data.columns import MODEL_INPUTS
 from xray.wholemodel.protocol import PartsSlice, assemble, fanout
 from xray.workhorse.busy import BusyRecorder
+from xray.workhorse.quiet import install_filters
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +107,7 @@ class Workhorse(BusyRecorder):
 
     def __init__(self, role: str, rank: int, parallel: ParallelDims, seed: int = 0,
                  device: str = "cpu", threads: int = 1, **config: Any):
+        install_filters()  # the libraries' start-up noise stays out of the console (xray.workhorse.quiet)
         self.role, self.rank, self.parallel = role, rank, parallel
         self.device = device.lower()
         self.threads = threads
