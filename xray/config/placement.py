@@ -1,6 +1,6 @@
 """The `device_groups` section: named sets of devices and the roles placed on each.
 
-Format (DESIGN.md), as in ms-swift's Ray support:
+Format, as in ms-swift's Ray support:
 
     device_groups:
       nproc_per_node: 4          # devices per node the cluster must offer
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from xray.config.typed import ConfigError
 
@@ -38,15 +38,23 @@ class DeviceGroup:
     """One named set of devices and the roles placed on it."""
 
     name: str
-    """The group's key in the YAML."""
+    """The group's name: its key in the YAML (any name but `nproc_per_node` and `nnodes`)."""
     device: str
-    """`GPU` or `CPU`."""
+    """`GPU` or `CPU` (on CPU a device is one Workhorse process with `threads_per_worker` torch
+    threads)."""
     ranks: tuple[int, ...]
-    """Global device indices."""
+    """Global device indices in [0, nnodes x nproc_per_node): a list, an int count (the next
+    indices after the groups written before), or `list(range(a, b))`. They count devices; Ray
+    picks the node and the device of each."""
     workers: tuple[str, ...]
-    """Roles placed on these devices (they share them: colocation)."""
+    """Roles placed on these devices, which they share (colocation): actor, critic, reference,
+    reward, rollout; sampler, prm, orm for the sample job. Each role is in exactly one group."""
     resources: tuple[tuple[str, float], ...] = ()
-    """Custom Ray resources each device of the group also reserves (name, amount)."""
+    """Custom Ray resources each device of the group also reserves, written as a mapping
+    `{name: amount}`: the group lands only on nodes started with them."""
+
+    YAML_DEFAULTS: ClassVar[dict[str, Any]] = {"device": "CPU"}
+    """What a group's YAML may leave out besides `resources`, and the value it then takes."""
 
     @property
     def size(self) -> int:
@@ -62,7 +70,7 @@ class DeviceGroups:
     nnodes: int = 1
     """Nodes in the cluster."""
     groups: tuple[DeviceGroup, ...] = field(default_factory=tuple)
-    """The named groups, in YAML order."""
+    """The named groups, in YAML order: every other key of the section is one."""
 
     @classmethod
     def from_config(cls, data: Any, path: str = "device_groups") -> "DeviceGroups":
@@ -169,7 +177,7 @@ def _parse_group(name: str, body: Any, offset: int, path: str) -> DeviceGroup:
     if unknown:
         raise ConfigError(f"unknown key {path}.{sorted(unknown)[0]!r}; a device group has device, ranks, workers "
                           "and optionally resources")
-    device = str(body.get("device", "CPU")).upper()
+    device = str(body.get("device", DeviceGroup.YAML_DEFAULTS["device"])).upper()
     if device not in ("GPU", "CPU"):
         raise ConfigError(f"{path}.device: must be GPU or CPU, got {body.get('device')!r}")
     if "ranks" not in body:

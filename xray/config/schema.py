@@ -2,7 +2,8 @@
 
 Each component receives its own section (a WholeModel its `RoleConfig`, PPO its `PPOConfig`),
 never the whole tree. Every field says what it means; defaults belong to the component. The
-cross-field checks (devices, batch divisibility) live in `xray.config.validate`.
+cross-field checks (devices, batch divisibility) live in `xray.config.plan`. `docs/config.md` is
+generated from these docstrings (`python -m xray.config.reference --write`).
 """
 from __future__ import annotations
 
@@ -62,7 +63,7 @@ class RolloutConfig:
     dp: int = 1
     """Number of engine replicas; tp * dp must equal the role's device group size."""
     dtype: Optional[Literal["float32", "bfloat16"]] = None
-    """Generation dtype (None: `model.dtype`). The weight sync casts the actor's weights to it and
+    """Generation dtype (null: `model.dtype`). The weight sync casts the actor's weights to it and
     verifies the engine holds exactly those values."""
     max_new_tokens: int = 16
     """Longest response."""
@@ -173,7 +174,7 @@ class SyncConfig:
     """Largest allowed absolute log-prob difference in the check when both sides are fp32."""
     bf16_tolerance: float = 0.25
     """The same when either side is bf16: two bf16 implementations of one model differ by up to
-    ~0.1 (see docs); here the probe only catches a model that computes wrongly, the exact checks
+    ~0.1; here the probe only catches a model that computes wrongly, the exact checks
     catch a wrong tensor."""
     bucket_mb: int = 64
     """Largest bucket of tensors sent at once."""
@@ -363,7 +364,7 @@ class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     """Starting weights."""
     device_groups: DeviceGroups = field(default_factory=DeviceGroups)
-    """Which roles run on which devices (see DESIGN.md)."""
+    """Which roles run on which devices: named groups of devices, each with the roles placed on it."""
     actor: RoleConfig = field(default_factory=RoleConfig)
     """The policy being trained."""
     critic: RoleConfig = field(default_factory=RoleConfig)
