@@ -73,7 +73,7 @@ def test_rm_trains_exports_and_scores_a_ppo_run(tmp_path, tiny_model, backend):
     cfg.write_text(yaml.safe_dump(data, sort_keys=False))
     ppo_run = tmp_path / "ppo"
     train("--backend", backend, "--config", str(cfg), "--output-dir", str(ppo_run), "--trainer.steps=2",
-          "--trainer.save_every=0")
+          "--trainer.save_every=0", "--trainer.report=false")
     ppo_steps = metrics(ppo_run)
     assert sorted(ppo_steps) == [1, 2]
     assert all(math.isfinite(r["reward/mean"]) for r in ppo_steps.values())

@@ -11,6 +11,7 @@ unless that actor was lost with its node: then a new WholeModel starts.
 from __future__ import annotations
 
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional
@@ -196,6 +197,9 @@ def build_models(cfg: RunConfig, plan: Plan, model_dir: str, ray_address: str | 
         return start_model(cfg, plan.nproc_per_node, model_dir, role_plan, devices, model)
 
     roles = [r.role for r in plan.roles]
+    t0 = time.perf_counter()
     with ThreadPoolExecutor(max_workers=len(roles)) as pool:
         started = dict(zip(roles, pool.map(lambda r: start(plan.role(r), bundles[r]), roles)))
+    log.info("started %s in %.0f s", ", ".join(f"{r} ({len(started[r].layout)} Workhorses)" for r in roles),
+             time.perf_counter() - t0)
     return Models(**started, bundles=bundles, plan=plan, starter=start)

@@ -27,7 +27,7 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None, dashboar
     env = {"env_vars": {"PYTHONUNBUFFERED": "1"}}
     if address:
         log.info("joining Ray cluster at %s", address)
-        ray.init(address=address, runtime_env=env, log_to_driver=True)
+        ray.init(address=address, runtime_env=env, log_to_driver=True, configure_logging=False)
         return
     bind_loopback()
     slots = max(num_cpus or 0, os.cpu_count() or 1, MIN_LOCAL_CPU_SLOTS)

@@ -130,7 +130,7 @@ class WholeModel:
         except BaseException:
             self._release()  # nothing of a failed start outlives it: Workhorses, actor, reservation
             raise
-        log.info("%s ready: %d Workhorses, tp=%d pp=%d dp=%d", role, len(self.layout),
+        log.debug("%s ready: %d Workhorses, tp=%d pp=%d dp=%d", role, len(self.layout),
                  parallel.tp, parallel.pp, parallel.dp)
 
     @classmethod
