@@ -2,14 +2,16 @@
 test session (each `python -m xray.train` joins it through `RAY_ADDRESS` instead of starting and
 stopping its own cluster, which costs 6-9 s a run on 2 cores) and by the `ray job submit` test.
 
-Token authentication is on, as on a real cluster, with a session token in `RAY_AUTH_TOKEN`; every
-port is chosen free, so that the local clusters other tests start beside it do not collide with it.
+Token authentication is off (`RAY_AUTH_MODE=disabled`): Ray reads its authentication mode once per
+process, and the test process's own earlier clusters fix it there, so a test that joins in-process
+could not follow a token-protected head (the README's `RAY_AUTH_MODE=token` route was checked by
+hand). Every port is chosen free, so that the local clusters other tests start beside it do not
+collide with it.
 """
 from __future__ import annotations
 
 import atexit
 import os
-import secrets
 import shutil
 import signal
 import socket
@@ -58,8 +60,7 @@ def start_head(temp_root: Path, num_cpus: int = 16, timeout_s: float = 120.0) ->
     """`ray start --head --block` in its own process group; returns once jobs can be submitted."""
     gcs, dash, agent_grpc, agent_http, env_agent, metrics, client = free_ports(7)
     temp_dir = Path(tempfile.mkdtemp(prefix="xh", dir="/tmp"))  # short: Ray's socket paths stay under 107 bytes
-    env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32),
-           "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+    env = {"RAY_AUTH_MODE": "disabled", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
     command = [str(RAY), "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={gcs}",
                f"--num-cpus={num_cpus}", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
                f"--dashboard-port={dash}", f"--dashboard-agent-grpc-port={agent_grpc}",

@@ -1,5 +1,7 @@
 """End-to-end tier: every run joins one Ray head shared by the session (`tests/ray_head.py`), started
-before the first e2e test and stopped after the last one, so the runs skip starting a cluster each."""
+before the first e2e test and stopped after the last one, so the runs skip starting a cluster each.
+A test that drives runs in this process stays connected to the head until then (joining again in
+one process after `ray.shutdown()` costs about 30 s here)."""
 from __future__ import annotations
 
 import pytest
@@ -27,4 +29,7 @@ def join_shared_head(ray_head: RayHead, monkeypatch):
 def pytest_runtest_teardown(item, nextitem):
     """Stop the head once no e2e test follows: the tiers after this one start their own clusters."""
     if _HEAD and (nextitem is None or nextitem.path.parent != item.path.parent):
+        import ray
+
+        ray.shutdown()  # this process's own connection, if a test made one
         _HEAD.pop().stop()

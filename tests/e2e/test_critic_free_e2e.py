@@ -69,8 +69,6 @@ def variant(cfg, name: str):
 
 @pytest.mark.parametrize("backend", ["megatron-vllm", "deepspeed-dsinfer"])
 def test_grpo_rloo_reinforce_pp_three_steps_each(tmp_path, tiny_model, backend):
-    import ray
-
     from algorithms.ppo.run import make_trainer, ppo_trainer, train
     from xray.config.plan import plan_run
     from xray.run.outputs import RunDir
@@ -78,19 +76,16 @@ def test_grpo_rloo_reinforce_pp_three_steps_each(tmp_path, tiny_model, backend):
     cfg = critic_free_config(tmp_path, tiny_model, backend)
     plan = plan_run(cfg, backend, "grpo")
     assert [r.role for r in plan.roles] == ["rollout", "actor", "reference"]
-    try:
-        with ppo_trainer(cfg, plan, RunDir(tmp_path / "start"), algo="grpo") as (first, data):
-            assert first.models.critic is None
-            for algo, (name, _, _) in VARIANTS.items():
-                trainer = make_trainer(name, variant(cfg, algo), first.models, first.score_fn, data)
-                assert trainer.on_policy == (algo == "grpo-on-policy")
-                before = {k: v.clone() for k, v in first.models.actor.state_dict().get().items()}
-                run = RunDir(tmp_path / algo)
-                eval_after = asyncio.run(train(trainer, run, data, None))
-                run.close()
-                check_run(algo, tmp_path / algo, before, trainer.state.eval_before, eval_after)
-    finally:
-        ray.shutdown()
+    with ppo_trainer(cfg, plan, RunDir(tmp_path / "start"), algo="grpo") as (first, data):
+        assert first.models.critic is None
+        for algo, (name, _, _) in VARIANTS.items():
+            trainer = make_trainer(name, variant(cfg, algo), first.models, first.score_fn, data)
+            assert trainer.on_policy == (algo == "grpo-on-policy")
+            before = {k: v.clone() for k, v in first.models.actor.state_dict().get().items()}
+            run = RunDir(tmp_path / algo)
+            eval_after = asyncio.run(train(trainer, run, data, None))
+            run.close()
+            check_run(algo, tmp_path / algo, before, trainer.state.eval_before, eval_after)
 
 
 def check_run(algo: str, run: Path, before: dict, eval_before: float, eval_after: float) -> None:

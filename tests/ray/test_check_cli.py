@@ -19,7 +19,8 @@ def check(*args: str) -> tuple[subprocess.CompletedProcess, str]:
 
 @pytest.mark.parametrize("args", [
     ("--backend", "megatron", "--tp", "2", "--pp", "1", "--dp", "1"),
-    ("--backend", "deepspeed", "--zero", "3", "--dp", "2"),
+    # ZeRO-3's parity: tests/backends/test_deepspeed_zero.py; its command line, in the slow tier (budget)
+    pytest.param(("--backend", "deepspeed", "--zero", "3", "--dp", "2"), marks=pytest.mark.slow),
 ])
 def test_parity_check_passes_within_tolerance(args):
     p, last = check("parity", *args)
