@@ -49,3 +49,12 @@ def sft(cfg: RunConfig, plan: Plan, output_dir: Path, args: argparse.Namespace) 
     from algorithms.sft import sft_command
 
     return f"sft_model={sft_command(cfg, plan, output_dir, args.ray_address)}"
+
+
+def pt(cfg: RunConfig, plan: Plan, output_dir: Path, args: argparse.Namespace) -> str:
+    """Continued pre-training on plain text."""
+    from algorithms.pt import pt_command
+
+    r = pt_command(cfg, plan, output_dir, args.ray_address)
+    return (f"pt_model={r.model} chunks={r.chunks} loss_first={r.loss_first:.4f} loss_last={r.loss_last:.4f} "
+            f"eval_loss_before={r.eval_loss_before:.4f} eval_loss_after={r.eval_loss_after:.4f}")

@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 from xray.config.plan import Plan
 from xray.config.schema import RunConfig
+from xray.data import columns as C
 from xray.data.batch import Batch
 from xray.data.sequences import pack_sequences
 from xray.backends.hf_dir import save_hf_model
@@ -58,11 +59,23 @@ def started_role(cfg: RunConfig, plan: Plan, role: str, model_dir: str, ray_addr
         bundles.release()
 
 
+def held_out_loss(actor, pairs: list[tuple[list[int], list[int]]], pad_id: int) -> float:
+    """Mean negative log-likelihood of the target tokens of `pairs` under the actor, no update."""
+    batch = pack_sequences([p for p, _ in pairs], [t for _, t in pairs], pad_id)
+    logp = actor.forward(batch).get()[C.LOGPROBS]
+    mask = batch[C.LOSS_MASK].to(logp.dtype)
+    return float(-(logp * mask).sum() / mask.sum().clamp(min=1.0))
+
+
 def run_sft(cfg: RunConfig, plan: Plan, pairs: list[tuple[list[int], list[int]]], model_dir: str,
-            run: RunDir, pad_id: int, ray_address: str | None = None, losses: list[float] | None = None) -> Path:
+            run: RunDir, pad_id: int, ray_address: str | None = None, losses: list[float] | None = None,
+            held_out: list[tuple[list[int], list[int]]] | None = None, evals: dict[str, float] | None = None) -> Path:
     """Train the actor on `pairs`; return the Hugging Face directory of the result (each step's
-    loss is appended to `losses` when given)."""
+    loss is appended to `losses` when given; with `held_out` pairs, their loss before and after
+    training goes into `evals` as `before` and `after`)."""
     with started_role(cfg, plan, "actor", model_dir, ray_address, cfg.sft.lr, cfg.sft.warmup_steps) as actor:
+        if held_out and evals is not None:
+            evals["before"] = held_out_loss(actor, held_out, pad_id)
         bar = tqdm(range(1, cfg.sft.steps + 1), desc="sft", unit="step", mininterval=2.0, disable=not progress_shown())
         for step in bar:
             t0 = time.perf_counter()
@@ -74,6 +87,8 @@ def run_sft(cfg: RunConfig, plan: Plan, pairs: list[tuple[list[int], list[int]]]
             bar.set_postfix(loss=f"{metrics['sft_loss']:.3f}", refresh=False)
             if step % cfg.trainer.log_every == 0 or step == cfg.sft.steps:
                 run.log_metrics(step, metrics)
+        if held_out and evals is not None:
+            evals["after"] = held_out_loss(actor, held_out, pad_id)
         state = actor.state_dict().get()
     return save_hf_model(state, model_dir, run.path / "final" / "actor")
 

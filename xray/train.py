@@ -6,10 +6,11 @@
 
 ALGO: ppo, the critic-free grpo, rloo and reinforce_pp, sft, rm (a reward model trained on
 preference pairs), sample (best-of-N candidates scored by the sampler/prm/orm roles, written as a
-dataset) or distill (fine-tuning on that dataset). Loads and checks the config (defaults:
-`configs/ppo_tiny_cpu.yaml`, `configs/critic_free_tiny_cpu.yaml`, `configs/sample_tiny_cpu.yaml`),
-builds the placement plan, and runs the algorithm: a command the algorithms layer registered
-(`xray.commands`). `--dry-run` prints the resolved config and the plan without starting Ray. User
+dataset), distill (fine-tuning on that dataset) or pt (continued pre-training on plain text).
+Loads and checks the config (defaults: `configs/ppo_tiny_cpu.yaml`,
+`configs/critic_free_tiny_cpu.yaml`, `configs/sample_tiny_cpu.yaml`), builds the placement plan,
+and runs the algorithm: a command the algorithms layer registered (`xray.commands`). `--dry-run`
+prints the resolved config and the plan without starting Ray. User
 mistakes end with a one-line message on stderr and exit code 2, no traceback. `-v` adds DEBUG lines,
 `--quiet` keeps only warnings, errors and the result line (`xray.run.console`).
 """
@@ -74,11 +75,12 @@ def shutdown_ray() -> None:
 def user_errors() -> tuple[type[BaseException], ...]:
     """Mistakes in the command, config, data or reward spec: a one-line message, no traceback."""
     from xray.data.prompts import PromptDataError
+    from xray.data.text import TextDataError
     from xray.rewards.loader import RewardSpecError
     from xray.builtin.tasks import TaskError
 
     return (ConfigError, BackendError, UsageError, LayoutError, FileNotFoundError, PromptDataError,
-            RewardSpecError, TaskError)
+            TextDataError, RewardSpecError, TaskError)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,6 +18,7 @@ from xray.config.typed import ConfigError, build, to_dict
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 DEFAULT_CONFIGS = {"ppo": CONFIG_DIR / "ppo_tiny_cpu.yaml", "sft": CONFIG_DIR / "ppo_tiny_cpu.yaml",
+                   "pt": CONFIG_DIR / "ppo_tiny_cpu.yaml",
                    "rm": CONFIG_DIR / "ppo_tiny_cpu.yaml",
                    "sample": CONFIG_DIR / "sample_tiny_cpu.yaml", "distill": CONFIG_DIR / "critic_free_tiny_cpu.yaml",
                    **{algo: CONFIG_DIR / "critic_free_tiny_cpu.yaml" for algo in ("grpo", "rloo", "reinforce_pp")}}

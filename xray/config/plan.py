@@ -97,10 +97,14 @@ class Plan:
 CRITIC_FREE = ("grpo", "rloo", "reinforce_pp")
 
 
+SUPERVISED = ("sft", "distill", "pt")
+"""Commands that train the actor alone on fixed data (the `sft` section's steps, batch and lr)."""
+
+
 def needed_roles(cfg: RunConfig, algo: str = "ppo") -> tuple[str, ...]:
     """The roles a run of `algo` starts: a critic-free run has no critic, and no reference when
     its KL is off (`critic_free.kl_in: none`)."""
-    if algo in ("sft", "distill"):
+    if algo in SUPERVISED:
         return ("actor",)
     if algo == "sample":
         return ("sampler", *(("prm",) if cfg.sample.prm_model else ()),
@@ -311,7 +315,7 @@ def plan_run(cfg: RunConfig, backend: str, algo: str = "ppo") -> Plan:
         if groups.group_of(role) is None:
             raise ConfigError(f"device_groups: role {role!r} is placed in no group; add it to one "
                               "group's workers")
-    if algo not in ("sft", "distill", "sample") and not cfg.reward.model and groups.group_of("reward") is not None:
+    if algo not in (*SUPERVISED, "sample") and not cfg.reward.model and groups.group_of("reward") is not None:
         raise ConfigError("device_groups: role 'reward' is placed but reward.model is not set; "
                           "set reward.model to a sequence-classification directory or remove 'reward'")
     if cfg.reward.model and cfg.reward.function:
@@ -333,7 +337,7 @@ def plan_run(cfg: RunConfig, backend: str, algo: str = "ppo") -> Plan:
     plan = Plan(backend=backend, roles=tuple(_with_packs(roles, groups.nproc_per_node)),
                 nproc_per_node=groups.nproc_per_node, nnodes=groups.nnodes,
                 rollout_sleep="rollout" in needed and rollout_sleeps(cfg, gen_backend))
-    checks = {"sft": _check_sft_batches, "distill": _check_sft_batches, "rm": _check_rm_batches,
+    checks = {**{a: _check_sft_batches for a in SUPERVISED}, "rm": _check_rm_batches,
               "sample": lambda c, p: _check_sampling(c, p, "sampler")}
     checks.get(algo, _check_batches)(cfg, plan)
     return plan

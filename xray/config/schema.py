@@ -204,16 +204,32 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class SFTConfig:
-    """Supervised fine-tuning (`python -m xray.train sft`, and the built-in model's warm start)."""
+    """Supervised training of the actor alone: `python -m xray.train sft`, `distill`, `pt`, and the
+    built-in model's warm start."""
 
     steps: int = 200
     """Optimizer steps."""
     batch_size: int = 32
-    """(prompt, answer) pairs per step."""
+    """Sequences per step: (prompt, answer) pairs, or `pt`'s text chunks."""
     lr: float = 1e-3
     """Peak learning rate (replaces actor.optim.lr for SFT)."""
     warmup_steps: int = 10
     """Linear warm-up steps."""
+
+
+@dataclass(frozen=True)
+class PTConfig:
+    """Continued pre-training on plain text (`python -m xray.train pt`, `algorithms/pt.py`): the
+    actor trains on next-token loss over every token, with the `sft` section's steps, batch size
+    and learning rate; the text comes from `data.path` (`xray.data.text`)."""
+
+    seq_len: int = 64
+    """Tokens per training sequence: the documents, each followed by EOS, are joined and cut into
+    chunks of this length (the tail shorter than a chunk is dropped)."""
+    text_field: str = "text"
+    """The column holding each document in a JSONL/Parquet file or a `datasets` directory."""
+    eval_fraction: float = 0.1
+    """Documents held out (seeded) whose loss is measured before and after training; 0: none."""
 
 
 @dataclass(frozen=True)
@@ -389,6 +405,8 @@ class RunConfig:
     """Asynchronous mode (YAML key `async`)."""
     sft: SFTConfig = field(default_factory=SFTConfig)
     """Supervised warm start."""
+    pt: PTConfig = field(default_factory=PTConfig)
+    """Continued pre-training on plain text."""
     rm: RMConfig = field(default_factory=RMConfig)
     """Reward-model training."""
     sample: SampleConfig = field(default_factory=SampleConfig)
