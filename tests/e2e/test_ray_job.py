@@ -1,7 +1,7 @@
 """The default job submitted to a running Ray cluster with `ray job submit`, as the README shows.
 
 One short run proves several points of what a user sees: the shared session head
-(`tests/ray_head.py`: `ray start --head` on 127.0.0.1, token authentication on) runs
+(`tests/ray_head.py`: `ray start --head` on 127.0.0.1; authentication off, see there) runs
 `python -m xray.train ppo` (the default config: the built-in tiny Llama warm-started, `builtin:arith`,
 3 steps) with every logger on; the job succeeds and prints its result line; its console output
 (`ray job logs`: the entrypoint's stdout and stderr) has no library start-up warning and at most 15
