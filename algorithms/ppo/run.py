@@ -166,6 +166,7 @@ async def train_steps(trainer: PPOTrainer, run: RunDir, data: RunData, detached,
                             cfg.ppo.rollout_batch_size * cfg.rollout.n_samples, trainer.state.eval_before)
     timeline = StepTimeline(cfg.trainer.timeline_step, run.path)  # busy intervals of one step, per role and rank
     await timeline.begin(trainer.state.step + 1, trainer.models)
+    current = [detached]  # the live async machinery: a recovery replaces it (`async_steps`)
 
     async def on_step(step: int, metrics: dict) -> None:
         await timeline.end(step, trainer.models)
@@ -174,7 +175,7 @@ async def train_steps(trainer: PPOTrainer, run: RunDir, data: RunData, detached,
         if checkpoints.stall_s is not None:
             metrics["checkpoint/stall_s"], checkpoints.stall_s = checkpoints.stall_s, None
         if cfg.trainer.save_every and step % cfg.trainer.save_every == 0:
-            await save_checkpoint(trainer, checkpoints, data, detached)
+            await save_checkpoint(trainer, checkpoints, data, current[0])
         if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0:
             metrics["eval"] = await trainer.evaluate(data.eval_rows)
         if step % cfg.trainer.log_every == 0:
@@ -184,34 +185,35 @@ async def train_steps(trainer: PPOTrainer, run: RunDir, data: RunData, detached,
 
     async def on_stop() -> None:  # a signal: checkpoint the last finished step unless saved or abandoned
         if not stop.abandoned and checkpoints.last_step != trainer.state.step and trainer.state.step > 0:
-            await save_checkpoint(trainer, checkpoints, data, detached)
+            await save_checkpoint(trainer, checkpoints, data, current[0])
 
     with progress:
         if detached is not None:
-            await async_steps(trainer, run, data, detached, checkpoints, stop, on_step, on_stop)
+            await async_steps(trainer, run, data, current, checkpoints, stop, on_step, on_stop)
         else:
             await sync_steps(trainer, run, data, checkpoints, stop, on_step)
             if stop.requested:
                 await on_stop()
 
 
-async def async_steps(trainer: PPOTrainer, run: RunDir, data: RunData, detached, checkpoints: FlashCheckpoints,
+async def async_steps(trainer: PPOTrainer, run: RunDir, data: RunData, current: list, checkpoints: FlashCheckpoints,
                       stop: GracefulStop, on_step, on_stop) -> None:
     """Asynchronous steps to `trainer.steps`, or to a signal; lost makers or trainers are
-    recovered (`algorithms.ppo.recovery`), from a step-0 checkpoint if none is newer."""
+    recovered (`algorithms.ppo.recovery`), from a step-0 checkpoint if none is newer. `current[0]`
+    is the live `Detached`: a recovery replaces it there, where `on_step` and `on_stop` read it."""
     from algorithms.ppo.recovery import recover_async
     from xray.wholemodel.errors import WholeModelError
 
     cfg, restarts = trainer.cfg, 0
     if cfg.trainer.max_restarts and run.latest_checkpoint() is None:
-        await save_checkpoint(trainer, checkpoints, data, detached)  # somewhere to go back to
+        await save_checkpoint(trainer, checkpoints, data, current[0])  # somewhere to go back to
     while True:
         try:
-            await detached.run(range(trainer.state.step + 1, cfg.trainer.steps + 1), on_step, stop, on_stop)
+            await current[0].run(range(trainer.state.step + 1, cfg.trainer.steps + 1), on_step, stop, on_stop)
             break
         except WholeModelError as exc:  # makers and buffer are stopped: start them again
             restarts += 1
-            detached = await recover_async(exc, trainer, data, checkpoints, run, restarts, detached)
+            current[0] = await recover_async(exc, trainer, data, checkpoints, run, restarts, current[0])
 
 
 async def sync_steps(trainer: PPOTrainer, run: RunDir, data: RunData, checkpoints: FlashCheckpoints,
