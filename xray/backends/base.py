@@ -22,6 +22,7 @@ from xray.data.batch import Batch
 
 if TYPE_CHECKING:
     from xray.backends.snapshot import Snapshot
+    from xray.config.lora import LoraConfig
 
 # A loss function for `TrainEngine.train_step`: given the model outputs of one micro-batch
 # (keys from xray.data.columns: LOGPROBS and ENTROPY for a policy head, VALUES for a value head;
@@ -66,11 +67,15 @@ class TrainEngine(ABC):
     def shard_info(self) -> ShardInfo:
         """This shard's ranks and whether it collects for its replica."""
 
+    lora: "LoraConfig | None" = None
+    """The role's LoRA settings when it trains adapters (`xray/config/lora.py`), else None."""
+
     @abstractmethod
-    def forward(self, batch: Batch, entropy: bool = False) -> dict[str, torch.Tensor] | None:
+    def forward(self, batch: Batch, entropy: bool = False, adapters: bool = True) -> dict[str, torch.Tensor] | None:
         """Outputs for `batch` (INPUT_IDS, ATTENTION_MASK), in micro-batches of the engine's
         forward micro-batch size: LOGPROBS [B, T-1] (and ENTROPY if `entropy`) for a policy head,
-        VALUES [B, T-1] for a value head. Returns None on non-collecting shards."""
+        VALUES [B, T-1] for a value head. Returns None on non-collecting shards. With LoRA,
+        `adapters=False` computes with the adapters off: the frozen base model (the reference)."""
 
     @abstractmethod
     def train_step(self, batch: Batch, loss_fn: LossFn, micro_batch_size: int) -> dict[str, float]:
@@ -84,6 +89,13 @@ class TrainEngine(ABC):
         (a single larger tensor is its own bucket), from data-parallel replica `replica`. Every
         shard must iterate (gathers are collective); only the shard where `exports(replica)` is
         true yields tensors."""
+
+    def export_adapter(self, replica: int = 0) -> dict[str, torch.Tensor] | None:
+        """With LoRA: the full adapter tensors of data-parallel replica `replica` with `peft` names
+        (`xray.config.lora.peft_names`), on the shard where `exports(replica)` is true (None on the
+        others; every shard must call: gathers are collective). `export_weights` then yields the
+        merged weights (W + alpha/r B A). Without LoRA it raises."""
+        raise NotImplementedError(f"{type(self).__name__} trains no LoRA adapters; set <role>.lora to train them")
 
     @abstractmethod
     def exports(self, replica: int = 0) -> bool:

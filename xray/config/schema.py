@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional, Union
 
 from xray.backends.elastic import ElasticityConfig
+from xray.config.lora import LoraConfig
 from xray.config.optim import OptimConfig
 from xray.config.placement import DeviceGroups
 
@@ -47,6 +48,11 @@ class RoleConfig:
     """Optimizer and warm-up (ignored for the reference, which never trains)."""
     model_path: Optional[str] = None
     """Weights for this role, if not the run's `model.path` (a critic from a reward model, say)."""
+    lora: Optional[LoraConfig] = None
+    """Train LoRA adapters instead of every weight (`{rank, alpha, dropout, target_modules}`;
+    actor and critic): the base weights stay frozen, only the adapters hold optimizer state, the
+    rollout receives only the adapters, and the reference log-probs come from the actor with its
+    adapters off (no reference model starts). Null: full fine-tuning."""
     elasticity: Optional[ElasticityConfig] = None
     """DeepSpeed's `elasticity` block (either training backend): the role's device group becomes
     elastic (its size follows the cluster within [min_gpus, max_gpus], synchronous runs), and the
