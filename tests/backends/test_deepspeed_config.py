@@ -35,6 +35,6 @@ def test_bad_stage_and_dtype():
 
 
 def test_plan_buckets_bounds_bytes():
-    named = [(f"p{i}", torch.nn.Parameter(torch.zeros(n))) for i, n in enumerate([10, 20, 5, 100, 1, 1])]
-    plan = plan_buckets(named, bucket_bytes=30 * 4)
+    units = [(f"p{i}", [torch.nn.Parameter(torch.zeros(n))]) for i, n in enumerate([10, 20, 5, 100, 1, 1])]
+    plan = plan_buckets(units, bucket_bytes=30 * 4)
     assert [[name for name, _ in b] for b in plan] == [["p0", "p1"], ["p2"], ["p3"], ["p4", "p5"]]

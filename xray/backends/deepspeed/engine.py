@@ -13,6 +13,7 @@ DeepSpeed divides each micro-batch's loss by the accumulation steps and averages
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import logging
@@ -25,11 +26,13 @@ import torch.distributed as dist
 
 from xray.backends.base import LossFn, OptimConfig, ShardInfo, TrainEngine, WeightBucket, apply_loss, layout_of
 from xray.backends.deepspeed.config import ZeroOptions, deepspeed_config
-from xray.backends.deepspeed.export import iter_weight_buckets
+from xray.backends.deepspeed.export import adapter_tensors, iter_weight_buckets
+from xray.backends.deepspeed.lora import adapters_off
 from xray.backends.deepspeed.model import load_model, role_outputs
 from xray.backends.deepspeed.reshard import ensure_universal, load_universal, saved_dp
 from xray.backends.optim import SKIPPED, build_optimizer, build_scheduler, frozen_lr, skips_update
 from xray.backends.snapshot import Snapshot, capture_engine, read, replay_engine
+from xray.config.lora import LoraConfig
 from xray.config.parallel import LayoutError, ParallelDims
 from xray.data.batch import Batch
 
@@ -51,8 +54,9 @@ class DeepSpeedEngine(TrainEngine):
 
     def __init__(self, model_dir: str, parallel: ParallelDims, role: str, optim: OptimConfig, seed: int,
                  zero_stage: int, device: str = "cpu", options: ZeroOptions = ZeroOptions(),
-                 forward_micro_batch_size: int | None = None):
+                 forward_micro_batch_size: int | None = None, lora: LoraConfig | None = None):
         _check_process(parallel, device)
+        self.lora = lora if role != "reference" else None
         self.forward_micro_batch_size = forward_micro_batch_size
         self.role, self.zero_stage, self.device = role, zero_stage, device
         self.rank = dist.get_rank()
@@ -63,9 +67,11 @@ class DeepSpeedEngine(TrainEngine):
         torch.manual_seed(seed)
         trains = role != "reference"
         config = deepspeed_config(zero_stage, optim, parallel.dp, _hidden_size(model_dir), options, trains)
-        module = load_model(model_dir, role, seed, dtype, zero3_config=config if zero_stage == 3 else None)
+        module = load_model(model_dir, role, seed, dtype, zero3_config=config if zero_stage == 3 else None,
+                            lora=self.lora)
         _place(module, device)
-        optimizer = build_optimizer(module.parameters(), optim) if trains else None
+        trainable = [p for p in module.parameters() if p.requires_grad]  # with LoRA: the adapters
+        optimizer = build_optimizer(trainable, optim) if trains else None
         scheduler = build_scheduler(optimizer, optim) if trains else None
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=module, optimizer=optimizer, lr_scheduler=scheduler, config=config, dist_init_required=False)
@@ -81,10 +87,12 @@ class DeepSpeedEngine(TrainEngine):
         return self.rank == replica  # every rank is one data-parallel replica
 
     @torch.no_grad()
-    def forward(self, batch: Batch, entropy: bool = False) -> dict[str, torch.Tensor] | None:
+    def forward(self, batch: Batch, entropy: bool = False, adapters: bool = True) -> dict[str, torch.Tensor] | None:
         self.engine.eval()
-        outs = [role_outputs(self.engine, mb.to(self._device()), self.role, entropy)
-                for mb in batch.micro_batches(self.forward_micro_batch_size)]
+        off = adapters_off(self.engine.module) if self.lora is not None and not adapters else contextlib.nullcontext()
+        with off:
+            outs = [role_outputs(self.engine, mb.to(self._device()), self.role, entropy)
+                    for mb in batch.micro_batches(self.forward_micro_batch_size)]
         return {k: torch.cat([o[k] for o in outs]).detach().cpu() for k in outs[0]}
 
     def train_step(self, batch: Batch, loss_fn: LossFn, micro_batch_size: int) -> dict[str, float]:
@@ -119,7 +127,16 @@ class DeepSpeedEngine(TrainEngine):
             # A forward-only pass leaves ZeRO-3's prefetched parameters in flight; gathering them
             # again then fails ("Cannot partition a param in flight"). Release them first.
             self.engine.empty_partition_cache()
-        return iter_weight_buckets(self.engine.module, bucket_bytes, self.zero_stage == 3, self.exports(replica))
+        scaling = self.lora.scaling if self.lora is not None else None
+        return iter_weight_buckets(self.engine.module, bucket_bytes, self.zero_stage == 3, self.exports(replica),
+                                   scaling)
+
+    def export_adapter(self, replica: int = 0) -> dict[str, torch.Tensor] | None:
+        if self.lora is None:
+            return super().export_adapter(replica)
+        if self.zero_stage == 3:
+            self.engine.empty_partition_cache()
+        return adapter_tensors(self.engine.module, self.zero_stage == 3, self.exports(replica))
 
     def save(self, directory: str) -> None:
         tag = f"step{self.step_count}"
@@ -250,12 +267,13 @@ def _mean_over_ranks(values: dict[str, float]) -> dict[str, float]:
 
 def build_engine(model_dir: str, parallel: ParallelDims, role: str, optim: OptimConfig, seed: int,
                  zero_stage: int, device: str = "cpu", options: ZeroOptions = ZeroOptions(),
-                 forward_micro_batch_size: int | None = None, dtype: str | None = None) -> DeepSpeedEngine:
+                 forward_micro_batch_size: int | None = None, dtype: str | None = None,
+                 lora: LoraConfig | None = None) -> DeepSpeedEngine:
     """The DeepSpeed engine of this process's shard (see DeepSpeedEngine); `forward` runs in
     micro-batches of at most `forward_micro_batch_size` rows (None: the whole batch at once);
     `dtype` ("float32" or "bfloat16", DeepSpeed's bf16 with fp32 master weights) overrides the
-    options' dtype."""
+    options' dtype; `lora` trains adapters only (`xray/backends/deepspeed/lora.py`)."""
     if dtype is not None:
         options = dataclasses.replace(options, dtype=dtype)
     return DeepSpeedEngine(model_dir, parallel, role, optim, seed, zero_stage, device, options,
-                           forward_micro_batch_size)
+                           forward_micro_batch_size, lora)

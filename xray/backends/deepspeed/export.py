@@ -5,7 +5,8 @@ rollout engine's weight sync consumes what it yields. ZeRO stages 1 and 2 keep w
 on every rank (only optimizer state and gradients are sharded), so their buckets are views; on
 stage 3 each bucket's parameters are all-gathered with `deepspeed.zero.GatheredParameters`,
 copied out on the exporting rank, and re-partitioned before the next bucket is gathered: at most
-one bucket of full parameters exists beside the shards at any time.
+one bucket of full parameters exists beside the shards at any time. With LoRA the export yields
+each adapted weight merged (W + alpha/r B A), and `adapter_tensors` the adapters alone.
 """
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from typing import Iterator
 import torch
 
 from xray.backends.base import WeightBucket
+from xray.backends.deepspeed.lora import hf_units, is_adapter, peft_name
+from xray.backends.lora import merge
 
 
 def full_numel(param: torch.nn.Parameter) -> int:
@@ -22,35 +25,62 @@ def full_numel(param: torch.nn.Parameter) -> int:
     return int(getattr(param, "ds_numel", param.numel()))
 
 
-def plan_buckets(named: list[tuple[str, torch.nn.Parameter]], bucket_bytes: int) -> list[list[tuple[str, torch.nn.Parameter]]]:
-    """Consecutive groups of parameters of at most `bucket_bytes` (a larger one stands alone)."""
-    buckets: list[list[tuple[str, torch.nn.Parameter]]] = []
-    current: list[tuple[str, torch.nn.Parameter]] = []
+Unit = tuple[str, list[torch.nn.Parameter]]
+"""One Hugging Face tensor and the parameters that make it (`xray/backends/deepspeed/lora.py`)."""
+
+
+def plan_buckets(units: list[Unit], bucket_bytes: int) -> list[list[Unit]]:
+    """Consecutive groups of tensors of at most `bucket_bytes` (a larger one stands alone)."""
+    buckets: list[list[Unit]] = []
+    current: list[Unit] = []
     size = 0
-    for name, p in named:
-        nbytes = full_numel(p) * p.element_size()
+    for unit in units:
+        first = unit[1][0]
+        nbytes = full_numel(first) * first.element_size()
         if current and size + nbytes > bucket_bytes:
             buckets.append(current)
             current, size = [], 0
-        current.append((name, p))
+        current.append(unit)
         size += nbytes
     if current:
         buckets.append(current)
     return buckets
 
 
+def _tensor(params: list[torch.nn.Parameter], scaling: float | None) -> torch.Tensor:
+    """A unit's full tensor on the host: the weight, or with an adapter W + scaling B A."""
+    if len(params) == 1:
+        return params[0].detach().to("cpu", copy=True)
+    weight, a, b = (p.detach().cpu() for p in params)
+    return merge(weight, a, b, scaling)
+
+
 def iter_weight_buckets(module: torch.nn.Module, bucket_bytes: int, zero3: bool,
-                        exports: bool) -> Iterator[WeightBucket]:
+                        exports: bool, scaling: float | None = None) -> Iterator[WeightBucket]:
     """Yield (name, full tensor) buckets on the exporting rank; other ranks only join the gathers.
+    With LoRA adapters (`scaling` = alpha / r) each adapted weight is yielded merged.
 
     Every rank must run this generator to the end on stage 3 (each bucket's gather is a collective)."""
     import deepspeed
 
-    for bucket in plan_buckets(list(module.named_parameters()), bucket_bytes):
-        params = [p for _, p in bucket]
+    for bucket in plan_buckets(hf_units(list(module.named_parameters())), bucket_bytes):
+        params = [p for _, unit in bucket for p in unit]
         gather = (deepspeed.zero.GatheredParameters(params, modifier_rank=None) if zero3
                   else contextlib.nullcontext())
         with gather:
-            out = [(name, p.detach().to("cpu", copy=True)) for name, p in bucket] if exports else []
+            out = [(name, _tensor(unit, scaling)) for name, unit in bucket] if exports else []
         if exports:
             yield out
+
+
+def adapter_tensors(module: torch.nn.Module, zero3: bool, exports: bool) -> dict[str, torch.Tensor] | None:
+    """The full LoRA tensors with `peft` names on the exporting rank (None elsewhere); every rank
+    must call it on stage 3 (one gather of all adapters: they are small)."""
+    import deepspeed
+
+    named = [(n, p) for n, p in module.named_parameters() if is_adapter(n)]
+    gather = (deepspeed.zero.GatheredParameters([p for _, p in named], modifier_rank=None) if zero3
+              else contextlib.nullcontext())
+    with gather:
+        out = {peft_name(n): p.detach().to("cpu", copy=True) for n, p in named} if exports else None
+    return out

@@ -8,9 +8,14 @@ from __future__ import annotations
 
 import torch
 
+from typing import TYPE_CHECKING
+
 from xray.backends.hf_logprobs import token_logprobs
 from xray.data import columns as C
 from xray.data.batch import Batch
+
+if TYPE_CHECKING:
+    from xray.config.lora import LoraConfig
 
 ROLES = ("actor", "reference", "critic")
 
@@ -37,12 +42,13 @@ class ValueModel(torch.nn.Module):
 
 
 def load_model(model_dir: str, role: str, seed: int, dtype: torch.dtype = torch.float32,
-               zero3_config: dict | None = None) -> torch.nn.Module:
+               zero3_config: dict | None = None, lora: "LoraConfig | None" = None) -> torch.nn.Module:
     """The module for `role`, its weights read from a Hugging Face directory.
 
     With `zero3_config` (a ZeRO stage 3 DeepSpeed config), transformers builds the model inside
     `deepspeed.zero.Init` and loads the checkpoint shard by shard, so no process ever holds the
-    whole model (transformers' `HfDeepSpeedConfig` switch, held only while loading)."""
+    whole model (transformers' `HfDeepSpeedConfig` switch, held only while loading). With `lora`,
+    the target layers get adapters and only they (and a critic's value head) train."""
     from transformers import AutoModelForCausalLM
 
     if role not in ROLES:
@@ -57,10 +63,13 @@ def load_model(model_dir: str, role: str, seed: int, dtype: torch.dtype = torch.
             unset_hf_deepspeed_config()
     else:
         causal = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
-    if role != "critic":
-        return causal
-    trunk = causal.get_decoder()
-    return ValueModel(trunk, causal.config.hidden_size, seed).to(dtype)
+    module = causal if role != "critic" else \
+        ValueModel(causal.get_decoder(), causal.config.hidden_size, seed).to(dtype)
+    if lora is not None and role != "reference":
+        from xray.backends.deepspeed.lora import add_adapters
+
+        add_adapters(module, lora, seed)
+    return module
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
