@@ -35,6 +35,9 @@ class LoraConfig:
     target_modules: Union[str, tuple[str, ...]] = "all-linear"
     """`all-linear` (every linear layer of the decoder layers: q/k/v/o and gate/up/down
     projections) or a list of those Hugging Face module names."""
+    export_merged: bool = False
+    """At the end of a run, also write the merged model (W + alpha/r B A) as a Hugging Face
+    directory `final/actor` beside the `peft` adapter directory `final/adapter`."""
 
     def __post_init__(self) -> None:
         if self.rank < 1:

@@ -60,9 +60,13 @@ class TrainWorkhorse(Workhorse):
         return self.engine.shard_info()
 
     @fanout(dispatch="slice", collect="flatten", reads=C.MODEL_INPUTS)
-    def forward(self, batch: Batch, entropy: bool = False) -> Batch | None:
-        """LOGPROBS (and ENTROPY if asked) for a policy, VALUES for a critic; [b, T-1] per column."""
-        out = self.engine.forward(batch, entropy=entropy)
+    def forward(self, batch: Batch, entropy: bool = False, adapters: bool = True) -> Batch | None:
+        """LOGPROBS (and ENTROPY if asked) for a policy, VALUES for a critic; [b, T-1] per column.
+        A LoRA model with `adapters=False` answers as its frozen base: the reference's log-probs."""
+        if not adapters and self.engine.lora is None:
+            raise ValueError(f"forward(adapters=False): the {self.role} trains no LoRA adapters; "
+                             "score the reference with a reference model instead")
+        out = self.engine.forward(batch, entropy=entropy, adapters=adapters)
         return None if out is None else Batch(dict(out))
 
     @fanout(dispatch="slice", collect=_replica_metrics, reads=train_step_columns)
@@ -94,6 +98,40 @@ class TrainWorkhorse(Workhorse):
         return str(save_hf_model(full, self.config["model_dir"], directory))
 
     @fanout(dispatch="all", collect=_exported, deadline_s=1800.0)
+    def save_adapter(self, directory: str) -> str | None:
+        """Write the LoRA adapters (gathered from every shard) as a `peft` adapter directory that
+        `peft.PeftModel.from_pretrained` and vLLM load; returns it."""
+        from xray.backends.lora import save_adapter
+
+        tensors = self.engine.export_adapter()
+        if not self.engine.exports():
+            return None
+        return str(save_adapter(directory, tensors, self.engine.lora, self.config["model_dir"]))
+
+    def _buckets(self, bucket_bytes: int, replica: int, adapter: bool):
+        """What a sync sends: the full weights (merged, with LoRA) in buckets, or with `adapter`
+        the LoRA tensors alone, in one bucket (they are small)."""
+        if not adapter:
+            yield from self.engine.export_weights(bucket_bytes, replica)
+            return
+        tensors = self.engine.export_adapter(replica)
+        if tensors:
+            yield list(tensors.items())
+
+    def _takes_adapter(self, targets: list) -> bool:
+        """Whether a sync to `targets` sends the adapters alone: this model trains LoRA adapters
+        and the targets' engine serves them (vLLM built with the actor's `lora`); else merged
+        weights (DeepSpeed-Inference). Asked once per set of targets, by every shard alike."""
+        import ray
+
+        if self.engine.lora is None:
+            return False
+        key = ("adapter", *(t._actor_id.hex() for t in targets))
+        if key not in self._nodes:
+            self._nodes[key] = all(ray.get([t.takes_adapter.remote() for t in targets]))
+        return self._nodes[key]
+
+    @fanout(dispatch="all", collect=_exported, deadline_s=1800.0)
     def push_weights(self, targets: list, version: int, bucket_bytes: int = 64 << 20,
                      corrupt: str | None = None, replica: int = 0, transport: str = "auto") -> dict | None:
         """Stream the full weights, bucket by bucket, to rollout Workhorses (Ray actor handles).
@@ -117,7 +155,8 @@ class TrainWorkhorse(Workhorse):
         exports = self.engine.exports(replica)
         if exports:
             transport = self._transport(targets, transport)
-        for bucket in self.timed(self.engine.export_weights(bucket_bytes, replica)):
+        adapter = self._takes_adapter(targets)
+        for bucket in self.timed(self._buckets(bucket_bytes, replica, adapter)):
             if not exports or not bucket:
                 continue
             dtype = dtype or str(bucket[0][1].dtype).removeprefix("torch.")
@@ -133,7 +172,7 @@ class TrainWorkhorse(Workhorse):
         replicas = ray.get([t.finish_sync.remote(version) for t in targets])
         return {"version": version, "bytes": sent, "tensors": count, "replicas": len(replicas),
                 "push_s": time.perf_counter() - t0, "dtype": dtype, "replica_reports": replicas,
-                "transport": transport}
+                "transport": transport, "adapter": adapter}
 
     def _transport(self, targets: list, transport: str) -> str:
         """The transport a push to `targets` takes (see `push_weights`)."""
@@ -189,6 +228,9 @@ class TrainWorkhorse(Workhorse):
 
         refs, sent, dtype = [], 0, None
         exports = self.engine.exports(replica)
+        if self.engine.lora is not None:
+            raise ValueError("staged weight syncs (trainer.mode=async) do not carry LoRA adapters yet; "
+                             "run LoRA with trainer.mode=sync")
         for bucket in self.engine.export_weights(bucket_bytes, replica):
             if exports and bucket:
                 refs.append(ray.put(pack_bucket(bucket)))

@@ -1,0 +1,117 @@
+"""The actor's LoRA adapter inside a vLLM rollout engine: the adapter-only weight sync.
+
+Sits beside `xray/backends/vllm.py`: an engine built with `lora` (the actor's `actor.lora`) holds
+one `AdapterSlot`. A sync then sends only the adapter tensors (`peft` names) through the usual
+transports; the engine's `load_weights` hands them to the slot, and at the end of the sync the
+slot writes them as a `peft` directory and reloads vLLM's adapter in place (`add_lora` with
+`load_inplace=True`: the same id, no rebuild; FACTS.md). Every generation and scoring call then
+carries the slot's `LoRARequest`. The base weights are the model directory's and never change.
+
+Exact check: vLLM keeps each loaded adapter's A and B (B already multiplied by alpha / r, q/k/v
+and gate/up packed per layer); each is compared bit for bit with what was sent, laid out and
+scaled the same way (`HeldCheck`).
+"""
+from __future__ import annotations
+
+import shutil
+import tempfile
+from typing import Any
+
+import torch
+
+from xray.backends.base import WeightBucket
+from xray.backends.held import HeldCheck
+from xray.backends.lora import save_adapter
+from xray.config.lora import PEFT_PREFIX, LoraConfig
+
+# vLLM's allowed `max_lora_rank` values (its config's MaxLoRARanks)
+VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+# the HF parts of a layer vLLM packs, in its order
+PACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+class AdapterError(RuntimeError):
+    """An adapter the vLLM engine cannot take; the message says the fix."""
+
+
+def engine_kwargs(lora: LoraConfig) -> dict[str, Any]:
+    """`vllm.LLM` arguments for an engine that serves the actor's adapter."""
+    fits = [r for r in VLLM_RANKS if r >= lora.rank]
+    if not fits:
+        raise AdapterError(f"lora.rank={lora.rank}: vLLM serves adapters up to rank {VLLM_RANKS[-1]}; lower it")
+    return {"enable_lora": True, "max_lora_rank": fits[0], "max_loras": 1}
+
+
+def is_adapter_tensor(name: str) -> bool:
+    """Whether a synced tensor is a LoRA adapter tensor (a `peft` name)."""
+    return name.startswith(PEFT_PREFIX) and (".lora_A." in name or ".lora_B." in name)
+
+
+class AdapterSlot:
+    """The one adapter a rollout engine generates with, replaced in place at each sync."""
+
+    ID = 1
+
+    def __init__(self, lora: LoraConfig, base_model: str):
+        self.lora, self.base_model = lora, base_model
+        self.directory = tempfile.mkdtemp(prefix="xray-adapter-")
+        self.pending: dict[str, torch.Tensor] = {}
+        self.request = None  # no adapter until the first sync: the base model (B = 0 at the start)
+
+    def add(self, bucket: WeightBucket) -> WeightBucket:
+        """Keep the adapter tensors of `bucket` for `apply`; return the others."""
+        rest = []
+        for name, tensor in bucket:
+            if is_adapter_tensor(name):
+                self.pending[name] = tensor.detach().clone()  # the wire's bytes are read-only
+            else:
+                rest.append((name, tensor))
+        return rest
+
+    def apply(self, llm, dtype: torch.dtype, held: HeldCheck) -> bool:
+        """Load the adapter received since the last call into `llm` in place, and compare what
+        vLLM then holds with it. False when nothing was received."""
+        from vllm.lora.request import LoRARequest
+
+        if not self.pending:
+            return False
+        tensors, self.pending = self.pending, {}
+        save_adapter(self.directory, tensors, self.lora, self.base_model)
+        self.request = LoRARequest("actor", self.ID, self.directory, load_inplace=True)
+        if not llm.llm_engine.add_lora(self.request):
+            raise AdapterError(f"vLLM refused the adapter written to {self.directory}")
+        self._check(llm, tensors, dtype, held)
+        return True
+
+    def _check(self, llm, sent: dict[str, torch.Tensor], dtype: torch.dtype, held: HeldCheck) -> None:
+        loras = llm.collective_rpc(_registered_loras, args=(self.ID,))[0]
+        if loras is None:
+            held.unreadable += len(sent)
+            return
+        for module, (a_list, b_list) in loras.items():
+            parts = PACKED.get(module.rsplit(".", 1)[-1])
+            names = [f"{module.rsplit('.', 1)[0]}.{p}" for p in parts] if parts else [module]
+            for name, a, b in zip(names, a_list, b_list):
+                a_name, b_name = (f"{PEFT_PREFIX}{name}.lora_{x}.weight" for x in "AB")
+                if a_name not in sent:
+                    continue
+                held.compare(a_name, a, sent[a_name].to(dtype))
+                held.compare(b_name, b, sent[b_name].to(dtype) * self.lora.scaling)
+
+    def close(self) -> None:
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def _registered_loras(worker, adapter_id: int) -> dict | None:
+    """On a vLLM worker: {module: ([A per part], [B per part])} of the registered adapter, or None
+    when this vLLM keeps them elsewhere."""
+    try:
+        model = worker.model_runner.lora_manager._adapter_manager._registered_adapters[adapter_id]
+    except (AttributeError, KeyError):
+        return None
+    out = {}
+    for module, weights in model.loras.items():
+        a, b = weights.lora_a, weights.lora_b
+        out[module] = ([x.detach().cpu() for x in a], [x.detach().cpu() for x in b]) if isinstance(a, list) \
+            else ([a.detach().cpu()], [b.detach().cpu()])
+    return out
