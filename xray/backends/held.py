@@ -11,12 +11,19 @@ by as much as bf16 differs from fp32 (see FACTS.md), so the log-prob probe stays
 What an engine cannot read back is counted as unreadable, not passed: vLLM on CPU repacks every
 linear layer's weight for oneDNN and drops the plain tensor from the module, so there only the
 embeddings, norms and output layer can be compared; on GPU, and in DeepSpeed-Inference, all.
+
+A quantized engine (`rollout.quantization`) holds its linear layers as fp8 codes and scales:
+`compare_fp8` checks them against our own quantization of the tensors sent
+(`xray/backends/quantize.py`), code for code and scale for scale; a difference is a mismatch
+named with how much differs. vLLM on CPU keeps those codes readable, so every tensor is checked.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import torch
+
+from xray.backends.quantize import fp8_difference, fp8_per_channel
 
 
 @dataclass
@@ -39,6 +46,22 @@ class HeldCheck:
             self.checked += 1
         else:
             self.mismatched.append(name)
+
+    def compare_fp8(self, name: str, held: torch.Tensor | None, held_scale: torch.Tensor | None,
+                    expected: torch.Tensor, dtype: torch.dtype) -> None:
+        """Compare the engine's per-channel fp8 layer `name` (codes `held` laid out `[K, N]`, as vLLM
+        keeps them, and `held_scale` `[N, 1]`) with the reference quantization of `expected`
+        `[N, K]` (the sent values, fused parts concatenated) cast to the engine's `dtype`."""
+        if held is None or held_scale is None or held.dim() != 2 or \
+                tuple(held.shape) != tuple(expected.shape[::-1]) or held_scale.numel() != expected.shape[0]:
+            self.unreadable += 1  # missing, or another layout (a tensor-parallel shard, a repacked kernel)
+            return
+        codes, scale = fp8_per_channel(expected, dtype)
+        diff = fp8_difference(codes, scale, held.detach().cpu().t(), held_scale.detach().cpu())
+        if diff is None:
+            self.checked += 1
+        else:
+            self.mismatched.append(f"{name} [{diff}]")
 
     def take(self) -> dict:
         """The counts so far as a dict (reset afterwards)."""

@@ -14,6 +14,12 @@ On a GPU shared with training roles the engine can sleep (`sleep_mode`, vLLM's s
 train, `wake_up()` takes it back before the next generation or weight load. vLLM's CPU build does
 not support sleep mode, so on CPU it stays off and `sleep()` does nothing.
 
+A quantized engine (`quantization="fp8"`, `rollout.quantization`) is built with vLLM's online fp8
+scheme for the device (`xray/backends/quantize.py`): vLLM quantizes each linear layer as it loads
+it, and again at every in-place reload, so after a sync it holds the quantized form of the new
+weights; `_check_held` compares those codes and scales with our own quantization of the tensors
+sent.
+
 This module's name equals the library's: `import vllm` below is an absolute import and always
 means the library (this file is `xray.backends.vllm`).
 """
@@ -30,6 +36,7 @@ import torch
 
 from xray.backends.base import GenerationEngine, WeightBucket
 from xray.backends.held import HeldCheck
+from xray.backends.quantize import CHECKED_SCHEMES, FP8, QUANT_DTYPES, vllm_scheme
 from xray.backends.sampling import SamplingSpec, call_seed, rollout_batch
 from xray.data.batch import Batch
 
@@ -70,8 +77,15 @@ class VllmEngineConfig:
     """On cuda, the share of the GPU's memory the engine takes (vLLM's own setting)."""
     sleep_mode: bool = False
     """Build with vLLM's sleep mode (cuda only), so that `sleep()` frees the engine's GPU memory."""
+    quantization: str = "none"
+    """`none`, or `fp8`: quantized online by vLLM's scheme for the device (`scheme`)."""
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     """Further keyword arguments for `vllm.LLM` (they override the defaults set here)."""
+
+    @property
+    def scheme(self) -> str | None:
+        """vLLM's `quantization=` argument (None: unquantized)."""
+        return vllm_scheme(self.quantization, self.device)
 
     def llm_kwargs(self) -> dict[str, Any]:
         kwargs = dict(model=self.model_dir, dtype=self.dtype, seed=self.seed,
@@ -84,6 +98,8 @@ class VllmEngineConfig:
             kwargs["gpu_memory_utilization"] = self.gpu_memory_utilization
         if self.sleep_mode:
             kwargs["enable_sleep_mode"] = True
+        if self.scheme is not None:
+            kwargs["quantization"] = self.scheme
         kwargs.update(self.engine_kwargs)
         return kwargs
 
@@ -101,6 +117,15 @@ def _prepare_environment(config: VllmEngineConfig) -> None:
     if config.sleep_mode and config.device != "cuda":
         raise VllmEngineError("sleep_mode=True: vLLM's sleep mode is unsupported on CPU; build the engine "
                               "without it (rollout.sleep: auto or false)")
+    if config.quantization != "none":
+        try:
+            config.scheme
+        except ValueError as exc:
+            raise VllmEngineError(str(exc)) from None
+        if config.dtype not in QUANT_DTYPES:
+            raise VllmEngineError(f"quantization={config.quantization} with dtype={config.dtype}: vLLM quantizes "
+                                  "online from bf16 or fp16 weights only; build the engine with dtype='bfloat16' "
+                                  "(rollout.dtype: bfloat16)")
     if config.tp > 1 and config.device == "cpu":
         _replica_shm_names()
     if config.tp > 1:
@@ -135,13 +160,14 @@ def _replica_shm_names() -> None:
 def build_engine(model_dir: str | Path, *, dtype: str = "float32", seed: int = 0,
                  max_model_len: int = 1024, tp: int = 1, device: str = "cpu",
                  kv_cache_gib: int = 1, gpu_memory_utilization: float = 0.9, sleep_mode: bool = False,
-                 **engine_kwargs: Any) -> "VllmEngine":
+                 quantization: str = "none", **engine_kwargs: Any) -> "VllmEngine":
     """Start an in-process vLLM engine on `model_dir` (a script calling this needs the
     `if __name__ == "__main__":` guard)."""
     config = VllmEngineConfig(model_dir=str(model_dir), dtype=dtype, seed=seed,
                               max_model_len=max_model_len, tp=tp, device=device,
                               kv_cache_gib=kv_cache_gib, gpu_memory_utilization=gpu_memory_utilization,
-                              sleep_mode=sleep_mode, engine_kwargs=dict(engine_kwargs))
+                              sleep_mode=sleep_mode, quantization=quantization,
+                              engine_kwargs=dict(engine_kwargs))
     return VllmEngine(config)
 
 
@@ -249,8 +275,8 @@ class VllmEngine(GenerationEngine):
         self.held = HeldCheck()
         self._calls = 0
         self.asleep = False
-        logger.info("vLLM engine ready: %s dtype=%s tp=%d device=%s", config.model_dir,
-                    config.dtype, config.tp, config.device)
+        logger.info("vLLM engine ready: %s dtype=%s tp=%d device=%s quantization=%s", config.model_dir,
+                    config.dtype, config.tp, config.device, config.scheme or "none")
 
     def _prompts(self, prompts: list[list[int]]) -> list[Any]:
         from vllm.inputs import TokensPrompt
@@ -310,7 +336,8 @@ class VllmEngine(GenerationEngine):
 
     def _check_held(self, ready: WeightBucket) -> None:
         """Compare the engine's tensors with what was just reloaded (`xray/backends/held.py`):
-        each fused tensor against its parts concatenated in vLLM's order."""
+        each fused tensor against its parts concatenated in vLLM's order; a quantized layer's fp8
+        codes and scales against our quantization of them (`HeldCheck.compare_fp8`)."""
         params = self.llm.apply_model(lambda model: dict(model.named_parameters()))[0]
         fused: dict[str, list[tuple[str, torch.Tensor]]] = {}
         for name, tensor in ready:
@@ -322,7 +349,13 @@ class VllmEngine(GenerationEngine):
                 continue
             parts.sort(key=lambda part: FUSED_ORDER.get(part[0].split(".")[-2], 0))
             expected = parts[0][1] if len(parts) == 1 else torch.cat([t for _, t in parts])
-            self.held.compare(target, held, expected)
+            if held.dtype != FP8:
+                self.held.compare(target, held, expected)
+            elif self.config.scheme in CHECKED_SCHEMES:
+                scale = params.get(f"{target.rsplit('.', 1)[0]}.weight_scale")
+                self.held.compare_fp8(target, held, scale, expected, getattr(torch, self.config.dtype))
+            else:  # a scheme we hold no reference of (per-tensor fp8 on GPU)
+                self.held.unreadable += 1
 
     def held_check(self) -> dict:
         return self.held.take()

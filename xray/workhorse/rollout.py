@@ -184,10 +184,12 @@ class RolloutWorkhorse(Workhorse):
     def finish_sync(self, version: int) -> dict:
         """Mark the sync complete at `version`; returns what this replica received and its exact
         checks (`xray.sync.weights.check_exact` judges them): tensors whose bytes changed in
-        transit, and what the engine was seen to hold (`xray/backends/held.py`)."""
+        transit, and what the engine was seen to hold (`xray/backends/held.py`; a quantized
+        engine's fp8 layers against our quantization of the tensors received)."""
         report = {"rank": self.rank, "bytes": self._received, "version": version,
                   "load_s": time.perf_counter() - self._sync_started if self._sync_started else 0.0,
                   "dtype": self.config.get("dtype", "float32"), "changed_in_transit": self._changed,
+                  "quantization": self.config.get("quantization", "none"),
                   "held": self.engine.held_check()}
         self.version, self._received, self._sync_started, self._changed = version, 0, 0.0, []
         return report
