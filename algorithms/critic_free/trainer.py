@@ -6,12 +6,14 @@ One step, as in the papers:
   2. score, concurrently: actor log-probs (the old policy) and, when the KL is used, reference
      log-probs; the reward of every response (an on-policy step, one optimizer step on the batch
      and no KL, skips the actor's forward: the old log-probs are the train step's own, as TRL
-     does with num_iterations=1);
+     does with num_iterations=1; not with a quantized rollout, whose log-prob gap to the actor
+     is a metric);
   3. KL to the reference, where `critic_free.kl_in` puts it: subtracted from the reward (k1,
      `ppo.kl_coef` per nat), or later a loss term; or nowhere (no reference model runs);
   4. advantages by the algorithm's estimator (`algorithms.critic_free.advantages`);
   5. `ppo.ppo_epochs` passes of mini-batches of the clipped policy loss on the actor alone (clip
-     ranges, aggregation and KL guards as PPO's, plus the KL loss term);
+     ranges, aggregation and KL guards as PPO's, plus the KL loss term; with a quantized rollout
+     each token weighted by the truncated importance weight against the rollout's log-probs);
   6. the actor's weights synced (and verified) to the rollout engine.
 As in PPO, a sleeping rollout (`rollout.sleep`) frees its GPU memory once it has generated and
 takes it back before the sync.
@@ -54,8 +56,8 @@ class CriticFreeTrainer(PPOTrainer):
         if algo not in ALGOS:
             raise ValueError(f"unknown critic-free algorithm {algo!r}; choose one of {', '.join(ALGOS)}")
         self.algo, self.kl_in = algo, kl_placement(cfg, algo)
-        self.on_policy = (self.kl_in == "none" and cfg.ppo.ppo_epochs == 1 and
-                          self.batches().mini_batch_size == cfg.ppo.rollout_batch_size * cfg.rollout.n_samples)
+        self.on_policy = (self.kl_in == "none" and cfg.ppo.ppo_epochs == 1 and cfg.rollout.quantization == "none"
+                          and self.batches().mini_batch_size == cfg.ppo.rollout_batch_size * cfg.rollout.n_samples)
         self.policy_loss = dataclasses.replace(
             policy_loss_of(cfg, cfg.ppo.kl_coef if self.kl_in == "loss" else 0.0, cfg.critic_free.kl_estimator),
             on_policy=self.on_policy)
@@ -101,7 +103,7 @@ class CriticFreeTrainer(PPOTrainer):
         shaped = shape_scores(torch.where(mask.sum(1) > 0, scores.float(), 0.0), self.cfg.reward.scale,
                               self.cfg.reward.clip)
         columns = {C.INPUT_IDS: exp[C.INPUT_IDS], C.ATTENTION_MASK: exp[C.ATTENTION_MASK], C.LOSS_MASK: mask,
-                   C.ADVANTAGES: self.advantages(shaped, logprobs, ref_logprobs, mask, keep)}
+                   C.ADVANTAGES: self.advantages(shaped, logprobs, ref_logprobs, mask, keep), **self.behaviour(exp)}
         if not self.on_policy:
             columns[C.OLD_LOGPROBS] = logprobs
         if self.kl_in == "loss":
@@ -109,4 +111,5 @@ class CriticFreeTrainer(PPOTrainer):
         with t("train"):
             train = await self.train(Batch(columns), step)
         kl = kl_metrics(logprobs, ref_logprobs, mask) if ref_logprobs is not None else {}
-        return await self.finish_step(step, t, exp, scores, mask, kl, train)
+        gap = {} if self.on_policy else self.gap(logprobs, exp, mask)
+        return await self.finish_step(step, t, exp, scores, mask, kl, train, gap)

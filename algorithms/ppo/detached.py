@@ -197,7 +197,7 @@ class Detached:
         made, self.stats = self.stats, MakerStats()
         scores = exp[C.SCORES]
         return {"reward/mean": float(scores.mean()), "reward/std": float(scores.std()) if len(scores) > 1 else 0.0,
-                **kl, "kl_coef": kl_coef, **train,
+                **kl, "kl_coef": kl_coef, **train, **t.gap(proximal[C.LOGPROBS], exp, mask),
                 "response_length": float(mask.sum(1).mean()), "async/staleness": float(staleness),
                 **{f"async/trainer{d}_maker": float(e.maker) for d, e in enumerate(entries)},
                 "async/waited": float(made.waited), "async/buffer_full_waits": float(made.full_waits),

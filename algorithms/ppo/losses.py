@@ -82,6 +82,17 @@ def behaviour_weight(proximal: torch.Tensor, behaviour: torch.Tensor, mask: torc
     return torch.clamp(torch.exp((proximal - behaviour) * m), max=cap).detach() * m
 
 
+def rollout_gap(old: torch.Tensor, behaviour: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """How far the rollout engine's log-probs of its own samples (`behaviour`) are from the actor's
+    (`old`), per response token: `rollout_logprob_gap_mean` and `_max` of |old - behaviour| over
+    the mask (0 without masked tokens). bf16 or a quantized rollout makes it large by design."""
+    m = mask.to(torch.float32) > 0
+    gap = (old.to(torch.float32) - behaviour.to(torch.float32)).abs()[m]
+    if not gap.numel():
+        return {"rollout_logprob_gap_mean": 0.0, "rollout_logprob_gap_max": 0.0}
+    return {"rollout_logprob_gap_mean": float(gap.mean()), "rollout_logprob_gap_max": float(gap.max())}
+
+
 def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
                        mask: torch.Tensor, cliprange_value: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """`0.5 * mean_mask(max(unclipped, clipped squared error))` and its statistics: `clipfrac`
@@ -106,8 +117,9 @@ class PolicyLoss:
     cliprange: float = 0.2
     """Clip the probability ratio to [1 - cliprange, 1 + cliprange_high]."""
     behaviour_weight_cap: Optional[float] = None
-    """Set (asynchronous training): OLD_LOGPROBS are the proximal policy's and each token's term is
-    weighted by `behaviour_weight` against batch[BEHAVIOUR_LOGPROBS], truncated at this cap."""
+    """Set (asynchronous training, or a quantized rollout): OLD_LOGPROBS are the proximal policy's
+    (the actor's own) and each token's term is weighted by `behaviour_weight` against
+    batch[BEHAVIOUR_LOGPROBS] (the rollout engine's, which sampled), truncated at this cap."""
     cliprange_high: Optional[float] = None
     """Upper clip of the ratio (DAPO's clip-higher); None: `cliprange`."""
     loss_agg_mode: str = "token-mean"

@@ -13,7 +13,11 @@ One step, as on paper:
   6. KL controller update, then the actor's weights synced (and verified) to the rollout engine.
 Where the rollout sleeps (`rollout.sleep`: vLLM sharing its GPUs with trained roles), its GPU
 memory is freed once it has generated (steps 2 to 5 run without it) and taken back before the sync.
-The `kl` metric is the mean per-token k1 estimate of KL(actor || reference), `kl_k3` the k3 one.
+The `kl` metric is the mean per-token k1 estimate of KL(actor || reference), `kl_k3` the k3 one;
+`rollout_logprob_gap_mean` / `_max` how far the rollout's log-probs of its samples are from the
+actor's. With a quantized rollout (`rollout.quantization`) the samples come from other weights than
+the actor's, and the policy loss weights each token by the truncated importance weight
+min(pi_actor / pi_rollout, async.behaviour_weight_cap), as decoupled PPO does for stale samples.
 Everything random is seeded from (run seed, step), so a resumed run repeats the same numbers.
 The driver fetches only what it computes on (responses for the score, log-probs and values for
 the advantages), and every wait is awaited on the run's one event loop.
@@ -32,7 +36,7 @@ import torch
 from algorithms.ppo.gae import gae, whiten
 from algorithms.ppo.kl import build_kl_controller
 from algorithms.ppo.kl_estimators import kl_metrics
-from algorithms.ppo.losses import PolicyLoss, ValueLoss
+from algorithms.ppo.losses import PolicyLoss, ValueLoss, rollout_gap
 from algorithms.ppo.rewards import kl_penalized_rewards, shape_scores
 from xray.config.batches import TRAINED, TrainBatches, train_batches
 from xray.config.schema import RunConfig
@@ -94,9 +98,12 @@ def ppo_targets(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, values: torc
 
 
 def policy_loss_of(cfg: RunConfig, kl_coef: float = 0.0, kl_estimator: str = "k3") -> PolicyLoss:
-    """The actor's loss with the run's clip ranges, aggregation and guard (`kl_coef`: a KL loss term)."""
+    """The actor's loss with the run's clip ranges, aggregation and guard (`kl_coef`: a KL loss
+    term); with the truncated behaviour weight wherever the samples come from other weights than
+    the actor's: an asynchronous run's makers, or a quantized rollout."""
     ppo = cfg.ppo
-    cap = cfg.async_.behaviour_weight_cap if cfg.trainer.mode == "async" else None
+    off_policy = cfg.trainer.mode == "async" or cfg.rollout.quantization != "none"
+    cap = cfg.async_.behaviour_weight_cap if off_policy else None
     return PolicyLoss(cliprange=ppo.cliprange, behaviour_weight_cap=cap, cliprange_high=ppo.cliprange_high,
                       loss_agg_mode=ppo.loss_agg_mode, kl_coef=kl_coef, kl_estimator=kl_estimator,
                       max_approx_kl=ppo.max_approx_kl)
@@ -161,15 +168,28 @@ class PPOTrainer:
                                           self.cfg, self.kl.value)
         train_batch = Batch({C.INPUT_IDS: exp[C.INPUT_IDS], C.ATTENTION_MASK: exp[C.ATTENTION_MASK],
                              C.LOSS_MASK: mask, C.OLD_LOGPROBS: old[C.LOGPROBS], C.OLD_VALUES: values[C.VALUES],
-                             C.ADVANTAGES: advantages, C.RETURNS: returns})
+                             C.ADVANTAGES: advantages, C.RETURNS: returns, **self.behaviour(exp)})
         with t("train"):
             train = await self.train(train_batch, step)
         return await self.finish_step(step, t, exp, scores, mask, kl_metrics(old[C.LOGPROBS], ref[C.LOGPROBS], mask),
-                                      train)
+                                      train, self.gap(old[C.LOGPROBS], exp, mask))
+
+    def behaviour(self, exp: Batch) -> dict[str, torch.Tensor]:
+        """The rollout's log-probs of its samples as a train-batch column, where the policy loss
+        weights by them (a quantized rollout); else nothing."""
+        weighted = self.policy_loss.behaviour_weight_cap is not None
+        return {C.BEHAVIOUR_LOGPROBS: exp[C.BEHAVIOUR_LOGPROBS]} if weighted else {}
+
+    @staticmethod
+    def gap(old: torch.Tensor, exp: Batch, mask: torch.Tensor) -> dict[str, float]:
+        """`rollout_logprob_gap_mean` / `_max` (`rollout_gap`) when the rollout gave its log-probs."""
+        return rollout_gap(old, exp[C.BEHAVIOUR_LOGPROBS], mask) if C.BEHAVIOUR_LOGPROBS in exp else {}
 
     async def finish_step(self, step: int, t: PhaseTimer, exp: Batch, scores: torch.Tensor, mask: torch.Tensor,
-                          kl: dict[str, float], train: dict[str, float]) -> dict[str, float]:
-        """The KL controller's update and the sync (step 6); the step's metrics."""
+                          kl: dict[str, float], train: dict[str, float],
+                          gap: dict[str, float] | None = None) -> dict[str, float]:
+        """The KL controller's update and the sync (step 6); the step's metrics (`gap`: the rollout's
+        log-prob gap to the actor, where the actor's old log-probs were computed)."""
         kl_coef = self.kl.value
         self.kl.update(kl.get("kl_sequence", 0.0), len(exp))
         await self.wake_rollout(t)
@@ -178,7 +198,7 @@ class PPOTrainer:
         self.state.step = step
         tokens = int(exp[C.ATTENTION_MASK].sum())
         return {"reward/mean": float(scores.mean()), "reward/std": float(scores.std()) if len(scores) > 1 else 0.0,
-                **kl, "kl_coef": kl_coef, **train,
+                **kl, "kl_coef": kl_coef, **train, **(gap or {}),
                 "response_length": float(mask.sum(1).mean()), "sync/max_abs_logprob_diff": report.max_abs_logprob_diff,
                 "sync/held_checked": float(report.held_checked), "sync/verify_s": report.verify_s, **t.seconds,
                 "tokens_per_s": tokens / max(1e-9, sum(t.seconds.values()))}

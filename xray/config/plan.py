@@ -3,8 +3,9 @@
 `plan_run(cfg, backend)` checks everything that can be known before Ray starts (each role placed
 once, layouts matching their group's size, batch sizes dividing what they must) and returns the
 `Plan`: which role runs on which device group, how many Workhorses, with what tp/pp/dp, in which
-node packs (`xray/config/packing.py`), and whether the rollout engine sleeps while the training
-roles train. The runtime applies exactly this plan; `--dry-run` prints it.
+node packs (`xray/config/packing.py`), whether the rollout engine sleeps while the training roles
+train, and the scheme a quantized rollout uses (`rollout.quantization`: what the device does not
+offer is refused here). The runtime applies exactly this plan; `--dry-run` prints it.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from dataclasses import dataclass, replace
 
 from xray.backends import split_pair
 from xray.backends.elastic import ElasticityError
+from xray.backends.quantize import QUANT_DTYPES, vllm_scheme
 from xray.config.batches import elastic_ranges, train_batches
 from xray.config.graph import build_graph
 from xray.config.packing import Packs, describe_packs, node_packs, whole_replicas
@@ -62,6 +64,8 @@ class Plan:
     nnodes: int
     rollout_sleep: bool = False
     """The rollout engine sleeps (frees its GPU memory) while the training roles train (`rollout.sleep`)."""
+    rollout_quantization: str | None = None
+    """vLLM's quantization scheme of the rollout (`rollout.quantization`); None: unquantized."""
 
     def role(self, name: str) -> RolePlan:
         for r in self.roles:
@@ -88,6 +92,9 @@ class Plan:
         if "rollout" in {r.role for r in self.roles}:
             lines.append("rollout sleep: on (vLLM frees its GPU memory while the training roles train)"
                          if self.rollout_sleep else "rollout sleep: off")
+        if self.rollout_quantization:
+            lines.append(f"rollout quantization: vLLM {self.rollout_quantization}, requantized at every sync "
+                         "(the trained roles keep full precision)")
         lines.append("note: ranks count devices, they do not choose them. Ray picks each pack's node and gives each\n"
                      "  Workhorse a device there (CUDA_VISIBLE_DEVICES): the device indices and nodes above are not\n"
                      "  pinned. To pin a group to nodes, give it `resources` its nodes are started with.")
@@ -245,6 +252,29 @@ def rollout_sleeps(cfg: RunConfig, gen_backend: str) -> bool:
     return why_not is None and (setting is True or any(w in TRAINED_ROLES for w in group.workers))
 
 
+def rollout_quantization(cfg: RunConfig, gen_backend: str, device: str) -> str | None:
+    """vLLM's scheme for `rollout.quantization` on the rollout's `device` (GPU or CPU), None when
+    unquantized; a ConfigError, with what this device offers, for what it does not."""
+    q = cfg.rollout.quantization
+    if q == "none":
+        return None
+    if gen_backend != "vllm":
+        raise ConfigError(f"rollout.quantization={q}: only the vLLM rollout quantizes, this run's is {gen_backend}; "
+                          "set rollout.quantization=none, or use a vLLM pair (--backend megatron-vllm)")
+    try:
+        scheme = vllm_scheme(q, "cuda" if device == "GPU" else "cpu")
+    except ValueError as exc:
+        raise ConfigError(f"{exc}; set --rollout.quantization to one of them") from None
+    dtype = cfg.rollout.dtype or cfg.model.dtype
+    if dtype not in QUANT_DTYPES:
+        raise ConfigError(f"rollout.quantization={q} with a {dtype} rollout: vLLM quantizes online from bf16 weights "
+                          "only; set --rollout.dtype=bfloat16 (the trained roles keep model.dtype)")
+    if cfg.actor.lora is not None:
+        raise ConfigError(f"rollout.quantization={q} with actor.lora: an adapter-only sync into a quantized engine "
+                          "is not supported; set rollout.quantization=none, or train without actor.lora")
+    return scheme
+
+
 def _with_packs(roles: list[RolePlan], per_node: int) -> list[RolePlan]:
     """Each role with its group's node packs: every replica of every role of a group on one node."""
     packs = {}
@@ -297,6 +327,11 @@ def _check_train_batches(cfg: RunConfig, devices: dict[str, int], samples: int) 
                               f"{role}.micro_batch_size")
 
 
+def _quantization_of(cfg: RunConfig, roles: list[RolePlan], gen_backend: str) -> str | None:
+    generating = [r for r in roles if r.role in ("rollout", "sampler")]
+    return rollout_quantization(cfg, gen_backend, generating[0].device) if generating else None
+
+
 def plan_run(cfg: RunConfig, backend: str, algo: str = "ppo") -> Plan:
     """Check `cfg` for a run of `algo` with `backend` (e.g. `megatron-vllm`); return its placement."""
     train_backend, gen_backend = split_pair(backend)
@@ -336,7 +371,8 @@ def plan_run(cfg: RunConfig, backend: str, algo: str = "ppo") -> Plan:
                               parallel=dims, resources=g.resources))
     plan = Plan(backend=backend, roles=tuple(_with_packs(roles, groups.nproc_per_node)),
                 nproc_per_node=groups.nproc_per_node, nnodes=groups.nnodes,
-                rollout_sleep="rollout" in needed and rollout_sleeps(cfg, gen_backend))
+                rollout_sleep="rollout" in needed and rollout_sleeps(cfg, gen_backend),
+                rollout_quantization=_quantization_of(cfg, roles, gen_backend))
     checks = {**{a: _check_sft_batches for a in SUPERVISED}, "rm": _check_rm_batches,
               "sample": lambda c, p: _check_sampling(c, p, "sampler")}
     checks.get(algo, _check_batches)(cfg, plan)

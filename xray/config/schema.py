@@ -71,6 +71,16 @@ class RolloutConfig:
     dtype: Optional[Literal["float32", "bfloat16"]] = None
     """Generation dtype (null: `model.dtype`). The weight sync casts the actor's weights to it and
     verifies the engine holds exactly those values."""
+    quantization: Literal["none", "fp8", "int8"] = "none"
+    """Generate with a quantized copy of the actor (the trained roles keep full precision). `fp8`:
+    vLLM quantizes each linear layer's weights to fp8 as it loads them, at every sync: on CPU
+    per output channel (vLLM's `fp8_per_channel`, slow without fp8 hardware), on GPU vLLM's online
+    `fp8_per_tensor` (not tested here). Needs a bf16 rollout (`rollout.dtype` or `model.dtype`
+    bfloat16). The sync's exact check compares the engine's fp8 weights and scales with our own
+    quantization of the tensors sent, and the policy loss corrects for the rollout's log-probs
+    with the truncated importance weight (capped at `async.behaviour_weight_cap`). `int8` is
+    refused: vLLM gives NaN after an in-place int8 reload and needs a prepared checkpoint. Only
+    the vLLM rollout quantizes."""
     max_new_tokens: int = 16
     """Longest response."""
     temperature: float = 1.0

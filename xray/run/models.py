@@ -124,7 +124,8 @@ def role_init_kwargs(cfg: RunConfig, role: str, backend: str, model_dir: str) ->
         kwargs = dict(backend=backend, model_dir=model_dir, dtype=r.dtype or cfg.model.dtype,
                       max_model_len=cfg.data.max_prompt_tokens + r.max_new_tokens + 8)
         if backend == "vllm":
-            kwargs.update(kv_cache_gib=r.kv_cache_gib, gpu_memory_utilization=r.gpu_memory_utilization)
+            kwargs.update(kv_cache_gib=r.kv_cache_gib, gpu_memory_utilization=r.gpu_memory_utilization,
+                          quantization=r.quantization)  # the plan refused it for any other backend
         if backend == "vllm" and role == "rollout":  # the sampler never sleeps: nothing trains beside it
             kwargs["sleep_mode"] = rollout_sleeps(cfg, backend)
         return kwargs
