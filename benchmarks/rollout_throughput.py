@@ -1,7 +1,10 @@
-"""Rollout throughput: the vLLM engine against Hugging Face `generate`, or vLLM bf16 against fp32.
+"""Rollout throughput: the vLLM engine against Hugging Face `generate`, vLLM bf16 against fp32, or
+an fp8-quantized vLLM rollout against bf16 (with the default job's eval with and without it).
 
     .venv/bin/python benchmarks/rollout_throughput.py [--dtype float32|bfloat16] [--model 27M|110M]
         [--prompts 128] [--new-tokens 128] [--repeats 3] [--threads 1]
+    .venv/bin/python benchmarks/rollout_throughput.py --quantization fp8 [--model 110M] [--no-eval]
+        [--train-args "--trainer.steps=40 ..."]
 
 One run builds a benchmark Llama of xray/builtin/tiny_llama.py (random weights), then times, on the same
 prompts (random token ids, 16 to 48 long), the same sampling (temperature 1, a fixed seed) and the
@@ -16,15 +19,29 @@ padding, KV cache), then the vLLM engine (xray.backends.vllm) in fp32 and in bf1
 `--dtype bfloat16` (default model 110M): the vLLM engine in fp32, then in bf16. Last line
 `bf16_over_fp32=<bf16 tokens/s / fp32 tokens/s> tokens_per_s_bf16=<bf16 tokens/s>`; the line above
 it gives the host's bf16/fp32 matmul ratio (measured in the same run), the ceiling of the first.
+
+`--quantization fp8` (default model 110M): the vLLM engine in bf16, then in bf16 quantized to fp8
+as `rollout.quantization=fp8` builds it (per channel on CPU: without fp8 hardware the ratio is
+below 1; the speed is a GPU matter). Then, unless `--no-eval`, the default job
+(`python -m xray.train ppo`, configs/ppo_tiny_cpu.yaml, plus `--train-args`) twice, as
+subprocesses: as it is, and with quantized makers (`--rollout.quantization=fp8
+--rollout.dtype=bfloat16`); each run's eval after training is read from its `eval.json`. Last line
+`quant_over_bf16=<fp8 tokens/s / bf16 tokens/s> eval_gap=<eval without - eval with>` (`skipped`
+with `--no-eval`).
 """
 from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
+import shlex
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -62,11 +79,13 @@ def time_hf(model_dir: str, prompts: list[list[int]], new_tokens: int) -> float:
     return tokens / (time.perf_counter() - start)
 
 
-def time_vllm(model_dir: str, prompts: list[list[int]], new_tokens: int, dtype: str, repeats: int) -> float:
+def time_vllm(model_dir: str, prompts: list[list[int]], new_tokens: int, dtype: str, repeats: int,
+              quantization: str = "none") -> float:
     """Median tokens/s of `repeats` sampling calls of one vLLM engine, after a warm-up call."""
     from xray.backends import load_backend
 
-    engine = load_backend("vllm").build_engine(model_dir, dtype=dtype, max_model_len=512, kv_cache_gib=2)
+    engine = load_backend("vllm").build_engine(model_dir, dtype=dtype, max_model_len=512, kv_cache_gib=2,
+                                               quantization=quantization)
     sampling = {"temperature": 1.0, "max_new_tokens": new_tokens, "seed": 1}
     engine.generate(prompts, sampling)  # warm-up
     rates = []
@@ -95,6 +114,43 @@ def matmul_ratio(n: int = 2048, reps: int = 10) -> float:
     return speed[torch.bfloat16] / speed[torch.float32]
 
 
+def default_job_eval(run_dir: Path, extra: list[str]) -> float:
+    """`python -m xray.train ppo` (the default job) with `extra` arguments into `run_dir`; its eval
+    after training (`eval.json`)."""
+    command = [sys.executable, "-m", "xray.train", "ppo", "--output-dir", str(run_dir), *extra]
+    print("running:", shlex.join(command[1:]), flush=True)
+    p = subprocess.run(command, cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True)
+    if p.returncode != 0:
+        raise SystemExit(f"the run failed ({p.returncode}):\n{p.stderr[-4000:]}")
+    return float(json.loads((run_dir / "eval.json").read_text())["eval_after"])
+
+
+def eval_gap(train_args: list[str], quantization: str) -> float:
+    """Eval after training of the default job without quantized makers minus with them."""
+    with tempfile.TemporaryDirectory() as tmp:
+        plain = default_job_eval(Path(tmp) / "plain", train_args)
+        quant = default_job_eval(Path(tmp) / "quantized", [*train_args, f"--rollout.quantization={quantization}",
+                                                          "--rollout.dtype=bfloat16"])
+    print(f"default job eval after training: {plain:.3f} without quantized makers, {quant:.3f} with {quantization}")
+    return plain - quant
+
+
+def quantized_main(args: argparse.Namespace) -> None:
+    """`--quantization`: bf16 against quantized tokens/s, then the default job's eval gap."""
+    name = args.model or "110M"
+    spec = BENCH_MODELS[name]
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = str(build_tiny_model(os.path.join(tmp, f"bench{name}"), spec, seed=0))
+        prompts = make_prompts(args.prompts, spec.vocab_size)
+        print(f"{args.prompts} prompts x {args.new_tokens} new tokens, BENCH_{name}, {args.threads} threads")
+        bf16 = time_vllm(model_dir, prompts, args.new_tokens, "bfloat16", args.repeats)
+        print(f"vllm bf16: {bf16:,.0f} tokens/s")
+        quant = time_vllm(model_dir, prompts, args.new_tokens, "bfloat16", args.repeats, args.quantization)
+        print(f"vllm bf16 + {args.quantization}: {quant:,.0f} tokens/s ({quant / bf16:.2f}x bf16)", flush=True)
+    gap = "skipped" if args.no_eval else f"{eval_gap(shlex.split(args.train_args), args.quantization):.3f}"
+    print(f"quant_over_bf16={quant / bf16:.3f} eval_gap={gap}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
@@ -107,8 +163,16 @@ def main() -> None:
                         help="torch threads for every engine (the in-process vLLM engine uses the "
                              "process's setting). 1 by default: on a 2-core machine shared with "
                              "other jobs, 2 threads ran 5-20x slower than 1 (oversubscription)")
+    parser.add_argument("--quantization", choices=("fp8",), default=None,
+                        help="time a quantized rollout against bf16 (then the default job's eval gap)")
+    parser.add_argument("--no-eval", action="store_true", help="with --quantization: skip the two default jobs")
+    parser.add_argument("--train-args", default="", help="with --quantization: extra arguments of both default "
+                                                         "jobs, e.g. '--trainer.steps=40'")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.quantization:
+        quantized_main(args)
+        return
     bf16 = args.dtype == "bfloat16"
     name = args.model or ("110M" if bf16 else "27M")
     spec = BENCH_MODELS[name]
