@@ -21,10 +21,10 @@ from xray.config.schema import RunConfig
 from xray.data import columns as C
 from xray.data.batch import Batch
 from xray.data.sequences import pack_sequences
-from xray.backends.hf_dir import save_hf_model
 from xray.run.outputs import RunDir
 from xray.data.supervised import SFTLoss, target_ids
 from xray.run.console import progress_shown
+from xray.run.final import export_actor
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,8 @@ def held_out_loss(actor, pairs: list[tuple[list[int], list[int]]], pad_id: int) 
 def run_sft(cfg: RunConfig, plan: Plan, pairs: list[tuple[list[int], list[int]]], model_dir: str,
             run: RunDir, pad_id: int, ray_address: str | None = None, losses: list[float] | None = None,
             held_out: list[tuple[list[int], list[int]]] | None = None, evals: dict[str, float] | None = None) -> Path:
-    """Train the actor on `pairs`; return the Hugging Face directory of the result (each step's
+    """Train the actor on `pairs`; return the Hugging Face directory of the result, or with
+    `actor.lora` its `peft` adapter directory (`xray/run/final.py`; each step's
     loss is appended to `losses` when given; with `held_out` pairs, their loss before and after
     training goes into `evals` as `before` and `after`)."""
     with started_role(cfg, plan, "actor", model_dir, ray_address, cfg.sft.lr, cfg.sft.warmup_steps) as actor:
@@ -89,8 +90,7 @@ def run_sft(cfg: RunConfig, plan: Plan, pairs: list[tuple[list[int], list[int]]]
                 run.log_metrics(step, metrics)
         if held_out and evals is not None:
             evals["after"] = held_out_loss(actor, held_out, pad_id)
-        state = actor.state_dict().get()
-    return save_hf_model(state, model_dir, run.path / "final" / "actor")
+        return export_actor(actor, cfg.actor.lora, model_dir, run.path / "final")
 
 
 def answer_pairs(prompt_ids: list[list[int]], answers: list, tokenizer) -> list[tuple[list[int], list[int]]]:

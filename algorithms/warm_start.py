@@ -8,6 +8,7 @@ runs skip the warm start. Every command resolves `model.path` through `model_dir
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -54,6 +55,8 @@ def build_builtin_model(cfg: RunConfig, plan: Plan, run: RunDir, ray_address: st
     if (target / "model.safetensors").is_file():
         log.info("warm-started model from cache: %s", target)
         return target
+    # the warm start trains every weight, also for a LoRA run (which then trains adapters on it)
+    cfg = dataclasses.replace(cfg, actor=dataclasses.replace(cfg.actor, lora=None))
     base = build_base_model(run.path / "base-model", cfg.seed)
     tokenizer = load_tokenizer(str(base))
     train, _ = load_prompt_splits(cfg.data, tokenizer, run.path / "data")

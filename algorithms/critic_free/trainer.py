@@ -35,6 +35,7 @@ from algorithms.ppo.trainer import PhaseTimer, PPOTrainer, policy_loss_of
 from xray.config.schema import RunConfig
 from xray.data import columns as C
 from xray.data.batch import Batch
+from xray.run.models import reference_forward
 
 ALGOS = ("grpo", "rloo", "reinforce_pp")
 PAPER_KL = {"grpo": "loss", "rloo": "reward", "reinforce_pp": "reward"}
@@ -87,7 +88,7 @@ class CriticFreeTrainer(PPOTrainer):
             await self.wake_rollout()
             gen = m.rollout.generate([r["prompt_ids"] for r in rows], self.sampling(step), pad_id=self.pad_id)
             forwards = ([] if self.on_policy else [m.actor.forward(gen)]) + \
-                ([m.reference.forward(gen)] if self.kl_in != "none" else [])
+                ([reference_forward(m, gen)] if self.kl_in != "none" else [])
             exp = await gen
         await self.sleep_rollout(t)
         rows = [rows[i // self.cfg.rollout.n_samples] for i in range(len(exp))]

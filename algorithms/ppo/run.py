@@ -24,7 +24,7 @@ from xray.config.schema import RunConfig
 from xray.config.typed import to_dict
 from xray.rewards.model import ModelScorer
 from xray.run.models import build_models, check_layouts
-from xray.backends.hf_dir import save_hf_model
+from xray.run.final import export_actor
 from xray.run.checkpoints import FlashCheckpoints
 from xray.run.graceful import GracefulStop, RunInterrupted
 from xray.run.outputs import RunDir, read_trainer_state
@@ -153,7 +153,7 @@ async def train(trainer: PPOTrainer, run: RunDir, data: RunData, resume: str | N
     await checkpoints.finish()
     eval_after = await trainer.evaluate(data.eval_rows)
     run.write_evals(trainer.state.eval_before, eval_after, trainer.state.step)
-    save_hf_model(await trainer.models.actor.state_dict(), data.model_dir, run.path / "final" / "actor")
+    await asyncio.to_thread(export_actor, trainer.models.actor, cfg.actor.lora, data.model_dir, run.path / "final")
     return eval_after
 
 

@@ -42,7 +42,7 @@ from xray.config.batches import TRAINED, TrainBatches, train_batches
 from xray.config.schema import RunConfig
 from xray.data import columns as C
 from xray.data.batch import Batch
-from xray.run.models import Models
+from xray.run.models import Models, reference_forward
 from xray.sync import sync_weights
 
 # score_fn(prompt_rows, response_ids) -> (scores [B], keep mask [B] or None); or an object with
@@ -156,7 +156,7 @@ class PPOTrainer:
         with t("generate"):
             await self.wake_rollout()
             gen = m.rollout.generate([r["prompt_ids"] for r in rows], self.sampling(step), pad_id=self.pad_id)
-            forwards = m.actor.forward(gen), m.reference.forward(gen), m.critic.forward(gen)
+            forwards = m.actor.forward(gen), reference_forward(m, gen), m.critic.forward(gen)
             exp = await gen
         await self.sleep_rollout(t)
         rows = [rows[i // self.cfg.rollout.n_samples] for i in range(len(exp))]

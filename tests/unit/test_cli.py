@@ -190,3 +190,33 @@ def test_gpu_1x_and_2nodes_configs_pass_dry_run_with_their_layouts():
     assert set(plan.role("actor").nodes) == {0} and set(plan.role("rollout").nodes) == {1}
     assert plan.role("actor").resources == (("xray_train_node", 1.0),)
     assert plan.role("rollout").resources == (("xray_rollout_node", 1.0),)
+
+
+MS_SWIFT_GROUPS = ('{"nproc_per_node": 4, "sample_group": {"device": "CPU", "ranks": [0, 1], "workers": ["sampler"]}, '
+                   '"rm_group": {"device": "CPU", "ranks": [2, 3], "workers": ["prm", "orm"]}}')
+
+
+def test_device_groups_as_one_json_argument():
+    """ms-swift's form: `--device_groups '<json>'` (a separate argument), as the README shows."""
+    from xray.train import resolve
+
+    _, cfg, plan, _, _ = resolve(["sample", "--device_groups", MS_SWIFT_GROUPS, "--sample.prm_model=/x"])
+    assert [(r.role, r.group, r.ranks) for r in plan.roles] == [
+        ("sampler", "sample_group", (0, 1)), ("prm", "rm_group", (2, 3)), ("orm", "rm_group", (2, 3))]
+
+
+def test_lora_plan_starts_no_reference_and_says_so():
+    from xray.config import ConfigError
+    from xray.train import resolve
+
+    _, cfg, plan, _, _ = resolve(["ppo", "--actor.lora.rank=8"])  # the default groups still name the reference
+    assert [r.role for r in plan.roles] == ["rollout", "actor", "critic"] and plan.lora_sync == "adapters"
+    assert "no reference model starts" in plan.describe() and "the adapters alone" in plan.describe()
+    _, _, plan, _, _ = resolve(["grpo", "--actor.lora.rank=8", "--backend", "deepspeed-dsinfer"])
+    assert [r.role for r in plan.roles] == ["rollout", "actor"] and plan.lora_sync == "merged"
+    _, _, plan, _, _ = resolve(["sft", "--actor.lora.rank=8"])
+    assert plan.lora_sync is None and [r.role for r in plan.roles] == ["actor"]
+    with pytest.raises(ConfigError, match="set trainer.mode=sync"):
+        resolve(["ppo", "--actor.lora.rank=8", "--config", str(ROOT / "configs/ppo_async_2makers_1trainer.yaml")])
+    with pytest.raises(ConfigError, match="remove reference.lora"):
+        resolve(["ppo", "--reference.lora.rank=8"])

@@ -136,6 +136,15 @@ class GenerationEngine(ABC):
         """Log-probabilities of each sequence's tokens after its prompt, as the engine computes
         them (used to verify a weight sync)."""
 
+    def finish_load(self) -> None:
+        """Called once a sync's last bucket is loaded, before `held_check`: an engine that applies
+        what it received as a whole (an adapter) does it here. Default: nothing."""
+
+    def takes_adapter(self) -> bool:
+        """Whether the engine serves a LoRA adapter synced alone (the actor then sends only its
+        adapter tensors, with `peft` names); default False: it takes merged full weights."""
+        return False
+
     def held_check(self) -> dict:
         """Since the last call: how many loaded tensors the engine was seen to hold exactly,
         could not show, or holds otherwise (`xray/backends/held.py`). Default: none checked."""

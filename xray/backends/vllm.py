@@ -30,7 +30,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -38,6 +38,9 @@ from xray.backends.base import GenerationEngine, WeightBucket
 from xray.backends.held import HeldCheck
 from xray.backends.quantize import CHECKED_SCHEMES, FP8, QUANT_DTYPES, vllm_scheme
 from xray.backends.sampling import SamplingSpec, call_seed, rollout_batch
+from xray.backends.vllm_adapter import AdapterSlot
+from xray.backends.vllm_adapter import engine_kwargs as adapter_engine_kwargs
+from xray.config.lora import LoraConfig
 from xray.data.batch import Batch
 
 logger = logging.getLogger(__name__)
@@ -64,6 +67,9 @@ class VllmEngineConfig:
     """Weights and activations dtype: float32, bfloat16 or float16."""
     seed: int = 0
     """Engine seed; also the base of the per-call seed when a call gives none."""
+    lora: Optional[LoraConfig] = None
+    """The actor's LoRA settings: the engine serves its adapter (`xray/backends/vllm_adapter.py`),
+    synced alone, on the model directory's base weights."""
     max_model_len: int = 1024
     """Longest prompt + response in tokens."""
     tp: int = 1
@@ -94,6 +100,8 @@ class VllmEngineConfig:
                       logprobs_mode="raw_logprobs", use_tqdm_on_load=False)  # no loading bar per replica
         if self.tp > 1:
             kwargs["distributed_executor_backend"] = "external_launcher"
+        if self.lora is not None:
+            kwargs.update(adapter_engine_kwargs(self.lora))
         if self.device == "cuda":
             kwargs["gpu_memory_utilization"] = self.gpu_memory_utilization
         if self.sleep_mode:
@@ -160,13 +168,14 @@ def _replica_shm_names() -> None:
 def build_engine(model_dir: str | Path, *, dtype: str = "float32", seed: int = 0,
                  max_model_len: int = 1024, tp: int = 1, device: str = "cpu",
                  kv_cache_gib: int = 1, gpu_memory_utilization: float = 0.9, sleep_mode: bool = False,
-                 quantization: str = "none", **engine_kwargs: Any) -> "VllmEngine":
+                 quantization: str = "none", lora: LoraConfig | None = None,
+                 **engine_kwargs: Any) -> "VllmEngine":
     """Start an in-process vLLM engine on `model_dir` (a script calling this needs the
     `if __name__ == "__main__":` guard)."""
     config = VllmEngineConfig(model_dir=str(model_dir), dtype=dtype, seed=seed,
                               max_model_len=max_model_len, tp=tp, device=device,
                               kv_cache_gib=kv_cache_gib, gpu_memory_utilization=gpu_memory_utilization,
-                              sleep_mode=sleep_mode, quantization=quantization,
+                              sleep_mode=sleep_mode, quantization=quantization, lora=lora,
                               engine_kwargs=dict(engine_kwargs))
     return VllmEngine(config)
 
@@ -273,6 +282,7 @@ class VllmEngine(GenerationEngine):
             self.llm = vllm.LLM(**config.llm_kwargs())
         self.stager = FusedLayerStager(checkpoint_names(config.model_dir))
         self.held = HeldCheck()
+        self.adapter = AdapterSlot(config.lora, config.model_dir) if config.lora is not None else None
         self._calls = 0
         self.asleep = False
         logger.info("vLLM engine ready: %s dtype=%s tp=%d device=%s quantization=%s", config.model_dir,
@@ -303,7 +313,7 @@ class VllmEngine(GenerationEngine):
         self._calls += 1
         # One seed per prompt; vLLM gives sample j of a prompt seed + j, so space them by n.
         params = [self._sampling_params(spec, base_seed + i * spec.n) for i in range(len(prompts))]
-        outputs = self.llm.generate(self._prompts(prompts), params, use_tqdm=False)
+        outputs = self.llm.generate(self._prompts(prompts), params, use_tqdm=False, lora_request=self._lora())
         responses, logprobs, reasons = [], [], []
         for request in outputs:
             for completion in sorted(request.outputs, key=lambda c: c.index):
@@ -319,6 +329,7 @@ class VllmEngine(GenerationEngine):
         The parts of a fused layer (q/k/v, gate/up) are held back until all have arrived, so
         buckets may cut anywhere. The prefix cache is dropped: it holds keys and values computed
         with the old weights."""
+        bucket = self.adapter.add(list(bucket)) if self.adapter is not None else bucket
         ready = self.stager.add(list(bucket))
         if not ready:
             return
@@ -360,6 +371,18 @@ class VllmEngine(GenerationEngine):
     def held_check(self) -> dict:
         return self.held.take()
 
+    def finish_load(self) -> None:
+        """The end of a sync: the adapter received (if any) is loaded now, and checked."""
+        if self.adapter is not None:
+            self.adapter.apply(self.llm, getattr(torch, self.config.dtype), self.held)
+
+    def takes_adapter(self) -> bool:
+        """Whether the engine serves the actor's LoRA adapter (a sync then sends it alone)."""
+        return self.adapter is not None
+
+    def _lora(self):
+        return self.adapter.request if self.adapter is not None else None
+
     def pending_weights(self) -> list[str]:
         """Names loaded but not yet applied because their fused layer is incomplete."""
         return self.stager.waiting()
@@ -375,7 +398,12 @@ class VllmEngine(GenerationEngine):
                                       "needs at least one token and cannot exceed its sequence")
         params = self._vllm.SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0,
                                            detokenize=False)
-        outputs = self.llm.generate(self._prompts(sequences), params, use_tqdm=False)
+        prompts = self._prompts(sequences)
+        if self.adapter is None:
+            outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        else:  # one prompt per call: batched prompt log-probs break on a LoRA engine (FACTS.md)
+            outputs = [out for p in prompts
+                       for out in self.llm.generate([p], params, use_tqdm=False, lora_request=self._lora())]
         result = []
         for seq, plen, request in zip(sequences, prompt_lens, outputs):
             steps = request.prompt_logprobs
@@ -413,3 +441,5 @@ class VllmEngine(GenerationEngine):
         if core is not None and hasattr(core, "shutdown"):
             core.shutdown()
         self.llm = None
+        if self.adapter is not None:
+            self.adapter.close()

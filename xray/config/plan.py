@@ -67,6 +67,10 @@ class Plan:
     rollout_quantization: str | None = None
     """vLLM's quantization scheme of the rollout (`rollout.quantization`); None: unquantized."""
 
+    lora_sync: str | None = None
+    """With `actor.lora` in an RL run: what a weight sync sends the rollout, "adapters" (vLLM
+    serves the adapter) or "merged" (W + alpha/r B A, for DeepSpeed-Inference); None without."""
+
     def role(self, name: str) -> RolePlan:
         for r in self.roles:
             if r.role == name:
@@ -95,6 +99,11 @@ class Plan:
         if self.rollout_quantization:
             lines.append(f"rollout quantization: vLLM {self.rollout_quantization}, requantized at every sync "
                          "(the trained roles keep full precision)")
+        if self.lora_sync:
+            lines.append("LoRA: only the actor's adapters train; no reference model starts (the actor with its "
+                         "adapters off gives the reference log-probs)")
+            lines.append("weight sync: " + ("the adapters alone, into vLLM's LoRA slot" if self.lora_sync == "adapters"
+                                            else "merged weights (W + alpha/r B A)"))
         lines.append("note: ranks count devices, they do not choose them. Ray picks each pack's node and gives each\n"
                      "  Workhorse a device there (CUDA_VISIBLE_DEVICES): the device indices and nodes above are not\n"
                      "  pinned. To pin a group to nodes, give it `resources` its nodes are started with.")
@@ -110,7 +119,8 @@ SUPERVISED = ("sft", "distill", "pt")
 
 def needed_roles(cfg: RunConfig, algo: str = "ppo") -> tuple[str, ...]:
     """The roles a run of `algo` starts: a critic-free run has no critic, and no reference when
-    its KL is off (`critic_free.kl_in: none`)."""
+    its KL is off (`critic_free.kl_in: none`) or the actor trains LoRA adapters (`actor.lora`: the
+    actor with its adapters off gives the reference log-probs)."""
     if algo in SUPERVISED:
         return ("actor",)
     if algo == "sample":
@@ -121,6 +131,8 @@ def needed_roles(cfg: RunConfig, algo: str = "ppo") -> tuple[str, ...]:
     roles = ["rollout", "actor", "critic", "reference"]
     if algo in CRITIC_FREE:
         roles = ["rollout", "actor"] + (["reference"] if cfg.critic_free.kl_in != "none" else [])
+    if cfg.actor.lora is not None and "reference" in roles:
+        roles.remove("reference")  # the actor with its adapters off is the reference
     if cfg.reward.model:
         roles.append("reward")
     return tuple(roles)
@@ -130,7 +142,7 @@ def _check_critic_free(cfg: RunConfig, algo: str) -> None:
     groups = cfg.device_groups
     if groups.group_of("critic") is not None:
         raise ConfigError(f"device_groups: {algo} has no critic; remove 'critic' from its group's workers")
-    if cfg.critic_free.kl_in == "none" and groups.group_of("reference") is not None:
+    if cfg.critic_free.kl_in == "none" and groups.group_of("reference") is not None and cfg.actor.lora is None:
         raise ConfigError("device_groups: critic_free.kl_in=none starts no reference model; remove 'reference' "
                           "from its group's workers, or set critic_free.kl_in")
     if algo != "reinforce_pp" and cfg.rollout.n_samples < 2:
@@ -332,6 +344,23 @@ def _quantization_of(cfg: RunConfig, roles: list[RolePlan], gen_backend: str) ->
     return rollout_quantization(cfg, gen_backend, generating[0].device) if generating else None
 
 
+def _lora_sync(cfg: RunConfig, algo: str, gen_backend: str) -> str | None:
+    """How an RL run with `actor.lora` syncs the rollout (see `Plan.lora_sync`); refuses what LoRA
+    does not support yet."""
+    if cfg.reference.lora is not None:
+        raise ConfigError("reference.lora: the reference never trains (a LoRA run takes its log-probs from the actor "
+                          "with its adapters off); remove reference.lora")
+    if cfg.actor.lora is None or algo not in ("ppo", *CRITIC_FREE):
+        return None
+    if cfg.trainer.mode != "sync":
+        raise ConfigError("actor.lora with trainer.mode=async: staged weight syncs do not carry adapters yet; "
+                          "set trainer.mode=sync, or train without actor.lora")
+    if cfg.actor.elasticity is not None:
+        raise ConfigError("actor.lora with actor.elasticity: an elastic LoRA actor is not supported yet; "
+                          "remove one of them")
+    return "adapters" if gen_backend == "vllm" else "merged"
+
+
 def plan_run(cfg: RunConfig, backend: str, algo: str = "ppo") -> Plan:
     """Check `cfg` for a run of `algo` with `backend` (e.g. `megatron-vllm`); return its placement."""
     train_backend, gen_backend = split_pair(backend)
@@ -372,7 +401,8 @@ def plan_run(cfg: RunConfig, backend: str, algo: str = "ppo") -> Plan:
     plan = Plan(backend=backend, roles=tuple(_with_packs(roles, groups.nproc_per_node)),
                 nproc_per_node=groups.nproc_per_node, nnodes=groups.nnodes,
                 rollout_sleep="rollout" in needed and rollout_sleeps(cfg, gen_backend),
-                rollout_quantization=_quantization_of(cfg, roles, gen_backend))
+                rollout_quantization=_quantization_of(cfg, roles, gen_backend),
+                lora_sync=_lora_sync(cfg, algo, gen_backend))
     checks = {**{a: _check_sft_batches for a in SUPERVISED}, "rm": _check_rm_batches,
               "sample": lambda c, p: _check_sampling(c, p, "sampler")}
     checks.get(algo, _check_batches)(cfg, plan)

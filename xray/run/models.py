@@ -31,7 +31,8 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Models:
-    """The WholeModels of a run (a critic-free run has no critic; one without KL no reference)."""
+    """The WholeModels of a run (a critic-free run has no critic; one without KL, or with a LoRA
+    actor, no reference)."""
 
     actor: WholeModel
     rollout: WholeModel
@@ -95,6 +96,14 @@ class Models:
         release_all(list(self.bundles.values()))
 
 
+def reference_forward(models: Models, batch):
+    """The reference's answer for `batch` (a Pending): the reference model's, or, when a LoRA run
+    starts none, the actor's with its adapters off (the frozen base it started from)."""
+    if getattr(models, "reference", None) is not None:
+        return models.reference.forward(batch)
+    return models.actor.forward(batch, adapters=False)
+
+
 def _stop(model: WholeModel, role: str, keep_actor: bool = False) -> None:
     try:  # on a lost node its Workhorses are gone or hang: no grace
         model.stop_workhorses() if keep_actor else model.shutdown(release=False, grace_s=0.0)
@@ -126,6 +135,8 @@ def role_init_kwargs(cfg: RunConfig, role: str, backend: str, model_dir: str) ->
         if backend == "vllm":
             kwargs.update(kv_cache_gib=r.kv_cache_gib, gpu_memory_utilization=r.gpu_memory_utilization,
                           quantization=r.quantization)  # the plan refused it for any other backend
+        if backend == "vllm" and role == "rollout" and cfg.actor.lora is not None:
+            kwargs["lora"] = cfg.actor.lora  # it serves the actor's adapter, synced alone
         if backend == "vllm" and role == "rollout":  # the sampler never sleeps: nothing trains beside it
             kwargs["sleep_mode"] = rollout_sleeps(cfg, backend)
         return kwargs
@@ -140,6 +151,8 @@ def role_init_kwargs(cfg: RunConfig, role: str, backend: str, model_dir: str) ->
                                   forward_micro_batch_size=rc.micro_batch_size, dtype=cfg.model.dtype)
     if backend == "deepspeed":
         kwargs["zero_stage"] = rc.zero_stage
+    if rc.lora is not None:
+        kwargs["lora"] = rc.lora
     return kwargs
 
 

@@ -181,11 +181,17 @@ class RolloutWorkhorse(Workhorse):
             times.append(time.perf_counter() - t0)
         return statistics.median(times)
 
+    def takes_adapter(self) -> bool:
+        """Whether this engine serves the actor's LoRA adapter synced alone (`xray/backends/vllm_adapter.py`)."""
+        return self.engine.takes_adapter()
+
     def finish_sync(self, version: int) -> dict:
         """Mark the sync complete at `version`; returns what this replica received and its exact
         checks (`xray.sync.weights.check_exact` judges them): tensors whose bytes changed in
         transit, and what the engine was seen to hold (`xray/backends/held.py`; a quantized
         engine's fp8 layers against our quantization of the tensors received)."""
+        with self.busy("finish_load"):
+            self.engine.finish_load()  # an adapter received is applied now
         report = {"rank": self.rank, "bytes": self._received, "version": version,
                   "load_s": time.perf_counter() - self._sync_started if self._sync_started else 0.0,
                   "dtype": self.config.get("dtype", "float32"), "changed_in_transit": self._changed,
