@@ -251,10 +251,15 @@ class PPOTrainer:
         return means
 
     def probe_size(self) -> int:
-        """Probe sequences per sync: at least 4, divisible by the actor's and rollout's dp."""
+        """Probe sequences per sync: at least 4, divisible by the actor's and rollout's dp. A vLLM
+        engine serving a LoRA adapter scores one sequence per call (batched prompt log-probs break
+        there, FACTS.md: ~50 ms a call on CPU), so an adapter sync probes with one sequence per
+        replica; its exact check already compares every adapter tensor bit for bit."""
         a, r = self.models.actor.parallel.dp, self.models.rollout.parallel.dp
         k = a * r // math.gcd(a, r)
-        return k * max(1, math.ceil(4 / k))
+        plan = self.models.plan
+        least = 1 if plan is not None and plan.lora_sync == "adapters" else 4
+        return k * max(1, math.ceil(least / k))
 
     def probe(self, exp: Batch) -> tuple[list[list[int]], list[int]]:
         """A few of this step's sequences, for verifying the sync."""

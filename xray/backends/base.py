@@ -97,6 +97,11 @@ class TrainEngine(ABC):
         merged weights (W + alpha/r B A). Without LoRA it raises."""
         raise NotImplementedError(f"{type(self).__name__} trains no LoRA adapters; set <role>.lora to train them")
 
+    def state_bytes(self) -> dict[str, int]:
+        """This shard's bytes of trainable parameters and of optimizer state
+        (`xray.backends.optim.state_bytes`): what LoRA shrinks (benchmarks/lora.py)."""
+        raise NotImplementedError(f"{type(self).__name__} does not report its state bytes")
+
     @abstractmethod
     def exports(self, replica: int = 0) -> bool:
         """True on the one shard that yields the weights exported from `replica` (its first rank;

@@ -57,3 +57,29 @@ def frozen_lr(optimizer: torch.optim.Optimizer, frozen: bool) -> Iterator[None]:
         for group, lr in zip(optimizer.param_groups, saved):
             if group["lr"] == 0.0:  # a scheduler stepped inside has set the next lr already
                 group["lr"] = lr
+
+
+def _tensor_bytes(value) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(_tensor_bytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in value)
+    return 0
+
+
+def state_bytes(parameters: Iterable[torch.nn.Parameter], optimizer) -> dict[str, int]:
+    """Bytes this shard holds for training: its trainable parameters (`ds_numel` for a ZeRO-3
+    partitioned one: the whole parameter, of which the optimizer holds this shard's part) and its
+    optimizer's state (Adam's moments; a wrapper's inner optimizer, and fp32 main copies where a
+    mixed-precision wrapper keeps them)."""
+    trainable = sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for p in parameters if p.requires_grad)
+    held, seen = 0, set()
+    while optimizer is not None and id(optimizer) not in seen:
+        seen.add(id(optimizer))
+        held += _tensor_bytes(getattr(optimizer, "state", {}))
+        for name in ("fp32_from_float16_groups", "single_partition_of_fp32_groups", "fp32_partitioned_groups_flat"):
+            held += _tensor_bytes(getattr(optimizer, name, []))
+        optimizer = getattr(optimizer, "optimizer", None)
+    return {"trainable": trainable, "optimizer": held}

@@ -97,6 +97,11 @@ class TrainWorkhorse(Workhorse):
             return None
         return str(save_hf_model(full, self.config["model_dir"], directory))
 
+    @fanout(dispatch="all", collect=lambda layout, results: results)
+    def state_bytes(self) -> dict[str, int]:
+        """This shard's trainable-parameter and optimizer-state bytes, per shard."""
+        return self.engine.state_bytes()
+
     @fanout(dispatch="all", collect=_exported, deadline_s=1800.0)
     def save_adapter(self, directory: str) -> str | None:
         """Write the LoRA adapters (gathered from every shard) as a `peft` adapter directory that

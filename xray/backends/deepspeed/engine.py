@@ -31,6 +31,7 @@ from xray.backends.deepspeed.lora import adapters_off
 from xray.backends.deepspeed.model import load_model, role_outputs
 from xray.backends.deepspeed.reshard import ensure_universal, load_universal, saved_dp
 from xray.backends.optim import SKIPPED, build_optimizer, build_scheduler, frozen_lr, skips_update
+from xray.backends.optim import state_bytes as optim_state_bytes
 from xray.backends.snapshot import Snapshot, capture_engine, read, replay_engine
 from xray.config.lora import LoraConfig
 from xray.config.parallel import LayoutError, ParallelDims
@@ -130,6 +131,9 @@ class DeepSpeedEngine(TrainEngine):
         scaling = self.lora.scaling if self.lora is not None else None
         return iter_weight_buckets(self.engine.module, bucket_bytes, self.zero_stage == 3, self.exports(replica),
                                    scaling)
+
+    def state_bytes(self) -> dict[str, int]:
+        return optim_state_bytes(self.engine.module.parameters(), self.optimizer)
 
     def export_adapter(self, replica: int = 0) -> dict[str, torch.Tensor] | None:
         if self.lora is None:
