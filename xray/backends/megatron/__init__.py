@@ -5,6 +5,7 @@ Files, in the order a build goes through them:
     convert.py     which HF tensors make each Megatron shard (QKV / gate-up fusion, TP splits)
     hf_weights.py  reading tensors from the directory's safetensors
     model.py       this rank's GPTModel (or critic trunk + ValueHead), filled from HF
+    lora.py        LoRA adapters on the parallel linear layers (peft names, TP-sharded)
     logprobs.py    log-probs and entropy from vocabulary-parallel logits
     grads.py       data-parallel mean, tied embeddings, global-norm clipping
     export.py      full HF-named weights streamed to rank 0 in buckets

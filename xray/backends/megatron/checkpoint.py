@@ -64,7 +64,8 @@ def load_shard(directory: str | Path, rank: int, header: dict[str, Any], held: d
                 if saved.get(k) != header.get(k)}
         raise CheckpointMismatchError(
             f"{path} was saved by a different engine (saved vs now: {diff}); load it into an "
-            "engine built with the same model, role and tp/pp/dp layout")
+            "engine built with the same model, role and tp/pp/dp layout (and LoRA rank, alpha "
+            "and target_modules)")
     return state
 
 
@@ -79,6 +80,8 @@ def header_in(directory: str | Path, held: dict | None = None) -> dict[str, Any]
     return read(path, held, map_location="cpu", weights_only=False).get("header")
 
 
-def header_of(spec, parallel, role: str) -> dict[str, Any]:
-    """What must agree between the saving and the loading engine."""
-    return {"spec": dataclasses.asdict(spec), "parallel": dataclasses.asdict(parallel), "role": role}
+def header_of(spec, parallel, role: str, lora: dict | None = None) -> dict[str, Any]:
+    """What must agree between the saving and the loading engine (`lora`: `lora.header` of a LoRA
+    engine, whose checkpoint holds only the trained parameters)."""
+    out = {"spec": dataclasses.asdict(spec), "parallel": dataclasses.asdict(parallel), "role": role}
+    return out if lora is None else {**out, "lora": lora}

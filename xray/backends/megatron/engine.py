@@ -5,12 +5,15 @@ initialises Megatron's tensor / pipeline / data-parallel groups inside the defau
 group, builds this rank's GPTModel from the HF directory (`model.py`) and wraps it in an engine
 that meets `xray.backends.base.TrainEngine`: forward (log-probs and entropy, or values), a train
 step through Megatron's pipeline schedule with the shared AdamW (`xray/backends/optim.py`),
-export of full HF-named weights (`export.py`), and sharded save / load (`checkpoint.py`).
+export of full HF-named weights (`export.py`), and sharded save / load (`checkpoint.py`). With
+`lora` the base weights are frozen and adapters (`lora.py`) train on the parallel linear layers:
+the export then yields the merged weights, `export_adapter` the adapter with `peft` names.
 On CPU every call into Megatron runs under `cpu_compat`.
 """
 from __future__ import annotations
 
 import logging
+from contextlib import nullcontext
 from functools import partial
 from typing import Any, Callable, Iterator
 
@@ -20,14 +23,17 @@ import torch.distributed as dist
 from xray.backends import cpu_compat
 from xray.backends.base import LossFn, OptimConfig, ShardInfo, TrainEngine, WeightBucket, apply_loss, layout_of
 from xray.backends.megatron import checkpoint, grads, reshard
-from xray.backends.megatron.convert import Entry, Kind
-from xray.backends.megatron.export import export_full
+from xray.backends.megatron.convert import Entry, Kind, to_shard
+from xray.backends.megatron.export import export_full, gather_entries
 from xray.backends.megatron.logprobs import PolicyOutputs, token_logprobs
+from xray.backends.megatron.lora import (MergedParameters, attach, checkpoint_header, disabled, full_shape,
+                                         local_shape, lora_entries)
 from xray.backends.megatron.mixed import Mixed, torch_dtype, wrap
 from xray.backends.megatron.model import ATTENTIONS, ROLES, build_and_load
 from xray.backends.megatron.spec import ModelSpec, check_layout
 from xray.backends.optim import SKIPPED, build_optimizer, build_scheduler, frozen_lr, skips_update
 from xray.backends.snapshot import Snapshot, host_copy
+from xray.config.lora import LoraConfig
 from xray.config.parallel import LayoutError, ParallelDims
 from xray.data import columns as C
 from xray.data.batch import Batch
@@ -54,11 +60,14 @@ class MegatronEngine(TrainEngine):
 
     def __init__(self, model: torch.nn.Module, entries: list[Entry], spec: ModelSpec,
                  parallel: ParallelDims, role: str, optim: OptimConfig, device: torch.device,
-                 forward_micro_batch_size: int | None, mixed: Mixed | None = None):
+                 forward_micro_batch_size: int | None, mixed: Mixed | None = None,
+                 lora: LoraConfig | None = None, adapter_entries: list[Entry] = ()):
         self.model, self.spec, self.parallel, self.role = model, spec, parallel, role
         self.mixed = mixed  # bf16: Megatron's Float16Module, DDP and optimizer (`mixed.py`)
         self.runner = mixed.runner if mixed is not None else model
-        self._replicated = {e.megatron_name for e in entries if e.kind is Kind.REPLICATED}
+        self.lora = lora
+        self._adapters = list(adapter_entries)  # this stage's adapter tensors (`lora.lora_entries`)
+        self._replicated = {e.megatron_name for e in [*entries, *self._adapters] if e.kind is Kind.REPLICATED}
         self.device = device
         self.forward_micro_batch_size = forward_micro_batch_size
         self.rank = dist.get_rank()
@@ -67,10 +76,19 @@ class MegatronEngine(TrainEngine):
         if mixed is not None:
             self.optimizer, self.scheduler = mixed.optimizer, mixed.scheduler
         elif role != "reference":
-            self.optimizer = build_optimizer(model.parameters(), optim)
+            self.optimizer = build_optimizer(self._trained().values(), optim)
             self.scheduler = build_scheduler(self.optimizer, optim)
         self.optim = optim
         self._info = layout_of(parallel, self.rank)
+
+    def _trained(self) -> dict[str, torch.nn.Parameter]:
+        """The parameters that train (all, or with LoRA the adapters and a critic's head)."""
+        return {n: p for n, p in self.model.named_parameters() if p.requires_grad}
+
+    def _checkpointed(self) -> dict[str, torch.nn.Parameter]:
+        """What a checkpoint holds: every parameter, or with LoRA the trained ones (the frozen
+        base is rebuilt from the model directory)."""
+        return self._trained() if self.lora is not None else dict(self.model.named_parameters())
 
     # ---- calls into Megatron -------------------------------------------------------------
     def _compat(self):
@@ -104,7 +122,7 @@ class MegatronEngine(TrainEngine):
     def shard_info(self) -> ShardInfo:
         return self._info
 
-    def forward(self, batch: Batch, entropy: bool = False) -> dict[str, torch.Tensor] | None:
+    def forward(self, batch: Batch, entropy: bool = False, adapters: bool = True) -> dict[str, torch.Tensor] | None:
         batch = batch.select([C.INPUT_IDS, C.ATTENTION_MASK]).to(self.device)
         micro = batch.micro_batches(self.forward_micro_batch_size)
 
@@ -115,7 +133,8 @@ class MegatronEngine(TrainEngine):
             return output.new_zeros(()), {k: v.detach() for k, v in outputs.items()}
 
         self.runner.eval()
-        with self._compat(), torch.no_grad():
+        off = disabled(self.model) if self.lora is not None and not adapters else nullcontext()
+        with self._compat(), torch.no_grad(), off:
             stored = self._run(micro, keep, forward_only=True)
         if not self._info.collects:
             return None
@@ -182,17 +201,68 @@ class MegatronEngine(TrainEngine):
 
     def export_weights(self, bucket_bytes: int = 64 << 20, replica: int = 0) -> Iterator[WeightBucket]:
         with torch.no_grad():
+            merged = MergedParameters(self.model) if self.lora is not None else None
             yield from export_full(self.model, self.spec, self.parallel, self.role == "critic",
-                                   bucket_bytes, replica)
+                                   bucket_bytes, replica, merged)
+
+    def export_adapter(self, replica: int = 0) -> dict[str, torch.Tensor] | None:
+        if self.lora is None:
+            return super().export_adapter(replica)
+        return self._gather_adapter(lambda p: p.detach(), replica)
+
+    def adapter_grads(self, replica: int = 0) -> dict[str, torch.Tensor] | None:
+        """The adapters' gradients of the last train step, gathered like `export_adapter`, for
+        checks and debugging (fp32: reduced and clipped, as stepped; bf16: Megatron's reduced fp32
+        gradient buffer, before clipping). Collective."""
+        if self.lora is None:
+            raise EngineUsageError(f"the {self.role} engine trains no LoRA adapters; build it with "
+                                   "lora=LoraConfig(...) (<role>.lora in the config)")
+        return self._gather_adapter(lambda p: p.grad if p.grad is not None else p.main_grad, replica)
+
+    def _gather_adapter(self, value: Callable[[torch.nn.Parameter], torch.Tensor],
+                        replica: int) -> dict[str, torch.Tensor] | None:
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            mine = {e.megatron_name: value(params[e.megatron_name]) for e in self._adapters}
+            stages = [lora_entries(self.spec, self.lora, s, self.parallel.pp) for s in range(self.parallel.pp)]
+            shape = partial(local_shape, spec=self.spec, lora=self.lora, tp=self.parallel.tp)
+            return gather_entries(stages, mine, shape, self.spec, self.parallel, replica)
+
+    def load_adapter(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Set the adapters from full tensors with `peft` names (what `export_adapter` returns, or
+        a `peft` adapter's state dict); each rank takes its shard. Every rank passes all tensors."""
+        if self.lora is None:
+            raise EngineUsageError(f"the {self.role} engine has no LoRA adapters; build it with lora=LoraConfig(...)")
+        wanted = {e.hf_names[0]: e for s in range(self.parallel.pp)
+                  for e in lora_entries(self.spec, self.lora, s, self.parallel.pp)}
+        if set(tensors) != set(wanted):
+            missing, extra = sorted(set(wanted) - set(tensors)), sorted(set(tensors) - set(wanted))
+            raise EngineUsageError(f"the adapter does not match lora={self.lora}: missing {missing[:3]}, "
+                                   f"unexpected {extra[:3]}; load an adapter trained with the same "
+                                   "rank and target_modules")
+        for name, entry in wanted.items():
+            if tuple(tensors[name].shape) != full_shape(entry, self.spec, self.lora):
+                raise EngineUsageError(f"{name} has shape {tuple(tensors[name].shape)}, this model's adapter "
+                                       f"{full_shape(entry, self.spec, self.lora)}; was it trained on this model?")
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for entry in self._adapters:
+                full = tensors[entry.hf_names[0]]
+                shard = to_shard(entry, [full], self.spec, self._info.tp_rank, self.parallel.tp)
+                params[entry.megatron_name].copy_(shard)
+        if self.mixed is not None and self.optimizer is not None:  # its fp32 main copies follow
+            with self._compat():
+                self.optimizer.reload_model_params()
 
     def exports(self, replica: int = 0) -> bool:
         return self.rank == self.parallel.rank_of(0, 0, replica)
 
     def _header(self) -> dict[str, Any]:
-        return checkpoint.header_of(self.spec, self.parallel, self.role)
+        return checkpoint.header_of(self.spec, self.parallel, self.role,
+                                    None if self.lora is None else checkpoint_header(self.lora))
 
     def save(self, directory: str) -> None:
-        state = {"model": {k: v.detach().cpu() for k, v in self.model.named_parameters()},
+        state = {"model": {k: v.detach().cpu() for k, v in self._checkpointed().items()},
                  "step": self.step, "rng": checkpoint.rng_state(self.device)}
         if self.optimizer is not None:
             state["optimizer"] = self.optimizer.state_dict()
@@ -202,7 +272,7 @@ class MegatronEngine(TrainEngine):
         dist.barrier()
 
     def snapshot(self, directory: str) -> Snapshot:
-        state = {"model": {k: v.detach().to("cpu", copy=True) for k, v in self.model.named_parameters()},
+        state = {"model": {k: v.detach().to("cpu", copy=True) for k, v in self._checkpointed().items()},
                  "step": self.step, "rng": checkpoint.rng_state(self.device)}
         if self.optimizer is not None:
             state["optimizer"] = host_copy(self.optimizer.state_dict())
@@ -214,12 +284,12 @@ class MegatronEngine(TrainEngine):
         read from `held` when it holds it) or in another (resharded: `xray/backends/megatron/reshard.py`)."""
         header = self._header()
         saved = checkpoint.header_in(directory, held)
-        if saved is not None and saved != header and {k: saved[k] for k in ("spec", "role")} == \
-                {k: header[k] for k in ("spec", "role")}:
-            full, first = reshard.read_full(directory, self.spec, ParallelDims(**saved["parallel"]),
-                                            self.role == "critic")
-            state = reshard.shard_state(full, first, self.spec, self.parallel, self.rank, self.role == "critic",
-                                        [n for n, _ in self.model.named_parameters()])
+        if saved is not None and saved != header and {k: saved.get(k) for k in ("spec", "role", "lora")} == \
+                {k: header.get(k) for k in ("spec", "role", "lora")}:
+            critic = self.role == "critic"
+            full, first = reshard.read_full(directory, self.spec, ParallelDims(**saved["parallel"]), critic, self.lora)
+            state = reshard.shard_state(full, first, self.spec, self.parallel, self.rank, critic,
+                                        list(self._checkpointed()), self.lora)
             logger.info("resharding a checkpoint of %s into %s", saved["parallel"], header["parallel"])
         else:
             state = checkpoint.load_shard(directory, self.rank, header, held)
@@ -292,17 +362,22 @@ def _init_parallel_state(parallel: ParallelDims) -> None:
 
 def build_engine(model_dir: str, parallel: ParallelDims, role: str, optim: OptimConfig = OptimConfig(),
                  seed: int = 0, device: str = "cpu", forward_micro_batch_size: int | None = None,
-                 attention: str = "sdpa", dtype: str = "float32") -> MegatronEngine:
+                 attention: str = "sdpa", dtype: str = "float32", lora: LoraConfig | None = None) -> MegatronEngine:
     """Build this rank's engine. torch.distributed's default group must already span exactly
     `parallel.world_size` processes. `role` is "actor", "reference" or "critic";
     `forward_micro_batch_size` bounds the rows per micro-batch of `forward` (None: the whole
     batch at once); `attention` picks the core attention ("sdpa": torch's fused kernel,
     "megatron": Megatron's DotProductAttention); `dtype` "bfloat16" trains bf16 parameters with
-    fp32 main weights and fp32 gradient reduction through Megatron's own machinery (`mixed.py`)."""
+    fp32 main weights and fp32 gradient reduction through Megatron's own machinery (`mixed.py`);
+    `lora` freezes the base weights and trains LoRA adapters (`lora.py`; a critic's value head
+    trains too), seeded by `seed`."""
     if role not in ROLES:
         raise ValueError(f"unknown role {role!r}; choose one of {', '.join(ROLES)}")
     if attention not in ATTENTIONS:
         raise ValueError(f"unknown attention {attention!r}; choose one of {', '.join(ATTENTIONS)}")
+    if lora is not None and role == "reference":
+        raise EngineUsageError("a reference trains no adapters: build it without lora (the actor's "
+                               "forward(batch, adapters=False) is the frozen base, i.e. the reference)")
     spec = check_layout(model_dir, parallel)
     params_dtype = torch_dtype(dtype)
     if not dist.is_initialized():
@@ -324,6 +399,7 @@ def build_engine(model_dir: str, parallel: ParallelDims, role: str, optim: Optim
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
     with cpu_compat.device_context(device):
         model, entries = build_and_load(model_dir, spec, parallel, role, on_cpu, seed, attention, params_dtype)
+        adapter_entries = [] if lora is None else _add_lora(model, spec, parallel, role, lora, seed)
     model.to(dev)
     if role == "reference":
         model.requires_grad_(False)
@@ -331,4 +407,17 @@ def build_engine(model_dir: str, parallel: ParallelDims, role: str, optim: Optim
     if params_dtype != torch.float32:
         with cpu_compat.device_context(device):
             mixed = wrap(model, None if role == "reference" else optim)
-    return MegatronEngine(model, entries, spec, parallel, role, optim, dev, forward_micro_batch_size, mixed)
+    return MegatronEngine(model, entries, spec, parallel, role, optim, dev, forward_micro_batch_size, mixed,
+                          lora, adapter_entries)
+
+
+def _add_lora(model: torch.nn.Module, spec: ModelSpec, parallel: ParallelDims, role: str, lora: LoraConfig,
+              seed: int) -> list[Entry]:
+    """Freeze the shard (but a critic's value head) and put adapters on it; their entries."""
+    from megatron.core import parallel_state as ps
+
+    model.requires_grad_(False)
+    if role == "critic" and ps.is_pipeline_last_stage():
+        model.output_layer.weight.requires_grad_(True)
+    return attach(model, spec, lora, ps.get_pipeline_model_parallel_rank(), parallel.pp,
+                  ps.get_tensor_model_parallel_rank(), parallel.tp, seed)

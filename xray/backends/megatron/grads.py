@@ -59,8 +59,8 @@ def allreduce_tied_embedding(model: torch.nn.Module) -> None:
     from megatron.core import parallel_state as ps
 
     weight = tied_embedding_weight(model)
-    if weight is None or not ps.is_rank_in_embedding_group(ignore_virtual=True):
-        return
+    if weight is None or not weight.requires_grad or not ps.is_rank_in_embedding_group(ignore_virtual=True):
+        return  # (a frozen embedding: LoRA)
     if weight.grad is None:
         weight.grad = torch.zeros_like(weight)
     dist.all_reduce(weight.grad, group=ps.get_embedding_group())

@@ -4,9 +4,10 @@
 is not the engine's, every rank rebuilds the full Hugging Face tensors of the weights and of both
 AdamW moments from the first data-parallel replica's files (`convert.from_shards`: the moments
 are laid out as their parameters, element for element), then cuts its own shard of each for the
-new layout (`convert.to_shard`). Step, schedule and learning rates carry over unchanged; a rank
-with no counterpart in the old layout takes rank 0's RNG state. Pure tensor code over files: no
-process group is used.
+new layout (`convert.to_shard`); a LoRA checkpoint holds only the trained tensors (adapters, a
+critic's head), each an entry of `lora.py` split like a base tensor, and is resharded the same way.
+Step, schedule and learning rates carry over unchanged; a rank with no counterpart in the old
+layout takes rank 0's RNG state. Pure tensor code over files: no process group is used.
 """
 from __future__ import annotations
 
@@ -16,14 +17,23 @@ from typing import Any
 import torch
 
 from xray.backends.megatron.checkpoint import CheckpointMismatchError, shard_path
-from xray.backends.megatron.convert import from_shards, stage_entries, to_shard
+from xray.backends.megatron.convert import Entry, from_shards, stage_entries, to_shard
+from xray.backends.megatron.lora import trained_entries
 from xray.backends.megatron.spec import ModelSpec
+from xray.config.lora import LoraConfig
 from xray.config.parallel import ParallelDims
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-def read_full(directory: str | Path, spec: ModelSpec, saved: ParallelDims, critic: bool) -> tuple[dict, dict]:
+def checkpointed(spec: ModelSpec, stage: int, pp: int, critic: bool, lora: LoraConfig | None) -> list[Entry]:
+    """The entries of a stage that a checkpoint holds: all, or with LoRA the trained ones (their
+    `hf_names` are `peft` names for the adapters)."""
+    return stage_entries(spec, stage, pp, critic) if lora is None else trained_entries(spec, lora, stage, pp, critic)
+
+
+def read_full(directory: str | Path, spec: ModelSpec, saved: ParallelDims, critic: bool,
+              lora: LoraConfig | None = None) -> tuple[dict, dict]:
     """(HF names -> {"param": full tensors, and the moments and "step" when saved}, rank 0's file)."""
     full: dict[tuple[str, ...], dict[str, Any]] = {}
     first: dict = {}
@@ -32,7 +42,7 @@ def read_full(directory: str | Path, spec: ModelSpec, saved: ParallelDims, criti
                             weights_only=False) for t in range(saved.tp)]
         first = first or files[0]
         order = [list(f["model"]) for f in files]  # the optimizer's parameter indices
-        for entry in stage_entries(spec, pp_rank, saved.pp, critic):
+        for entry in checkpointed(spec, pp_rank, saved.pp, critic, lora):
             if not entry.exported:
                 continue
             out: dict[str, Any] = {"param": from_shards(entry, [f["model"][entry.megatron_name] for f in files], spec)}
@@ -46,11 +56,11 @@ def read_full(directory: str | Path, spec: ModelSpec, saved: ParallelDims, criti
 
 
 def shard_state(full: dict, first: dict, spec: ModelSpec, parallel: ParallelDims, rank: int, critic: bool,
-                names: list[str]) -> dict[str, Any]:
+                names: list[str], lora: LoraConfig | None = None) -> dict[str, Any]:
     """The state `rank` of `parallel` loads (as `checkpoint.load_shard` returns it), for parameters
-    `names` in the model's order."""
+    `names` in the model's order (the checkpointed ones: all, or the trained ones with LoRA)."""
     coords = parallel.coords(rank)
-    entries = {e.megatron_name: e for e in stage_entries(spec, coords.pp_rank, parallel.pp, critic)}
+    entries = {e.megatron_name: e for e in checkpointed(spec, coords.pp_rank, parallel.pp, critic, lora)}
     model, moments = {}, {}
     for i, name in enumerate(names):
         entry = entries[name]
