@@ -72,14 +72,24 @@ def _tensor_bytes(value) -> int:
 def state_bytes(parameters: Iterable[torch.nn.Parameter], optimizer) -> dict[str, int]:
     """Bytes this shard holds for training: its trainable parameters (`ds_numel` for a ZeRO-3
     partitioned one: the whole parameter, of which the optimizer holds this shard's part) and its
-    optimizer's state (Adam's moments; a wrapper's inner optimizer, and fp32 main copies where a
-    mixed-precision wrapper keeps them)."""
+    optimizer's state (`optimizer_bytes`)."""
     trainable = sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for p in parameters if p.requires_grad)
-    held, seen = 0, set()
-    while optimizer is not None and id(optimizer) not in seen:
-        seen.add(id(optimizer))
-        held += _tensor_bytes(getattr(optimizer, "state", {}))
-        for name in ("fp32_from_float16_groups", "single_partition_of_fp32_groups", "fp32_partitioned_groups_flat"):
-            held += _tensor_bytes(getattr(optimizer, name, []))
-        optimizer = getattr(optimizer, "optimizer", None)
-    return {"trainable": trainable, "optimizer": held}
+    return {"trainable": trainable, "optimizer": optimizer_bytes(optimizer)}
+
+
+def optimizer_bytes(optimizer, seen: set | None = None) -> int:
+    """Tensor bytes of an optimizer's state (Adam's moments and step), through the wrappers that
+    hold one inside (`.optimizer`: DeepSpeed's ZeRO, Megatron's mixed-precision optimizer;
+    `.chained_optimizers`: Megatron's chain), with the fp32 main copies a mixed-precision wrapper
+    keeps."""
+    seen = set() if seen is None else seen
+    if optimizer is None or id(optimizer) in seen:
+        return 0
+    seen.add(id(optimizer))
+    held = _tensor_bytes(getattr(optimizer, "state", {}))
+    for name in ("fp32_from_float16_groups", "single_partition_of_fp32_groups", "fp32_partitioned_groups_flat"):
+        held += _tensor_bytes(getattr(optimizer, name, []))
+    held += optimizer_bytes(getattr(optimizer, "optimizer", None), seen)
+    for inner in getattr(optimizer, "chained_optimizers", []):
+        held += optimizer_bytes(inner, seen)
+    return held

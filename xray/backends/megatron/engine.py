@@ -32,6 +32,7 @@ from xray.backends.megatron.mixed import Mixed, torch_dtype, wrap
 from xray.backends.megatron.model import ATTENTIONS, ROLES, build_and_load
 from xray.backends.megatron.spec import ModelSpec, check_layout
 from xray.backends.optim import SKIPPED, build_optimizer, build_scheduler, frozen_lr, skips_update
+from xray.backends.optim import state_bytes as optim_state_bytes
 from xray.backends.snapshot import Snapshot, host_copy
 from xray.config.lora import LoraConfig
 from xray.config.parallel import LayoutError, ParallelDims
@@ -253,6 +254,9 @@ class MegatronEngine(TrainEngine):
         if self.mixed is not None and self.optimizer is not None:  # its fp32 main copies follow
             with self._compat():
                 self.optimizer.reload_model_params()
+
+    def state_bytes(self) -> dict[str, int]:
+        return optim_state_bytes(self.model.parameters(), self.optimizer)
 
     def exports(self, replica: int = 0) -> bool:
         return self.rank == self.parallel.rank_of(0, 0, replica)
