@@ -96,6 +96,7 @@ def main() -> None:
                     if i:  # the first round warms up
                         times[name].setdefault("step", []).append(step_s)
                         times[name].setdefault("sync", []).append(sync_s)
+                        times[name].setdefault("transfer", []).append(reports[name].sync_s)
             state = {name: pair[0].state_bytes().get()[0] for name, pair in pairs.items()}
         finally:
             for actor, rollout in pairs.values():
@@ -111,10 +112,11 @@ def report(times: dict, state: dict, reports: dict, args) -> None:
           f"{args.seq}; medians over {args.rounds} rounds")
     for name in ("full", "lora"):
         r = reports[name]
+        verify_ms = (m[name]["sync"] - m[name]["transfer"]) * 1e3
         print(f"{name:<5} step {m[name]['step'] * 1e3:8.1f} ms   verified sync {m[name]['sync'] * 1e3:8.1f} ms "
-              f"({r.bytes / 1e6:.2f} MB sent, {r.held_checked} engine tensors bit-equal, probe diff "
-              f"{r.max_abs_logprob_diff:.1e})   trainable {state[name]['trainable'] / 1e6:.2f} MB + optimizer "
-              f"{state[name]['optimizer'] / 1e6:.2f} MB")
+              f"(of which the probe {verify_ms:.1f}; {r.bytes / 1e6:.2f} MB sent, {r.held_checked} engine tensors "
+              f"bit-equal, probe diff {r.max_abs_logprob_diff:.1e})   trainable {state[name]['trainable'] / 1e6:.2f} MB "
+              f"+ optimizer {state[name]['optimizer'] / 1e6:.2f} MB")
     print(f"lora_sync_over_full={m['lora']['sync'] / m['full']['sync']:.3f} "
           f"lora_step_over_full={m['lora']['step'] / m['full']['step']:.3f} "
           f"lora_state_over_full={total['lora'] / total['full']:.4f}")
