@@ -41,6 +41,7 @@ def _tp_worker(rank, world_size, model_dir):
     return result
 
 
+@pytest.mark.slow  # 21 s: the default tier's budget
 def test_vllm_tensor_parallel_2_matches_hf(tmp_path):
     model_dir = str(trained_tiny_model(tmp_path / "tiny"))
     ranks = run_distributed(_tp_worker, 2, model_dir, timeout=300)

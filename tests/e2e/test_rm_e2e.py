@@ -3,7 +3,9 @@ DeepSpeed ZeRO-3 dp=2), and its export as the `reward` role of a PPO run.
 
 Each rm run: Bradley-Terry metrics for every step, a Hugging Face sequence-classification export
 that `transformers` loads as it is and that ranks the held-out pairs exactly as the trained critic
-did (the command's accuracy). The DeepSpeed export then scores the rollouts of a 2-step PPO run.
+did (the command's accuracy). The DeepSpeed export then scores the rollouts of a 3-step PPO run
+whose actor trains LoRA adapters (issue 19's LoRA PPO e2e on deepspeed-dsinfer: merged weights
+synced and verified each step, no reference model started; `tests/e2e/test_lora_e2e.py`).
 """
 import json
 import math
@@ -15,6 +17,7 @@ import pytest
 import torch
 import yaml
 
+from tests.e2e.test_lora_e2e import check_lora_run, with_lora
 from tests.e2e.test_ppo_e2e import config, metrics, train
 
 pytestmark = pytest.mark.e2e
@@ -71,10 +74,13 @@ def test_rm_trains_exports_and_scores_a_ppo_run(tmp_path, tiny_model, backend):
     data["device_groups"]["rollout_group"]["workers"] = ["rollout", "reward"]
     data["reward"] = {"function": None, "model": str(export)}
     cfg.write_text(yaml.safe_dump(data, sort_keys=False))
+    with_lora(cfg)
     ppo_run = tmp_path / "ppo"
-    train("--backend", backend, "--config", str(cfg), "--output-dir", str(ppo_run), "--trainer.steps=2",
-          "--trainer.save_every=0", "--trainer.report=false")
+    p = train("--backend", backend, "--config", str(cfg), "--output-dir", str(ppo_run), "--trainer.steps=3",
+              "--trainer.save_every=0", "--trainer.report=false")
+    started = next(line for line in p.stderr.splitlines() if " started " in line)
+    assert "reward (" in started and "reference" not in started, started  # LoRA: no reference model
     ppo_steps = metrics(ppo_run)
-    assert sorted(ppo_steps) == [1, 2]
     assert all(math.isfinite(r["reward/mean"]) for r in ppo_steps.values())
     assert ppo_steps[1]["reward/std"] > 0  # the trained model's varying scores, not a constant
+    check_lora_run(ppo_run, tiny_model, adapters_alone=False)

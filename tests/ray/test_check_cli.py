@@ -37,6 +37,7 @@ def test_parity_check_rejects_a_bad_layout_before_starting():
     assert "Traceback" not in p.stderr
 
 
+@pytest.mark.slow  # 32 s: the default tier's budget (every e2e run verifies its syncs)
 def test_sync_check_reports_the_figures():
     p, last = check("sync", "--backend", "megatron-vllm", "--tp", "2", "--replicas", "1")
     assert p.returncode == 0, p.stderr[-3000:]

@@ -107,6 +107,7 @@ def test_vllm_tp2_dp2_generates_and_syncs(actor):
         rollout.shutdown()
 
 
+@pytest.mark.slow  # 27 s: the default tier's budget (the bf16 e2e runs verify their syncs exactly)
 def test_bf16_sync_is_verified_exactly(local_ray, tmp_path_factory, actor):
     """A bf16 Megatron actor (tp=2) synced to a bf16 vLLM and a bf16 DeepSpeed-Inference replica:
     the exact checks pass (every readable engine tensor bit-equal to the actor's), the coarse probe
