@@ -44,6 +44,7 @@ class TrainWorkhorse(Workhorse):
         self.run_seed = seed  # the same on every rank: model init must agree across shards
         self._groups: dict[tuple, Any] = {}  # sync groups with rollout shards (`xray/sync/group.py`)
         self._nodes: dict[tuple, bool] = {}  # whether a set of rollout shards is all on this node
+        self._adapter_targets: dict[tuple, bool] = {}  # whether a set of rollout shards serves adapters
 
     def setup(self) -> None:
         cfg = dict(self.config)
@@ -131,10 +132,10 @@ class TrainWorkhorse(Workhorse):
 
         if self.engine.lora is None:
             return False
-        key = ("adapter", *(t._actor_id.hex() for t in targets))
-        if key not in self._nodes:
-            self._nodes[key] = all(ray.get([t.takes_adapter.remote() for t in targets]))
-        return self._nodes[key]
+        key = tuple(t._actor_id.hex() for t in targets)
+        if key not in self._adapter_targets:
+            self._adapter_targets[key] = all(ray.get([t.takes_adapter.remote() for t in targets]))
+        return self._adapter_targets[key]
 
     @fanout(dispatch="all", collect=_exported, deadline_s=1800.0)
     def push_weights(self, targets: list, version: int, bucket_bytes: int = 64 << 20,
