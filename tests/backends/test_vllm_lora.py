@@ -31,7 +31,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(model_dir):
-    eng = load_backend("vllm").build_engine(model_dir, dtype="float32", seed=0, max_model_len=128,
+    eng = load_backend("vllm").build_engine(model_dir, dtype="float32", seed=0, max_model_len=256,
                                             kv_cache_gib=1, lora=LORA)
     yield eng
     eng.shutdown()
@@ -96,3 +96,28 @@ def test_held_check_catches_a_wrong_adapter(engine, model_dir):
     held = HeldCheck()
     engine.adapter._check(engine.llm, wrong, torch.float32, held)
     assert held.mismatched == [name] and held.checked == len(tensors) - 1
+
+
+def test_a_synced_adapter_is_read_once_and_never_served_from_stale_keys(engine, model_dir):
+    """vLLM reads an adapter from disk again at every engine step when a request says
+    `load_inplace`, and its prefix cache keys blocks by the adapter's name and path, which an
+    in-place update keeps: generating must read the adapter once per sync, and a prompt that
+    fills a KV block must not reuse keys and values computed with the previous adapter."""
+    block = engine.llm.llm_engine.vllm_config.cache_config.block_size
+    prompt = [[int(t) for t in torch.randint(1, 64, (block + 8,), generator=torch.Generator().manual_seed(4))]]
+    sampling = {"temperature": 1.0, "max_new_tokens": 4, "seed": 1}
+    manager = engine.llm.llm_engine.model_executor.driver_worker.worker.model_runner.lora_manager
+    reads, load = [], manager._load_adapter
+    manager._load_adapter = lambda request: reads.append(request) or load(request)
+    try:
+        _sync(engine, _adapter(model_dir, 5))
+        engine.generate(prompt, sampling)  # its full block is now cached
+        _sync(engine, _adapter(model_dir, 6))
+        assert len(reads) == 2, f"the adapter was read {len(reads)} times for 2 syncs"
+        after = engine.generate(prompt, sampling)["response_logprobs"][0]
+        assert len(reads) == 2, "generating read the adapter again"
+    finally:
+        manager._load_adapter = load
+    engine.llm.reset_prefix_cache()
+    fresh = engine.generate(prompt, sampling)["response_logprobs"][0]
+    assert max(abs(a - b) for a, b in zip(after, fresh)) < TOL, (after, fresh)

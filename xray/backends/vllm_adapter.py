@@ -4,8 +4,11 @@ Sits beside `xray/backends/vllm.py`: an engine built with `lora` (the actor's `a
 one `AdapterSlot`. A sync then sends only the adapter tensors (`peft` names) through the usual
 transports; the engine's `load_weights` hands them to the slot, and at the end of the sync the
 slot writes them as a `peft` directory and reloads vLLM's adapter in place (`add_lora` with
-`load_inplace=True`: the same id, no rebuild; FACTS.md). Every generation and scoring call then
-carries the slot's `LoRARequest`. The base weights are the model directory's and never change.
+`load_inplace=True`: the same id, no rebuild; FACTS.md) and drops the prefix cache (vLLM keys
+cached blocks by the adapter's name and path, which stay). Every generation and scoring call then
+carries the slot's `LoRARequest`, without `load_inplace` (a request with it makes vLLM read the
+adapter from disk at every engine step). The base weights are the model directory's and never
+change.
 
 Exact check: vLLM keeps each loaded adapter's A and B (B already multiplied by alpha / r, q/k/v
 and gate/up packed per layer); each is compared bit for bit with what was sent, laid out and
@@ -77,9 +80,14 @@ class AdapterSlot:
             return False
         tensors, self.pending = self.pending, {}
         save_adapter(self.directory, tensors, self.lora, self.base_model)
-        self.request = LoRARequest("actor", self.ID, self.directory, load_inplace=True)
-        if not llm.llm_engine.add_lora(self.request):
+        if not llm.llm_engine.add_lora(LoRARequest("actor", self.ID, self.directory, load_inplace=True)):
             raise AdapterError(f"vLLM refused the adapter written to {self.directory}")
+        # generation carries a request without load_inplace: with it, vLLM would read the adapter
+        # from disk again at every engine step
+        self.request = LoRARequest("actor", self.ID, self.directory)
+        # the prefix cache keys blocks by the adapter's name and path, unchanged in place: drop
+        # the keys and values computed with the previous adapter
+        llm.reset_prefix_cache()
         self._check(llm, tensors, dtype, held)
         return True
 
