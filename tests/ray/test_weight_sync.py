@@ -11,6 +11,7 @@ syncs and generates what Hugging Face does (slow tier).
 import asyncio
 
 import pytest
+import ray
 import torch
 
 from tests.backends.rollout_common import (hf_greedy, hf_sequence_stats, make_prompts, pattern_batch,
@@ -21,7 +22,7 @@ from xray.config.parallel import ParallelDims
 from xray.config.schema import SyncConfig
 from xray.data import columns as C
 from xray.sync import WeightSyncError, sync_weights
-from xray.sync.weights import pad_sequences
+from xray.sync.weights import pack_bucket, pad_sequences
 from xray.wholemodel import WholeModel
 from xray.workhorse.rollout import RolloutWorkhorse
 from xray.workhorse.train import TrainWorkhorse
@@ -81,6 +82,17 @@ def test_sync_then_greedy_equals_hf_and_corruption_is_caught(actor, engine):
         with pytest.raises(WeightSyncError, match="version 2 failed verification"):
             asyncio.run(sync_weights(actor_wm, rollout, 2, SyncConfig(), probe, [len(p) for p in prompts[:4]],
                                      corrupt="model.layers.1.mlp.down_proj.weight"))
+
+        # a bucket that does not load fails the finish_sync queued behind it: no version taken
+        held_version = rollout.weight_version().get()[0]
+        shard = rollout.shard_handles()[0]
+        load = shard.load_bucket.remote(pack_bucket([("model.layers.0.no_such_proj.weight", torch.zeros(4))]))
+        finish = shard.finish_sync.remote(3)
+        with pytest.raises(ray.exceptions.RayTaskError):
+            ray.get(load)
+        with pytest.raises(ray.exceptions.RayTaskError, match="version 3 failed on rollout replica 0: a bucket did not load"):
+            ray.get(finish)
+        assert rollout.weight_version().get()[0] == held_version
     finally:
         rollout.shutdown()
 

@@ -3,12 +3,16 @@
 Sits beside `xray/backends/vllm.py`: an engine built with `lora` (the actor's `actor.lora`) holds
 one `AdapterSlot`. A sync then sends only the adapter tensors (`peft` names) through the usual
 transports; the engine's `load_weights` hands them to the slot, and at the end of the sync the
-slot writes them as a `peft` directory and reloads vLLM's adapter in place (`add_lora` with
-`load_inplace=True`: the same id, no rebuild; FACTS.md) and drops the prefix cache (vLLM keys
-cached blocks by the adapter's name and path, which stay). Every generation and scoring call then
+slot applies them. The first sync writes them as a `peft` directory and loads it with vLLM's own
+loader (`add_lora`, which validates the adapter against the model); every later sync, whose tensor
+names must be the first's, replaces the adapter on the worker from memory (`_replace_adapter`: the
+steps of vLLM's in-place `add_lora`, `load_inplace=True`, without the round trip through the
+disk: the same id and slot, no rebuild). Either way the prefix cache is then dropped (vLLM keys
+cached blocks by the adapter's name and path, which stay). Every generation and scoring call
 carries the slot's `LoRARequest`, without `load_inplace` (a request with it makes vLLM read the
-adapter from disk at every engine step). The base weights are the model directory's and never
-change.
+adapter from disk at every engine step). The directory keeps the first version; vLLM reads it
+again only to reload an evicted adapter, which its one slot and one adapter never do. The base
+weights are the model directory's and never change.
 
 Exact check: vLLM keeps each loaded adapter's A and B (B already multiplied by alpha / r, q/k/v
 and gate/up packed per layer); each is compared bit for bit with what was sent, laid out and
@@ -60,6 +64,7 @@ class AdapterSlot:
         self.directory = tempfile.mkdtemp(prefix="xray-adapter-")
         self.pending: dict[str, torch.Tensor] = {}
         self.request = None  # no adapter until the first sync: the base model (B = 0 at the start)
+        self.names: frozenset[str] = frozenset()  # the first sync's tensor names
 
     def add(self, bucket: WeightBucket) -> WeightBucket:
         """Keep the adapter tensors of `bucket` for `apply`; return the others."""
@@ -79,20 +84,31 @@ class AdapterSlot:
         if not self.pending:
             return False
         tensors, self.pending = self.pending, {}
-        save_adapter(self.directory, tensors, self.lora, self.base_model)
-        if not llm.llm_engine.add_lora(LoRARequest("actor", self.ID, self.directory, load_inplace=True)):
-            raise AdapterError(f"vLLM refused the adapter written to {self.directory}")
-        # generation carries a request without load_inplace: with it, vLLM would read the adapter
-        # from disk again at every engine step
-        self.request = LoRARequest("actor", self.ID, self.directory)
+        if self.request is None:
+            save_adapter(self.directory, tensors, self.lora, self.base_model)
+            if not llm.llm_engine.add_lora(LoRARequest("actor", self.ID, self.directory)):
+                raise AdapterError(f"vLLM refused the adapter written to {self.directory}")
+            # generation carries a request without load_inplace: with it, vLLM would read the
+            # adapter from disk again at every engine step
+            self.request = LoRARequest("actor", self.ID, self.directory)
+            self.names = frozenset(tensors)
+            loras = llm.collective_rpc(_registered_loras, args=(self.ID,))[0]
+        else:
+            if set(tensors) != self.names:
+                raise AdapterError(
+                    f"this sync's adapter has other tensors than the first's ({len(tensors)} against "
+                    f"{len(self.names)}; e.g. {sorted(set(tensors) ^ self.names)[:2]}): the adapter's "
+                    "targets are fixed for a run; restart the rollout to change them")
+            config = dict(self.lora.peft_config(), base_model_name_or_path=self.base_model)
+            loras = llm.collective_rpc(_replace_adapter, args=(self.ID, tensors, config))[0]
         # the prefix cache keys blocks by the adapter's name and path, unchanged in place: drop
         # the keys and values computed with the previous adapter
         llm.reset_prefix_cache()
-        self._check(llm, tensors, dtype, held)
+        self._check(loras, tensors, dtype, held)
         return True
 
-    def _check(self, llm, sent: dict[str, torch.Tensor], dtype: torch.dtype, held: HeldCheck) -> None:
-        loras = llm.collective_rpc(_registered_loras, args=(self.ID,))[0]
+    def _check(self, loras: dict | None, sent: dict[str, torch.Tensor], dtype: torch.dtype,
+               held: HeldCheck) -> None:
         if loras is None:
             held.unreadable += len(sent)
             return
@@ -108,6 +124,28 @@ class AdapterSlot:
 
     def close(self) -> None:
         shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def _replace_adapter(worker, adapter_id: int, tensors: dict[str, torch.Tensor], config: dict) -> dict | None:
+    """On a vLLM worker: replace the registered adapter `adapter_id` with one built from `tensors`
+    (`peft` names, `config` its adapter_config.json) in its slot, as vLLM's in-place `add_lora`
+    does after reading the directory; then what the worker holds (`_registered_loras`)."""
+    from vllm.lora.peft_helper import PEFTHelper
+
+    manager = worker.model_runner.lora_manager
+    models = manager._adapter_manager
+    helper = PEFTHelper.from_dict(dict(config, vllm_max_position_embeddings=manager.max_position_embeddings))
+    helper.validate_legal(manager.lora_config)
+    mapper = getattr(models.model, "hf_to_vllm_mapper", None)
+    own = {name: t.clone() for name, t in tensors.items()}  # vLLM scales B in place
+    lora = manager._lora_model_cls.from_lora_tensors(
+        adapter_id, own, helper, device="cpu", dtype=manager.lora_config.lora_dtype,
+        model_vocab_size=manager.vocab_size, weights_mapper=mapper.get_rename_mapper() if mapper else None,
+        skip_prefixes=getattr(models.model, "lora_skip_prefixes", None))
+    models.remove_adapter(adapter_id)
+    models.add_adapter(lora)
+    models.activate_adapter(adapter_id)
+    return _registered_loras(worker, adapter_id)
 
 
 def _registered_loras(worker, adapter_id: int) -> dict | None:

@@ -8,8 +8,9 @@ version that every generation result carries in `meta["weight_version"]`.
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from xray.backends import load_backend
 from xray.backends.base import GenerationEngine, ShardInfo, layout_of
@@ -32,6 +33,7 @@ class RolloutWorkhorse(Workhorse):
         self._sync_started = 0.0
         self._received = 0
         self._changed: list[str] = []
+        self._failed = ""  # why a bucket of the sync under way did not load
 
     def init_dist(self, master_addr: str, master_port: int, timeout_s: float = 300.0) -> None:
         """Join the role's group when the engine needs one: DeepSpeed-Inference always (AutoTP
@@ -131,11 +133,20 @@ class RolloutWorkhorse(Workhorse):
         if not self._sync_started:
             self._sync_started = time.perf_counter()
         bucket = unpack_bucket(wire)
-        with self.busy("load_bucket"):
+        with self.busy("load_bucket"), self._noting_failure():
             self._changed += changed_in_transit(wire)
             self.engine.load_weights(bucket)
         self._received += sum(t.numel() * t.element_size() for _, t in bucket)
         return len(bucket)
+
+    @contextmanager
+    def _noting_failure(self) -> Iterator[None]:
+        """Note an exception of a bucket's load for `finish_sync` (queued behind it) and re-raise."""
+        try:
+            yield
+        except Exception as e:
+            self._failed = self._failed or f"{type(e).__name__}: {e}"
+            raise
 
     def join_sync_group(self, addr: str, port: int, rank: int, world: int) -> None:
         """Join the actor's sync group as `rank` (`xray/sync/group.py`; the actor's exporting shard
@@ -151,7 +162,7 @@ class RolloutWorkhorse(Workhorse):
 
         if not self._sync_started:
             self._sync_started = time.perf_counter()
-        with self.busy("receive_bucket"):
+        with self.busy("receive_bucket"), self._noting_failure():
             bucket, changed = group.receive(self._sync_group, layout, "cuda" if self.device == "gpu" else "cpu")
             self._changed += changed
             self.engine.load_weights(bucket)
@@ -190,6 +201,11 @@ class RolloutWorkhorse(Workhorse):
         checks (`xray.sync.weights.check_exact` judges them): tensors whose bytes changed in
         transit, and what the engine was seen to hold (`xray/backends/held.py`; a quantized
         engine's fp8 layers against our quantization of the tensors received)."""
+        if self._failed:
+            why, self._failed, self._received, self._sync_started, self._changed = self._failed, "", 0, 0.0, []
+            raise RuntimeError(f"weight sync to version {version} failed on rollout replica {self.rank}: a bucket "
+                               f"did not load ({why}). The replica keeps version {self.version} with its weights "
+                               "partly updated: sync again before generating")
         with self.busy("finish_load"):
             self.engine.finish_load()  # an adapter received is applied now
         report = {"rank": self.rank, "bytes": self._received, "version": version,

@@ -149,7 +149,8 @@ class TrainWorkhorse(Workhorse):
         group of its own with the targets (`xray/sync/group.py`, joined on first use); "auto" takes
         the object store when every target is on this node and the device is the CPU (shared
         memory wins there), else the group. It exports the next bucket while the targets load
-        this one: at most two buckets are in flight. `corrupt` names a tensor to perturb on the
+        this one: at most two buckets are in flight; the targets' `finish_sync` is queued behind the
+        last one. `corrupt` names a tensor to perturb on the
         way: a fault-injection knob for testing the verification, never set in a run.
         """
         import ray
@@ -171,11 +172,14 @@ class TrainWorkhorse(Workhorse):
                 ray.get(in_flight.pop(0))
             sent += sum(t.numel() * t.element_size() for _, t in bucket)
             count += len(bucket)
-        for loads in in_flight:
-            ray.get(loads)
         if not exports:
             return None
-        replicas = ray.get([t.finish_sync.remote(version) for t in targets])
+        # queued behind the loads (a Workhorse serves its calls in order), without a round trip
+        # in between; a load that failed fails its replica's finish_sync too
+        finishes = [t.finish_sync.remote(version) for t in targets]
+        for loads in in_flight:
+            ray.get(loads)
+        replicas = ray.get(finishes)
         return {"version": version, "bytes": sent, "tensors": count, "replicas": len(replicas),
                 "push_s": time.perf_counter() - t0, "dtype": dtype, "replica_reports": replicas,
                 "transport": transport, "adapter": adapter}
