@@ -189,3 +189,18 @@ def test_command_line_flags():
     with pytest.raises(SystemExit) as stop:
         parser().parse_known_args(["ppo", "-v", "--quiet"])
     assert stop.value.code == 2
+
+
+def test_a_bucket_reload_keeps_only_errors_of_vllms_layerwise_reloader(caplog):
+    """vLLM warns about every layer a bucket's reload leaves untouched; during a reload only its
+    errors pass, before and after everything does (a filter, not a level change)."""
+    from xray.backends.vllm import _quiet_partial_reload
+
+    noisy = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    with caplog.at_level(logging.INFO, logger=noisy.name):
+        with _quiet_partial_reload():
+            noisy.warning("layer not reloaded")
+            noisy.error("reload failed")
+        noisy.warning("after")
+    assert [r.getMessage() for r in caplog.records] == ["reload failed", "after"]
+    assert noisy.filters == []
