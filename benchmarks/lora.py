@@ -14,6 +14,10 @@ then one verified weight sync (`xray.sync.sync_weights` with the run's defaults:
 the log-prob probe: 4 random sequences of 16 tokens for `full`, the first of them for `lora`, as
 a run probes a LoRA engine, which scores one sequence per call). Figures are medians over `--rounds` rounds after one warm-up round.
 
+The line before the last gives the least a verified LoRA sync costs on this host: one plain
+forward of the LoRA probe through the base model (`transformers`, one thread, median of 15, with
+the pairs stopped), which the probe needs on each side, against 0.1 x the full sync.
+
 Last line `lora_sync_over_full=<x> lora_step_over_full=<y> lora_state_over_full=<z>`:
   x = LoRA's verified sync seconds / full fine-tuning's (export, transport, load, verification);
   y = LoRA's train step seconds / full fine-tuning's;
@@ -102,10 +106,26 @@ def main() -> None:
             for actor, rollout in pairs.values():
                 actor.shutdown()
                 rollout.shutdown()
-    report(times, state, reports, args)
+        floor_s = plain_forward_s(model_dir, probes["lora"][0])
+    report(times, state, reports, args, floor_s)
 
 
-def report(times: dict, state: dict, reports: dict, args) -> None:
+def plain_forward_s(model_dir: str, probe: list[list[int]], repeats: int = 15) -> float:
+    """Median seconds of one `transformers` forward of `probe` through the base model."""
+    from xray.check.reference import load_hf
+
+    model, ids = load_hf(model_dir).eval(), torch.tensor(probe)
+    times = []
+    with torch.no_grad():
+        model(ids)
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            model(ids)
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def report(times: dict, state: dict, reports: dict, args, floor_s: float) -> None:
     m = {name: {k: statistics.median(v) for k, v in t.items()} for name, t in times.items()}
     total = {name: s["trainable"] + s["optimizer"] for name, s in state.items()}
     print(f"model {args.model}, {args.backend} actor, LoRA rank {args.rank} all-linear; batch {args.batch} x "
@@ -117,6 +137,8 @@ def report(times: dict, state: dict, reports: dict, args) -> None:
               f"(of which the probe {verify_ms:.1f}; {r.bytes / 1e6:.2f} MB sent, {r.held_checked} engine tensors "
               f"bit-equal, probe diff {r.max_abs_logprob_diff:.1e})   trainable {state[name]['trainable'] / 1e6:.2f} MB "
               f"+ optimizer {state[name]['optimizer'] / 1e6:.2f} MB")
+    print(f"floor: one plain forward of the LoRA probe {floor_s * 1e3:.1f} ms (each side needs one) against "
+          f"0.1 x the full sync = {m['full']['sync'] * 100:.1f} ms")
     print(f"lora_sync_over_full={m['lora']['sync'] / m['full']['sync']:.3f} "
           f"lora_step_over_full={m['lora']['step'] / m['full']['step']:.3f} "
           f"lora_state_over_full={total['lora'] / total['full']:.4f}")
