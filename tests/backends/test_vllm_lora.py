@@ -128,3 +128,19 @@ def test_a_synced_adapter_is_read_once_and_never_served_from_stale_keys(engine, 
     engine.llm.reset_prefix_cache()
     fresh = engine.generate(prompt, sampling)["response_logprobs"][0]
     assert max(abs(a - b) for a, b in zip(after, fresh)) < TOL, (after, fresh)
+
+
+def test_a_reload_of_base_weights_keeps_the_last_adapter(engine, model_dir):
+    """An in-place reload of base weights makes vLLM drop its adapters and read the adapter's
+    directory again, which holds the first version: the last one must come back from memory."""
+    from safetensors.torch import load_file
+
+    probe, lens = [list(range(3, 19))], [8]
+    for seed in (7, 8):  # the second replaces the first in memory
+        _sync(engine, _adapter(model_dir, seed))
+    synced = engine.logprobs(probe, lens)[0]
+    base = {}
+    for path in sorted(model_dir.glob("*.safetensors")):
+        base.update(load_file(str(path)))
+    engine.reload(list(base.items()))
+    assert max(abs(a - b) for a, b in zip(engine.logprobs(probe, lens)[0], synced)) < TOL

@@ -347,6 +347,8 @@ class VllmEngine(GenerationEngine):
         the prefix cache dropped: the floor of every weight sync into this engine."""
         with _quiet_partial_reload():
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": tensors})
+        if self.adapter is not None:  # vLLM dropped the adapter: it comes back from memory
+            self.adapter.restore(self.llm)
         self.llm.reset_prefix_cache()
 
     def _check_held(self, ready: WeightBucket) -> None:

@@ -10,9 +10,11 @@ steps of vLLM's in-place `add_lora`, `load_inplace=True`, without the round trip
 disk: the same id and slot, no rebuild). Either way the prefix cache is then dropped (vLLM keys
 cached blocks by the adapter's name and path, which stay). Every generation and scoring call
 carries the slot's `LoRARequest`, without `load_inplace` (a request with it makes vLLM read the
-adapter from disk at every engine step). The directory keeps the first version; vLLM reads it
-again only to reload an evicted adapter, which its one slot and one adapter never do. The base
-weights are the model directory's and never change.
+adapter from disk at every engine step). The directory keeps the first version: vLLM reads it
+again only when it has dropped the adapter, which its one slot and one adapter never make it do,
+but an in-place reload of base weights does (`VllmEngine.reload`), so that calls `restore`, which
+puts the last adapter back from memory. The base weights are the model directory's and never
+change in a LoRA run.
 
 Exact check: vLLM keeps each loaded adapter's A and B (B already multiplied by alpha / r, q/k/v
 and gate/up packed per layer); each is compared bit for bit with what was sent, laid out and
@@ -65,6 +67,7 @@ class AdapterSlot:
         self.pending: dict[str, torch.Tensor] = {}
         self.request = None  # no adapter until the first sync: the base model (B = 0 at the start)
         self.names: frozenset[str] = frozenset()  # the first sync's tensor names
+        self.current: dict[str, torch.Tensor] = {}  # the adapter applied last
 
     def add(self, bucket: WeightBucket) -> WeightBucket:
         """Keep the adapter tensors of `bucket` for `apply`; return the others."""
@@ -92,6 +95,7 @@ class AdapterSlot:
             # adapter from disk again at every engine step
             self.request = LoRARequest("actor", self.ID, self.directory)
             self.names = frozenset(tensors)
+            llm.reset_prefix_cache()
             loras = llm.collective_rpc(_registered_loras, args=(self.ID,))[0]
         else:
             if set(tensors) != self.names:
@@ -99,13 +103,24 @@ class AdapterSlot:
                     f"this sync's adapter has other tensors than the first's ({len(tensors)} against "
                     f"{len(self.names)}; e.g. {sorted(set(tensors) ^ self.names)[:2]}): the adapter's "
                     "targets are fixed for a run; restart the rollout to change them")
-            config = dict(self.lora.peft_config(), base_model_name_or_path=self.base_model)
-            loras = llm.collective_rpc(_replace_adapter, args=(self.ID, tensors, config))[0]
+            loras = self._replace(llm, tensors)
+        self.current = tensors
+        self._check(loras, tensors, dtype, held)
+        return True
+
+    def restore(self, llm) -> None:
+        """Put the last adapter back into `llm` from memory (after an in-place reload of base
+        weights, which makes vLLM drop its adapters and read the directory's first version)."""
+        if self.current:
+            self._replace(llm, self.current)
+
+    def _replace(self, llm, tensors: dict[str, torch.Tensor]) -> dict | None:
+        config = dict(self.lora.peft_config(), base_model_name_or_path=self.base_model)
+        loras = llm.collective_rpc(_replace_adapter, args=(self.ID, tensors, config))[0]
         # the prefix cache keys blocks by the adapter's name and path, unchanged in place: drop
         # the keys and values computed with the previous adapter
         llm.reset_prefix_cache()
-        self._check(loras, tensors, dtype, held)
-        return True
+        return loras
 
     def _check(self, loras: dict | None, sent: dict[str, torch.Tensor], dtype: torch.dtype,
                held: HeldCheck) -> None:
