@@ -37,6 +37,17 @@ def test_stager_holds_a_fused_layer_until_complete():
     assert stager.waiting() == []
 
 
+def test_stager_keeps_a_copy_of_what_it_holds_back():
+    """A bucket's memory may be reused once its load returns (the shared-memory slots): the parts
+    held back for a later bucket must not change with it."""
+    stager = FusedLayerStager(NAMES)
+    q, sent = torch.ones(2), torch.ones(2)
+    stager.add([(NAMES[1], q), (NAMES[0], torch.zeros(1))])
+    q.fill_(7.0)  # the slot written again with the next bucket
+    ready = dict(stager.add([(n, torch.zeros(2)) for n in NAMES[2:7]]))
+    assert torch.equal(ready[NAMES[1]], sent)
+
+
 def test_sampling_spec_checks_keys_and_ranges():
     spec = SamplingSpec.from_dict({"temperature": 0, "stop_token_ids": [5, 6], "n": 2})
     assert spec.greedy and spec.stop_token_ids == (5, 6) and spec.top_k_or_none is None

@@ -144,7 +144,7 @@ def report_and_timeline_are_written(run: Path) -> None:
     assert {(role, rank) for role in ("actor", "critic", "reference", "rollout") for rank in (0, 1)} <= busy, busy
     methods = {(roles[e["pid"]], e["name"]) for e in spans}
     assert {("actor", "train_step"), ("critic", "train_step"), ("reference", "forward"),
-            ("rollout", "generate"), ("rollout", "load_bucket")} <= methods, methods
+            ("rollout", "generate"), ("rollout", "load_slot")} <= methods, methods
 
 
 def final_actor_loads_in_transformers(directory: Path) -> None:

@@ -93,6 +93,11 @@ def test_sync_then_greedy_equals_hf_and_corruption_is_caught(actor, engine):
         with pytest.raises(ray.exceptions.RayTaskError, match="version 3 failed on rollout replica 0: a bucket did not load"):
             ray.get(finish)
         assert rollout.weight_version().get()[0] == held_version
+        # a push that fails before queueing finish_sync queues abort_sync: the next sync is clean
+        shard.load_bucket.remote(pack_bucket([("model.layers.0.no_such_proj.weight", torch.zeros(4))]))
+        ray.get(shard.abort_sync.remote())
+        asyncio.run(sync_weights(actor_wm, rollout, 4, SyncConfig(), probe, [len(p) for p in prompts[:4]]))
+        assert rollout.weight_version().get() == [4, 4]
     finally:
         rollout.shutdown()
 
@@ -154,10 +159,10 @@ def test_bf16_sync_is_verified_exactly(local_ray, tmp_path_factory, actor):
 
 
 @pytest.mark.parametrize("engine", ["vllm", pytest.param("dsinfer", marks=pytest.mark.slow)])  # the default tier's budget
-def test_process_group_transport_syncs_exactly(actor, engine):
-    """The process-group transport: the same weights reach 2 replicas (greedy output equal to the
-    object store's), verified the same way, a tensor changed in transit caught; `auto` on one
-    node takes the object store."""
+def test_every_transport_syncs_exactly(actor, engine):
+    """The process group, the shared-memory slots and the object store bring the same weights to
+    2 replicas (greedy output equal), verified the same way, a tensor changed in transit caught;
+    `auto` on one CPU node takes the slots."""
     actor_wm, model_dir = actor
     rollout = WholeModel(RolloutWorkhorse, role="rollout", parallel=ParallelDims(dp=2),
                          init_kwargs=dict(backend=engine, model_dir=str(model_dir), max_model_len=256))
@@ -169,11 +174,15 @@ def test_process_group_transport_syncs_exactly(actor, engine):
         assert pg.transport == "pg" and pg.max_abs_logprob_diff <= 1e-4
         assert pg.held_checked == (2 * 21 if engine == "dsinfer" else 2 * 7)
         by_group = rollout.generate(prompts, GREEDY).get()[C.RESPONSE_IDS]
-        auto = asyncio.run(sync_weights(actor_wm, rollout, 2, SyncConfig(), probe, lens))
-        assert auto.transport == "objstore" and auto.bytes == pg.bytes
-        assert rollout.generate(prompts, GREEDY).get()[C.RESPONSE_IDS] == by_group
-        with pytest.raises(WeightSyncError, match="version 3 failed verification"):
-            asyncio.run(sync_weights(actor_wm, rollout, 3, SyncConfig(transport="pg"), probe, lens,
-                                     corrupt="model.layers.1.mlp.down_proj.weight"))
+        for version, transport in ((2, "objstore"), (3, "auto"), (4, "shm")):
+            report = asyncio.run(sync_weights(actor_wm, rollout, version, SyncConfig(transport=transport,
+                                                                                     bucket_mb=1), probe, lens))
+            assert report.transport == ("shm" if transport == "auto" else transport), report
+            assert report.bytes == pg.bytes and report.held_checked == pg.held_checked
+            assert rollout.generate(prompts, GREEDY).get()[C.RESPONSE_IDS] == by_group
+        for version, transport in ((5, "pg"), (6, "shm")):
+            with pytest.raises(WeightSyncError, match=f"version {version} failed verification"):
+                asyncio.run(sync_weights(actor_wm, rollout, version, SyncConfig(transport=transport), probe, lens,
+                                         corrupt="model.layers.1.mlp.down_proj.weight"))
     finally:
         rollout.shutdown()

@@ -208,7 +208,8 @@ class FusedLayerStager:
     """Holds back the parts of a fused layer until the whole layer has arrived.
 
     Weight buckets are cut by size, so q/k/v (or gate/up) of one layer may arrive in two buckets;
-    `add` returns the tensors that are ready to reload now, in arrival order.
+    `add` returns the tensors that are ready to reload now, in arrival order. What it holds back it
+    copies: a bucket's memory may be reused once its load returns (`xray/sync/shm.py`).
     """
 
     def __init__(self, names: list[str]):
@@ -229,6 +230,10 @@ class FusedLayerStager:
             parts[name] = tensor
             if expected <= parts.keys():
                 ready.extend(self.pending.pop(layer).items())
+        arrived = {name for name, _ in bucket}
+        for parts in self.pending.values():
+            for name in arrived & parts.keys():
+                parts[name] = parts[name].clone()
         return ready
 
     def waiting(self) -> list[str]:

@@ -194,10 +194,12 @@ class SyncConfig:
     catch a wrong tensor."""
     bucket_mb: int = 64
     """Largest bucket of tensors sent at once."""
-    transport: Literal["auto", "objstore", "pg"] = "auto"
-    """How the weights travel: the object store (shared memory on one node), a process group of
-    the actor's exporting shard and the rollout shards (gloo on CPU, NCCL on GPU), or auto: the
-    object store when the rollout is on the actor's node on CPU, else the group."""
+    transport: Literal["auto", "objstore", "shm", "pg"] = "auto"
+    """How the weights travel: the object store (shared memory on one node), the actor's own
+    shared-memory slots that the rollout maps once (one node, CPU: no page faults after the first
+    sync), a process group of the actor's exporting shard and the rollout shards (gloo on CPU,
+    NCCL on GPU), or auto: the slots when the rollout is on the actor's node on CPU and /dev/shm
+    has room (else the object store there), the group otherwise."""
 
 
 @dataclass(frozen=True)

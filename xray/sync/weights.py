@@ -2,10 +2,11 @@
 
 The actor's exporting shard streams full Hugging Face tensors in bounded buckets to every rollout
 replica (`TrainWorkhorse.push_weights`), which loads them in place and takes the new weight
-version. `sync.transport` picks the way: through the object store (below), over a process group
-of the exporting shard and the rollout shards (`xray/sync/group.py`: gloo on CPU, NCCL on GPU), or
-`auto`: the object store when every rollout shard shares the exporting shard's node on CPU, else
-the group. A staged sync (`stage` / `deliver`, asynchronous runs) always goes through the object
+version. `sync.transport` picks the way: through the object store (below), through the exporting
+shard's own shared-memory slots (`xray/sync/shm.py`: one node, CPU), over a process group of the
+exporting shard and the rollout shards (`xray/sync/group.py`: gloo on CPU, NCCL on GPU), or
+`auto`: the slots when every rollout shard shares the exporting shard's node on CPU (the object
+store if /dev/shm has no room), else the group. A staged sync (`stage` / `deliver`, asynchronous runs) always goes through the object
 store, which holds the version until every replica has taken it. A bucket travels in its wire form (`pack_bucket`): each tensor
 as a flat NumPy byte view, which Ray moves out of band, so putting a bucket costs one copy into
 the object store and reading it on the same node costs none (a pickled torch tensor is copied
@@ -100,7 +101,7 @@ class SyncReport:
     held_unreadable: int = 0
     """Engine tensors that could not be read back to compare (vLLM on CPU: its linear layers)."""
     transport: str = "objstore"
-    """How the bytes travelled: "objstore" or "pg" (`sync.transport`)."""
+    """How the bytes travelled: "objstore", "shm" or "pg" (`sync.transport`)."""
 
 
 # One tensor on the wire: (Hugging Face name, torch dtype name, shape, its bytes as a flat uint8
@@ -108,7 +109,8 @@ class SyncReport:
 WireTensor = tuple[str, str, tuple[int, ...], "numpy.ndarray", int]
 
 
-def _bytes_tensor(data) -> torch.Tensor:
+def bytes_tensor(data) -> torch.Tensor:
+    """A uint8 tensor viewing a NumPy byte array (read-only memory: never write into it)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         return torch.from_numpy(data)
@@ -156,7 +158,7 @@ def perturbed(wire: list[WireTensor], name: str) -> list[WireTensor]:
 def unpack_bucket(wire: list[WireTensor]) -> WeightBucket:
     """Tensors viewing the wire's bytes (read-only object-store memory on the receiving side:
     load them by copying, never write into them)."""
-    return [(name, _bytes_tensor(data).view(getattr(torch, dtype)).view(shape))
+    return [(name, bytes_tensor(data).view(getattr(torch, dtype)).view(shape))
             for name, dtype, shape, data, _ in wire]
 
 
@@ -221,27 +223,47 @@ def check_logprobs(actor_logp: torch.Tensor, engine_logp: list[list[float]], pro
     return worst
 
 
+LANDED_DEADLINE_S = 1800.0
+"""How long a sync waits for the rollout replicas to load what the actor sent (the push's own
+deadline): a replica that never answers fails the sync instead of hanging the run."""
+
+
+async def landed(pushed: dict, version: int) -> list[dict]:
+    """The rollout replicas' `finish_sync` reports of a push (`TrainWorkhorse.push_weights` answers
+    once the last bucket is sent; the replicas may still be loading). A load that failed raises."""
+    try:
+        await asyncio.wait_for(asyncio.gather(*pushed["loads"]), LANDED_DEADLINE_S)
+        return list(await asyncio.wait_for(asyncio.gather(*pushed["finishes"]), LANDED_DEADLINE_S))
+    except asyncio.TimeoutError:
+        raise WeightSyncError(f"weight sync to version {version}: the rollout replicas did not finish loading "
+                              f"within {LANDED_DEADLINE_S:.0f} s; see their logs (xray.report) for the stuck "
+                              "replica") from None
+
+
 async def sync_weights(actor, rollout, version: int, cfg: SyncConfig, probe: list[list[int]] | None = None,
                        prompt_lens: list[int] | None = None, corrupt: str | None = None,
                        replica: int = 0) -> SyncReport:
     """Push the actor's weights (exported from its data-parallel `replica`) to every rollout
     replica at `version`, then verify (cfg.verify).
 
-    Everything is queued at once: the actor's probe forward runs on the actor right after its
-    push, and the engine's probe waits (inside Ray) for the push to finish, so the two sides are
-    scored concurrently with no round trip through the caller in between."""
+    Everything is queued at once: the actor's probe forward runs on the actor as soon as its last
+    bucket is sent, while the rollout replicas still load, and the engine's probe is queued (Ray
+    waits, not the caller) behind the replicas' `finish_sync`, so only the engine's side of the
+    probe adds to the sync's time."""
     if cfg.verify and not probe:
         raise ValueError("verification needs probe sequences; pass probe= and prompt_lens=")
     t0 = time.perf_counter()
     push = actor.push_weights(rollout.shard_handles(), version, cfg.bucket_mb << 20, corrupt, replica, cfg.transport)
     if cfg.verify:
         actor_call = actor.forward(pad_sequences(probe))
-        engine_call = rollout.call("logprobs", probe, prompt_lens, after=(push,))
     pushed = await push
+    if cfg.verify:
+        engine_call = rollout.call("logprobs", probe, prompt_lens, after=tuple(pushed["finishes"]))
+    reports = await landed(pushed, version)
     sync_s = time.perf_counter() - t0
     diff, verify_s = float("nan"), 0.0
     if cfg.verify:
-        exact = check_exact(version, pushed["replica_reports"])
+        exact = check_exact(version, reports)
         actor_out, engine_logp = await asyncio.gather(actor_call, engine_call)
         tolerance = probe_tolerance(cfg, exact["dtypes"] + [pushed["dtype"]], exact["quantized"])
         diff = check_logprobs(actor_out[C.LOGPROBS], engine_logp, probe, prompt_lens, version, tolerance)

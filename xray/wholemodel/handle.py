@@ -181,8 +181,9 @@ class WholeModel:
     def call(self, method: str, *args, deadline_s: float | None = None, after: tuple = (), **kwargs) -> Pending:
         """Call marked Workhorse method `method` on the whole model; returns a Pending answer.
 
-        Arguments may be Pendings of other calls (passed by reference). `after`: Pendings whose
-        shard tasks must finish before this call's start (ordering without waiting here)."""
+        Arguments may be Pendings of other calls (passed by reference). `after`: Pendings (or
+        Ray object references) whose tasks must finish before this call's start (ordering without
+        waiting here)."""
         meta = self.methods.get(method)
         if meta is None:
             raise AttributeError(f"{self.role} has no method {method!r} marked with @fanout; "
@@ -191,7 +192,7 @@ class WholeModel:
         kwargs = {k: _as_batch(v) for k, v in kwargs.items()}
         packed = self._dispatch(meta, args, kwargs)
         ranks = [0] if meta.execute == "first" else list(range(len(self.layout)))
-        waits = [ref for p in after for ref in p.refs]
+        waits = [ref for p in after for ref in (p.refs if isinstance(p, Pending) else [p])]
         refs = [self.shards[r].call.remote(method, packed[i], *waits) for i, r in enumerate(ranks)]
         deadline = meta.deadline_s if deadline_s is None else deadline_s
         return Pending(self.role, method, meta, self.layout, refs, ranks, deadline)

@@ -1,9 +1,10 @@
 """RolloutWorkhorse: one replica of the rollout engine (vLLM or DeepSpeed-Inference).
 
 Each Workhorse holds one in-process generation engine (`xray.backends.vllm` / `.dsinfer`), one
-tensor-parallel rank of one replica (ranks in Megatron order: tp fastest). Weight sync arrives as buckets of full Hugging Face
-tensors sent by the actor's exporting shard (`load_bucket`), then `finish_sync` bumps the weight
-version that every generation result carries in `meta["weight_version"]`.
+tensor-parallel rank of one replica (ranks in Megatron order: tp fastest). Weight sync arrives
+as buckets of full Hugging Face tensors sent by the actor's exporting shard (`load_bucket`,
+`load_slot` or `receive_bucket`, by transport), then `finish_sync` bumps the weight version that
+every generation result carries in `meta["weight_version"]`.
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ class RolloutWorkhorse(Workhorse):
         self._received = 0
         self._changed: list[str] = []
         self._failed = ""  # why a bucket of the sync under way did not load
+        self._slots = None  # the actor's shared-memory slots, once mapped (`xray/sync/shm.py`)
 
     def init_dist(self, master_addr: str, master_port: int, timeout_s: float = 300.0) -> None:
         """Join the role's group when the engine needs one: DeepSpeed-Inference always (AutoTP
@@ -169,6 +171,22 @@ class RolloutWorkhorse(Workhorse):
         self._received += sum(n for _, _, _, n, _ in layout)
         return len(bucket)
 
+    def load_slot(self, slot: int, path: str, layout: list) -> int:
+        """Load the bucket the actor's exporting shard copied into its shared-memory `slot` at
+        `path` (`xray/sync/shm.py`: mapped on first use, then kept), in place."""
+        from xray.sync import shm
+
+        if not self._sync_started:
+            self._sync_started = time.perf_counter()
+        if self._slots is None:
+            self._slots = shm.SlotReader()
+        with self.busy("load_slot"), self._noting_failure():
+            bucket, changed = self._slots.read(slot, path, layout)
+            self._changed += changed
+            self.engine.load_weights(bucket)
+        self._received += sum(n for _, _, _, _, n, _ in layout)
+        return len(bucket)
+
     @fanout(dispatch="all", collect=lambda layout, results: results)
     def time_reload(self, repeats: int = 5) -> float:
         """Median seconds of the engine's own in-place reload (`VllmEngine.reload`) of its model
@@ -215,6 +233,12 @@ class RolloutWorkhorse(Workhorse):
                   "held": self.engine.held_check()}
         self.version, self._received, self._sync_started, self._changed = version, 0, 0.0, []
         return report
+
+    def abort_sync(self) -> None:
+        """Forget the sync under way (what was received, changed in transit or failed to load):
+        the actor's push stopped before queueing `finish_sync`. The replica keeps its version, its
+        weights partly updated, until the next sync."""
+        self._received, self._sync_started, self._changed, self._failed = 0, 0.0, [], ""
 
     # -- sleep mode (`rollout.sleep`): the engine's GPU memory freed while training roles use it --
     @fanout(dispatch="all", collect=lambda layout, results: results)

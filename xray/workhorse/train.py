@@ -15,7 +15,7 @@ from xray.backends.base import LossFn, ShardInfo, TrainEngine
 from xray.config.optim import OptimConfig
 from xray.data import columns as C
 from xray.data.batch import Batch
-from xray.sync import group
+from xray.sync import group, shm
 from xray.sync.weights import pack_bucket, perturbed, unpack_bucket
 from xray.wholemodel.protocol import fanout
 from xray.workhorse.base import Workhorse, train_step_columns
@@ -44,6 +44,7 @@ class TrainWorkhorse(Workhorse):
         self.run_seed = seed  # the same on every rank: model init must agree across shards
         self._groups: dict[tuple, Any] = {}  # sync groups with rollout shards (`xray/sync/group.py`)
         self._nodes: dict[tuple, bool] = {}  # whether a set of rollout shards is all on this node
+        self._rings: dict[tuple, shm.SendRing] = {}  # shared-memory slots per set of rollout shards
         self._adapter_targets: dict[tuple, bool] = {}  # whether a set of rollout shards serves adapters
 
     def setup(self) -> None:
@@ -145,13 +146,19 @@ class TrainWorkhorse(Workhorse):
         Every shard takes part in the export (its gathers are collective); the exporting shard
         (the first of data-parallel replica `replica`: an asynchronous run's trainer d pushes to
         its own makers) sends each bucket once, with its tensors' checksums, by `transport`:
-        "objstore" puts it in the object store in its wire form; "pg" broadcasts it over a sync
-        group of its own with the targets (`xray/sync/group.py`, joined on first use); "auto" takes
-        the object store when every target is on this node and the device is the CPU (shared
-        memory wins there), else the group. It exports the next bucket while the targets load
-        this one: at most two buckets are in flight; the targets' `finish_sync` is queued behind the
-        last one. `corrupt` names a tensor to perturb on the
-        way: a fault-injection knob for testing the verification, never set in a run.
+        "objstore" puts it in the object store in its wire form; "shm" copies it into this shard's
+        shared-memory slots, which the targets map once (`xray/sync/shm.py`; same node, CPU);
+        "pg" broadcasts it over a sync group of its own with the targets (`xray/sync/group.py`,
+        joined on first use); "auto" takes "shm" when every target is on this node, the device is
+        the CPU and /dev/shm has room (else the object store there), and the group otherwise.
+
+        It exports the next bucket while the targets load this one: at most two buckets are in
+        flight. The targets' `finish_sync` is queued behind the last one (`abort_sync` instead if
+        the push fails), and the answer comes once the last bucket is sent, with the references of
+        the targets' last loads and of their `finish_sync` reports (`loads`, `finishes`): the
+        caller awaits those while this shard is free for its next call (the actor's side of the
+        probe runs while the rollout still loads). `corrupt` names a tensor to perturb on the way:
+        a fault-injection knob for testing the verification, never set in a run.
         """
         import ray
 
@@ -161,43 +168,51 @@ class TrainWorkhorse(Workhorse):
         in_flight: list[list] = []
         exports = self.engine.exports(replica)
         if exports:
-            transport = self._transport(targets, transport)
+            transport = self._transport(targets, transport, bucket_bytes)
         adapter = self._takes_adapter(targets)
-        for bucket in self.timed(self._buckets(bucket_bytes, replica, adapter)):
-            if not exports or not bucket:
-                continue
-            dtype = dtype or str(bucket[0][1].dtype).removeprefix("torch.")
-            in_flight.append(self._send(bucket, targets, transport, corrupt))
-            if len(in_flight) == 2:
-                ray.get(in_flight.pop(0))
-            sent += sum(t.numel() * t.element_size() for _, t in bucket)
-            count += len(bucket)
+        try:
+            for bucket in self.timed(self._buckets(bucket_bytes, replica, adapter)):
+                if not exports or not bucket:
+                    continue
+                dtype = dtype or str(bucket[0][1].dtype).removeprefix("torch.")
+                if len(in_flight) == 2:  # at most two buckets on their way: the oldest must land first
+                    ray.get(in_flight.pop(0))
+                in_flight.append(self._send(bucket, targets, transport, corrupt, bucket_bytes))
+                sent += sum(t.numel() * t.element_size() for _, t in bucket)
+                count += len(bucket)
+        except BaseException:
+            if exports:  # queued behind the loads sent: the targets forget this sync
+                for t in targets:
+                    t.abort_sync.remote()
+            raise
         if not exports:
             return None
         # queued behind the loads (a Workhorse serves its calls in order), without a round trip
         # in between; a load that failed fails its replica's finish_sync too
         finishes = [t.finish_sync.remote(version) for t in targets]
-        for loads in in_flight:
-            ray.get(loads)
-        replicas = ray.get(finishes)
-        return {"version": version, "bytes": sent, "tensors": count, "replicas": len(replicas),
-                "push_s": time.perf_counter() - t0, "dtype": dtype, "replica_reports": replicas,
-                "transport": transport, "adapter": adapter}
+        return {"version": version, "bytes": sent, "tensors": count, "replicas": len(targets),
+                "push_s": time.perf_counter() - t0, "dtype": dtype, "transport": transport, "adapter": adapter,
+                "loads": [ref for loads in in_flight for ref in loads], "finishes": finishes}
 
-    def _transport(self, targets: list, transport: str) -> str:
+    def _transport(self, targets: list, transport: str, bucket_bytes: int) -> str:
         """The transport a push to `targets` takes (see `push_weights`)."""
         import ray
 
-        if transport not in ("auto", "objstore", "pg"):
-            raise ValueError(f"transport={transport!r}; choose auto, objstore or pg")
+        if transport not in ("auto", "objstore", "shm", "pg"):
+            raise ValueError(f"transport={transport!r}; choose auto, objstore, shm or pg")
+        key = tuple(t._actor_id.hex() for t in targets)
+        if transport in ("auto", "shm") and key not in self._nodes:
+            self._nodes[key] = set(ray.get([t.node_id.remote() for t in targets])) == {self.node_id()}
+        if transport == "shm" and (not self._nodes[key] or self.device == "gpu"):
+            raise ValueError("sync.transport=shm needs every rollout shard on the actor's node and the CPU; "
+                             "use auto (it picks the process group across nodes and on GPUs)")
         if transport != "auto":
             return transport
-        key = tuple(t._actor_id.hex() for t in targets)
-        if key not in self._nodes:
-            self._nodes[key] = set(ray.get([t.node_id.remote() for t in targets])) == {self.node_id()}
-        return "objstore" if self._nodes[key] and self.device != "gpu" else "pg"
+        if not self._nodes[key] or self.device == "gpu":
+            return "pg"
+        return "shm" if shm.usable(bucket_bytes) else "objstore"
 
-    def _send(self, bucket, targets: list, transport: str, corrupt: str | None) -> list:
+    def _send(self, bucket, targets: list, transport: str, corrupt: str | None, bucket_bytes: int) -> list:
         """Send one bucket to every target by `transport`; their pending loads."""
         import ray
 
@@ -207,6 +222,16 @@ class TrainWorkhorse(Workhorse):
         if transport == "objstore":
             ref = ray.put(wire)
             return [t.load_bucket.remote(ref) for t in targets]
+        if transport == "shm":
+            key = tuple(t._actor_id.hex() for t in targets)
+            if key not in self._rings:
+                self._rings[key] = shm.SendRing(f"{self.role}{self.rank}x{len(self._rings)}")
+            ring = self._rings[key]
+            if ring.loads[ring.next]:  # the slot's last readers (of an earlier sync) must be done
+                ray.wait(ring.loads[ring.next], num_returns=len(ring.loads[ring.next]), fetch_local=False)
+            slot, path, layout = ring.write(wire)
+            ring.loads[slot] = [t.load_slot.remote(slot, path, layout) for t in targets]
+            return ring.loads[slot]
         sync_group = self._sync_group(targets)
         device = "cuda" if self.device == "gpu" else "cpu"
         layout = [(name, dtype, shape, data.nbytes, sum_) for name, dtype, shape, data, sum_ in wire]
@@ -227,6 +252,13 @@ class TrainWorkhorse(Workhorse):
             ray.get(joins)
             self.log.info("weight-sync group of %d ranks at %s:%d", world, addr, port)
         return self._groups[key]
+
+    def shutdown(self) -> None:
+        """Remove this shard's shared-memory slots, then leave the process group."""
+        for ring in self._rings.values():
+            ring.close()
+        self._rings.clear()
+        super().shutdown()
 
     @fanout(dispatch="all", collect=_exported, deadline_s=1800.0)
     def stage_weights(self, bucket_bytes: int = 64 << 20, replica: int = 0) -> dict | None:
