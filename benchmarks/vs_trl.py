@@ -8,13 +8,15 @@ Both trainers get the same model directory, task (`builtin:arith`, reward
 KL (TRL's default beta=0, so xray starts no reference), clip 0.2, one optimizer step per batch,
 constant lr, grad clip 1.0, and the same micro-batch (TRL's `per_device_train_batch_size`, with
 gradient accumulation over the step's completions; xray's `actor.micro_batch_size`): all 64 at the
-small size, 16 at the big one (on this CPU the faster choice for xray at each). TRL runs in this process on every core (`use_cpu`, HF `generate`);
+small size, 8 at the big one (there TRL's step is 1.3 s faster at 8 than at 16, xray's the same).
+TRL pads each micro-batch to the step's longest completion; xray groups its micro-batches by length
+and cuts each to its longest (`xray/data/lengths.py`). TRL runs in this process on every core (`use_cpu`, HF `generate`);
 xray runs `grpo` as `python -m xray.train grpo` would (`configs/critic_free_tiny_cpu.yaml`:
 actor on device 0, vLLM rollout on device 1), one after the other.
 Sizes: small, a ~1M-parameter Llama, 12-token responses, 64 completions a step; big (compute
-bound), a ~27M-parameter Llama, 128-token responses, 64 completions a step. Both start untrained
-(an untrained model never emits EOS: every response is full length, so the step is the work it
-says). Seconds per step: median over `--steps` steps after `--warmup`, per trainer. Eval: greedy
+bound), a ~27M-parameter Llama, 128-token responses, 64 completions a step. Both start untrained:
+an untrained model ends a response at a random length (at the big size about 55 tokens on average,
+one in six at the 128-token limit, by TRL's log). Seconds per step: median over `--steps` steps after `--warmup`, per trainer. Eval: greedy
 accuracy of the trained weights on 200 held-out prompts, both scored by the same `transformers`
 generation here.
 Last line: `small_xray_over_trl=<xray s/step / TRL s/step> big_xray_over_trl=<same, big>
@@ -41,7 +43,7 @@ SIZES = {  # spec, response tokens, completions per step, micro-batch
     "small": (TinySpec(vocab_size=VOCAB_SIZE, hidden_size=128, intermediate_size=512, num_layers=4,
                        num_heads=4, num_kv_heads=2, max_position_embeddings=256), 12, 64, 64),
     "big": (TinySpec(vocab_size=VOCAB_SIZE, hidden_size=512, intermediate_size=1536, num_layers=8,
-                     num_heads=8, num_kv_heads=8, max_position_embeddings=512), 128, 64, 16),
+                     num_heads=8, num_kv_heads=8, max_position_embeddings=512), 128, 64, 8),
 }
 GENERATIONS = 4
 EVAL_SIZE = 200

@@ -7,10 +7,13 @@ and the critic are separate models trained by separate engines.
     value_loss  = 0.5 * mean_mask( max((V - R)^2, (clip(V, V_old - cv, V_old + cv) - R)^2) )
 
 `agg` is the loss aggregation the anchors name (`AGG_MODES`): `token-mean` (every response token
-of the micro-batch weighs the same), `seq-mean-token-sum` (each sequence's summed terms, averaged
-over sequences: Dr. GRPO), `seq-mean-token-mean` (each sequence's mean, averaged: the GRPO paper).
-`cliprange_high` above `cliprange` is DAPO's clip-higher. A micro-batch whose approx KL to the
-old policy already exceeds `max_approx_kl` contributes no gradient and reports `skipped` 1; the
+of the engine's slice of the mini-batch weighs the same), `seq-mean-token-sum` (each sequence's
+summed terms, averaged over sequences: Dr. GRPO), `seq-mean-token-mean` (each sequence's mean,
+averaged: the GRPO paper). Both losses average over the engine's whole slice, not over one
+micro-batch: engines give them length-grouped, trimmed micro-batches (`by_length`,
+`xray.data.lengths`) whose meta holds the slice's denominators. `cliprange_high` above
+`cliprange` is DAPO's clip-higher. A micro-batch whose approx KL to the old policy already
+exceeds `max_approx_kl` contributes no gradient and reports `skipped` 1; the
 engines leave the weights unchanged when every micro-batch of an update is skipped.
 
 The critic's training loss is `vf_coef * value_loss` (trlX adds that term to the policy loss of
@@ -30,35 +33,42 @@ from algorithms.ppo.kl_estimators import Estimator, kl_terms
 from algorithms.ppo.masked import masked_mean
 from xray.data import columns as C
 from xray.data.batch import Batch
+from xray.data.lengths import LossNorm, loss_norm
 
 
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 
 
-def aggregate(terms: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean") -> torch.Tensor:
+def aggregate(terms: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean",
+              norm: LossNorm | None = None) -> torch.Tensor:
     """Reduce per-token `terms` `[B, T-1]` to a scalar over the masked positions, by `mode`
-    (`AGG_MODES`). The sequence modes average over rows with at least one masked position."""
+    (`AGG_MODES`). The sequence modes average over rows with at least one masked position. With
+    `norm` (a length-grouped micro-batch) the sums divide by the slice's share instead of this
+    micro-batch's own count, so that the mean over micro-batches is the slice's mean."""
     m = mask.to(terms.dtype)
-    if mode == "token-mean":
-        return masked_mean(terms, m)
     if mode not in AGG_MODES:
         raise ValueError(f"unknown loss aggregation {mode!r}; choose one of {', '.join(AGG_MODES)}")
+    if mode == "token-mean":
+        return masked_mean(terms, m) if norm is None else (terms * m).sum() / norm.tokens
     per_row = (terms * m).sum(1)
     if mode == "seq-mean-token-mean":
         per_row = per_row / m.sum(1).clamp(min=1.0)
     rows = (m.sum(1) > 0).to(terms.dtype)
-    return (per_row * rows).sum() / rows.sum().clamp(min=1.0)
+    count = rows.sum().clamp(min=1.0) if norm is None else norm.rows
+    return (per_row * rows).sum() / count
 
 
 def clipped_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
                         mask: torch.Tensor, cliprange: float, weight: torch.Tensor | None = None,
                         cliprange_high: float | None = None,
-                        agg: str = "token-mean") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                        agg: str = "token-mean",
+                        norm: LossNorm | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The clipped surrogate loss (a scalar to minimise, aggregated by `agg`) and its statistics:
     `clipfrac` (share of positions where the clipped term is the larger), `approx_kl` (k3 estimate
     of KL(old || new), `mean((ratio - 1) - log ratio)`), `ratio` mean; all over the mask. The ratio
     is clipped to `[1 - cliprange, 1 + cliprange_high]` (`cliprange_high` None: `cliprange`).
-    `weight` (per token, no gradient) scales each position's term: decoupled PPO's behaviour weight."""
+    `weight` (per token, no gradient) scales each position's term: decoupled PPO's behaviour weight.
+    `norm`: the slice's denominators of a length-grouped micro-batch (`aggregate`)."""
     m = mask.to(logprobs.dtype)
     high = cliprange if cliprange_high is None else cliprange_high
     log_ratio = (logprobs - old_logprobs) * m
@@ -66,7 +76,7 @@ def clipped_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, adva
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + high)
     terms = torch.max(unclipped, clipped)
-    loss = aggregate(terms if weight is None else terms * weight, m, agg)
+    loss = aggregate(terms if weight is None else terms * weight, m, agg, norm)
     with torch.no_grad():
         stats = {"clipfrac": masked_mean((clipped > unclipped).to(m.dtype), m),
                  "approx_kl": masked_mean((ratio - 1.0) - log_ratio, m),
@@ -94,14 +104,16 @@ def rollout_gap(old: torch.Tensor, behaviour: torch.Tensor, mask: torch.Tensor) 
 
 
 def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
-                       mask: torch.Tensor, cliprange_value: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                       mask: torch.Tensor, cliprange_value: float,
+                       norm: LossNorm | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """`0.5 * mean_mask(max(unclipped, clipped squared error))` and its statistics: `clipfrac`
-    (share of positions where the clipped error is the larger), `values` mean."""
+    (share of positions where the clipped error is the larger), `values` mean. `norm`: as in
+    `aggregate` (the mean is then the slice's)."""
     m = mask.to(values.dtype)
     values_clipped = torch.clamp(values, old_values - cliprange_value, old_values + cliprange_value)
     unclipped = (values - returns) ** 2
     clipped = (values_clipped - returns) ** 2
-    loss = 0.5 * masked_mean(torch.max(unclipped, clipped), m)
+    loss = 0.5 * aggregate(torch.max(unclipped, clipped), m, "token-mean", norm)
     with torch.no_grad():
         stats = {"clipfrac": masked_mean((clipped > unclipped).to(m.dtype), m),
                  "values": masked_mean(values, m)}
@@ -130,6 +142,8 @@ class PolicyLoss:
     """Per-token estimate of the KL loss term (`algorithms.ppo.kl_estimators`)."""
     max_approx_kl: Optional[float] = None
     """Skip (no gradient, `skipped` 1) a micro-batch whose approx KL to the old policy exceeds this."""
+    by_length: ClassVar[bool] = True
+    """Engines may group and trim micro-batches by length (`xray.data.lengths`)."""
     on_policy: bool = False
     """The batch was sampled with the weights being trained and this is their only update (one
     epoch, one mini-batch): the old log-probs are this forward's own, detached (ratio 1, the
@@ -151,12 +165,13 @@ class PolicyLoss:
             weight = behaviour_weight(old, batch[C.BEHAVIOUR_LOGPROBS].to(logprobs.dtype), mask,
                                       self.behaviour_weight_cap)
         loss, stats = clipped_policy_loss(logprobs, old, batch[C.ADVANTAGES].to(logprobs.dtype), mask,
-                                          self.cliprange, weight, self.cliprange_high, self.loss_agg_mode)
+                                          self.cliprange, weight, self.cliprange_high, self.loss_agg_mode,
+                                          loss_norm(batch))
         metrics = {"policy_loss": float(loss.detach()), "policy_clipfrac": float(stats["clipfrac"]),
                    "approx_kl": float(stats["approx_kl"]), "ratio": float(stats["ratio"])}
         if self.kl_coef:
             kl = aggregate(kl_terms(logprobs, batch[C.REF_LOGPROBS].to(logprobs.dtype), self.kl_estimator) * mask,
-                           mask, self.loss_agg_mode)
+                           mask, self.loss_agg_mode, loss_norm(batch))
             loss = loss + self.kl_coef * kl
             metrics["kl_loss"] = float(kl.detach())
         if self.max_approx_kl is not None:
@@ -176,6 +191,8 @@ class ValueLoss:
     batch[LOSS_MASK]; returns `vf_coef * value_loss` and reports the unscaled `value_loss`."""
 
     reads: ClassVar[tuple[str, ...]] = (C.LOSS_MASK, C.OLD_VALUES, C.RETURNS)
+    by_length: ClassVar[bool] = True
+    """Engines may group and trim micro-batches by length (`xray.data.lengths`)."""
     cliprange_value: float = 0.2
     """Clip the new values to within this distance of the old values."""
     vf_coef: float = 0.1
@@ -185,7 +202,8 @@ class ValueLoss:
         values = outputs[C.VALUES]
         mask = batch[C.LOSS_MASK].to(values.dtype)
         loss, stats = clipped_value_loss(values, batch[C.OLD_VALUES].to(values.dtype),
-                                         batch[C.RETURNS].to(values.dtype), mask, self.cliprange_value)
+                                         batch[C.RETURNS].to(values.dtype), mask, self.cliprange_value,
+                                         loss_norm(batch))
         metrics = {"value_loss": float(loss.detach()), "value_clipfrac": float(stats["clipfrac"]),
                    "values": float(stats["values"])}
         return self.vf_coef * loss, metrics

@@ -30,6 +30,9 @@ if TYPE_CHECKING:
 # scalar loss alone (engines call it through `apply_loss`).
 # An optional attribute `reads` (column names) says which batch columns it uses besides the
 # model inputs; a train step through a WholeModel then ships only those.
+# An optional true attribute `by_length` lets the engine form micro-batches of rows of similar
+# length, each cut to its longest row (`xray.data.lengths`); such a loss must divide by the
+# slice-wide counts that module puts in each micro-batch's meta.
 LossFn = Callable[[dict[str, torch.Tensor], Batch], "tuple[torch.Tensor, dict[str, float]]"]
 
 def apply_loss(loss_fn: LossFn, outputs: dict[str, torch.Tensor], batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:

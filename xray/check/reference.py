@@ -4,10 +4,11 @@ A plain Hugging Face model on one process, fp32: per-token log-probabilities, an
 step with the same AdamW, warm-up, micro-batching and gradient clipping as the backends. The
 parity check (`python -m xray.check parity`) and the backend tests compare against these.
 
-Loss semantics every backend follows: the global batch is split into micro-batches of
-`micro_batch_size` rows (data-parallel replicas take consecutive equal slices first); the step's
-gradient is the mean over all micro-batches of the loss function's value (itself a mean inside
-its micro-batch).
+Loss semantics every backend follows: data-parallel replicas take consecutive equal slices of
+the global batch, and each slice is split into micro-batches of `micro_batch_size` rows
+(consecutive rows, or grouped by length for a loss with `by_length`: `xray.data.lengths`); the
+step's gradient is the mean over all micro-batches of the loss function's value (a mean inside
+its micro-batch, or its share of its slice's mean when grouped by length).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from xray.backends.hf_logprobs import hf_logprobs, load_hf, token_logprobs  # no
 from xray.backends.optim import build_optimizer, build_scheduler
 from xray.data import columns as C
 from xray.data.batch import Batch
+from xray.data.lengths import train_micro_batches
 
 
 def policy_loss(outputs: dict[str, torch.Tensor], batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
@@ -30,11 +32,12 @@ def policy_loss(outputs: dict[str, torch.Tensor], batch: Batch) -> tuple[torch.T
 
 
 def reference_train_step(model: torch.nn.Module, batch: Batch, loss_fn: LossFn, optim: OptimConfig,
-                         micro_batch_size: int, steps: int = 1) -> list[float]:
-    """Run `steps` optimizer steps of `model` on `batch` in place; return the loss of each step."""
+                         micro_batch_size: int, steps: int = 1, dp: int = 1) -> list[float]:
+    """Run `steps` optimizer steps of `model` on `batch` in place, micro-batched as `dp` replicas
+    would; return the loss of each step."""
     optimizer = build_optimizer(model.parameters(), optim)
     scheduler = build_scheduler(optimizer, optim)
-    micro = batch.chunks(micro_batch_size)
+    micro = [mb for part in batch.split(dp) for mb in train_micro_batches(part, loss_fn, micro_batch_size)]
     losses = []
     for _ in range(steps):
         optimizer.zero_grad(set_to_none=True)

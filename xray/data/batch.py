@@ -110,7 +110,7 @@ class Batch:
                          {k: v[idx] for k, v in self.lists.items()}, dict(self.meta))
         rows = idx.tolist() if isinstance(idx, torch.Tensor) else list(idx)
         t = torch.as_tensor(rows, dtype=torch.long)
-        return Batch({k: v.index_select(0, t) for k, v in self.tensors.items()},
+        return Batch({k: v.index_select(0, t.to(v.device)) for k, v in self.tensors.items()},
                      {k: [v[i] for i in rows] for k, v in self.lists.items()}, dict(self.meta))
 
     def split(self, parts: int) -> list["Batch"]:

@@ -18,6 +18,7 @@ from xray.backends.hf_logprobs import hf_logprobs, load_hf
 from xray.config.optim import OptimConfig
 from xray.data import columns as C
 from xray.data.batch import Batch
+from xray.data.lengths import train_micro_batches
 from xray.wholemodel.protocol import fanout
 from xray.workhorse.base import Workhorse, train_step_columns
 
@@ -52,7 +53,7 @@ class HFWorkhorse(Workhorse):
         default: the whole slice); gradients averaged over replicas."""
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        micro = batch.chunks(micro_batch_size or len(batch))
+        micro = train_micro_batches(batch, loss_fn, micro_batch_size or len(batch))
         total = 0.0
         for mb in micro:
             mb = mb.to(self.model_device)

@@ -36,6 +36,7 @@ from xray.backends.snapshot import Snapshot, capture_engine, read, replay_engine
 from xray.config.lora import LoraConfig
 from xray.config.parallel import LayoutError, ParallelDims
 from xray.data.batch import Batch
+from xray.data.lengths import train_micro_batches
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +100,7 @@ class DeepSpeedEngine(TrainEngine):
     def train_step(self, batch: Batch, loss_fn: LossFn, micro_batch_size: int) -> dict[str, float]:
         if self.optimizer is None:
             raise EngineSetupError(f"the {self.role} engine has no optimizer; build an actor or critic to train")
-        micro = batch.to(self._device()).chunks(micro_batch_size)
+        micro = [mb.to(self._device()) for mb in train_micro_batches(batch, loss_fn, micro_batch_size)]
         self._set_accumulation(micro_batch_size, len(micro))
         lr = float(self.optimizer.param_groups[0]["lr"])
         self.engine.train()

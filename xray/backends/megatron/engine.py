@@ -38,6 +38,7 @@ from xray.config.lora import LoraConfig
 from xray.config.parallel import LayoutError, ParallelDims
 from xray.data import columns as C
 from xray.data.batch import Batch
+from xray.data.lengths import train_micro_batches
 
 logger = logging.getLogger(__name__)
 
@@ -145,7 +146,9 @@ class MegatronEngine(TrainEngine):
         if self.optimizer is None:
             raise EngineUsageError(f"the {self.role} engine has no optimizer; train an actor or "
                                    "critic engine, or build this one with role='actor'")
-        micro = batch.to(self.device).chunks(micro_batch_size)
+        # A pipeline schedule sends one activation shape: group by length, trim only without one.
+        micro = [mb.to(self.device) for mb in train_micro_batches(batch, loss_fn, micro_batch_size,
+                                                                   trim=self.parallel.pp == 1)]
 
         def loss_func(mb: Batch, output: torch.Tensor):
             loss, metrics = apply_loss(loss_fn, self._head_outputs(output, mb), mb)

@@ -1,0 +1,98 @@
+"""Length-grouped micro-batches for a train step: the rows of one replica's slice ordered by
+length, cut into micro-batches of rows of similar length, each cut down to its longest row.
+
+Why: a rollout pads every row to the longest response of the whole batch. On a CPU (or any device
+where compute grows with tokens) a micro-batch of short rows then pays for the longest; grouped
+and trimmed, it pays for its own rows only.
+
+Why it is exact: rows are left-aligned (padding at the right end, `xray.data.columns`), so cutting
+off columns past a micro-batch's longest row changes no output of a causal model at a real
+position. Grouping does change which rows share a micro-batch, and a loss averaged inside its
+micro-batch would then weigh rows differently. So every micro-batch carries the slice's totals in
+its meta under `NORM` (a `LossNorm`): the loss tokens and the rows with a loss token, each divided
+by the number of micro-batches. A loss that divides its micro-batch's sums by these, accumulated
+as every engine accumulates (the mean over micro-batches), is the mean over the whole slice:
+the same number however the rows are grouped.
+
+A loss function opts in with a true `by_length` attribute (`xray.backends.base.LossFn`); engines
+call `train_micro_batches`, which falls back to consecutive chunks for any other loss (a reward
+model's (chosen, rejected) pairs must stay together, for one).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+
+from xray.data import columns as C
+from xray.data.batch import Batch, BatchError
+
+NORM = "loss_norm"
+"""Meta key of a grouped micro-batch: its `LossNorm`."""
+
+
+@dataclass(frozen=True)
+class LossNorm:
+    """The slice-wide denominators one micro-batch's loss divides by (each total / micro-batches)."""
+
+    tokens: float
+    """Loss-mask tokens of the whole slice / micro-batches (1.0 when the slice has none)."""
+    rows: float
+    """Rows of the slice with at least one loss token / micro-batches (1.0 when none)."""
+
+
+def grouped_micro_batches(batch: Batch, size: int, trim: bool = True) -> list[Batch]:
+    """`batch` in micro-batches of `size` rows, longest rows first, each with its `LossNorm` in
+    meta and (with `trim`) its columns cut to its longest row. Needs ATTENTION_MASK and LOSS_MASK.
+    `trim=False` keeps one width for all (a pipeline schedule sends one activation shape)."""
+    n = len(batch)
+    if size < 1 or n % size:
+        raise BatchError(f"micro-batch size {size} does not divide the batch of {n} rows; "
+                         "choose a micro-batch size that divides the batch size")
+    for key in (C.ATTENTION_MASK, C.LOSS_MASK):
+        if key not in batch.tensors:
+            raise BatchError(f"length grouping needs the {key!r} column; ship it with the train step "
+                             "(list it in the loss function's `reads`)")
+    parts = n // size
+    lengths = batch[C.ATTENTION_MASK].sum(1)
+    order = torch.argsort(lengths, descending=True, stable=True)
+    mask = batch[C.LOSS_MASK]
+    tokens = float(mask.sum())
+    rows = float((mask.sum(1) > 0).sum())
+    norm = LossNorm(tokens / parts if tokens else 1.0, rows / parts if rows else 1.0)
+    micro = []
+    for i in range(parts):
+        idx = order[i * size:(i + 1) * size]
+        mb = batch.index(idx)
+        if trim:
+            mb = trimmed(mb, int(lengths[idx].max()))
+        mb.meta[NORM] = norm
+        micro.append(mb)
+    return micro
+
+
+def trimmed(batch: Batch, length: int) -> Batch:
+    """The batch with its `[B, T]` columns cut to `length` and its `[B, T-1]` columns to
+    `length - 1` (other columns as they are)."""
+    width = batch[C.ATTENTION_MASK].shape[1]
+    if length >= width:
+        return batch
+    keep = {width: length, width - 1: max(length - 1, 0)}
+    tensors = {k: (v[:, :keep[v.shape[1]]].contiguous() if v.dim() >= 2 and v.shape[1] in keep else v)
+               for k, v in batch.tensors.items()}
+    return Batch(tensors, dict(batch.lists), dict(batch.meta))
+
+
+def train_micro_batches(batch: Batch, loss_fn: Any, size: int, trim: bool = True) -> list[Batch]:
+    """A train step's micro-batches: length-grouped when `loss_fn.by_length` is true, else
+    consecutive chunks of `size` rows."""
+    if getattr(loss_fn, "by_length", False):
+        return grouped_micro_batches(batch, size, trim)
+    return batch.chunks(size)
+
+
+def loss_norm(batch: Batch | Mapping) -> LossNorm | None:
+    """The micro-batch's `LossNorm`, or None when it was not length-grouped (or is a plain
+    mapping of columns, as in a hand-built test)."""
+    return getattr(batch, "meta", {}).get(NORM)
