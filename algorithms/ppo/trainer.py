@@ -136,6 +136,8 @@ class PPOTrainer:
         plan = getattr(models, "plan", None)
         self.sleeps = bool(plan is not None and plan.rollout_sleep)
         """Whether the rollout engine sleeps while the trained roles work (the plan's `rollout.sleep`)."""
+        self.overlap_sync = plan is None or not plan.shares_devices("actor", "rollout")
+        """Whether a sync runs the actor's probe while the rollout loads (not when they share devices)."""
 
     def losses(self) -> dict[str, Any]:
         """Each trained role's loss function."""
@@ -273,7 +275,7 @@ class PPOTrainer:
     async def sync(self, exp: Batch, version: int):
         sequences, prompt_lens = self.probe(exp)
         return await sync_weights(self.models.actor, self.models.rollout, version, self.cfg.sync,
-                                  sequences, prompt_lens)
+                                  sequences, prompt_lens, overlap=self.overlap_sync)
 
     async def resync(self, rows: list[dict], version: int):
         """Bring the rollout engine to the actor's weights outside a step (after a resume)."""

@@ -162,7 +162,8 @@ def test_bf16_sync_is_verified_exactly(local_ray, tmp_path_factory, actor):
 def test_every_transport_syncs_exactly(actor, engine):
     """The process group, the shared-memory slots and the object store bring the same weights to
     2 replicas (greedy output equal), verified the same way, a tensor changed in transit caught;
-    `auto` on one CPU node takes the slots."""
+    `auto` on one CPU node takes the slots; `overlap=False` runs the actor's probe before the push,
+    the others while it sends."""
     actor_wm, model_dir = actor
     rollout = WholeModel(RolloutWorkhorse, role="rollout", parallel=ParallelDims(dp=2),
                          init_kwargs=dict(backend=engine, model_dir=str(model_dir), max_model_len=256))
@@ -175,9 +176,15 @@ def test_every_transport_syncs_exactly(actor, engine):
         assert pg.held_checked == (2 * 21 if engine == "dsinfer" else 2 * 7)
         by_group = rollout.generate(prompts, GREEDY).get()[C.RESPONSE_IDS]
         for version, transport in ((2, "objstore"), (3, "auto"), (4, "shm")):
+            actor_wm.busy_time().get()  # drained: what follows is this sync's
             report = asyncio.run(sync_weights(actor_wm, rollout, version, SyncConfig(transport=transport,
-                                                                                     bucket_mb=1), probe, lens))
+                                                                                     bucket_mb=1), probe, lens,
+                                              overlap=version != 2))
             assert report.transport == ("shm" if transport == "auto" else transport), report
+            busy = [iv for r in actor_wm.busy_time().get() for iv in r["intervals"]]
+            probe_end = max(end for _, end, name in busy if name == "forward")
+            push_start = min(start for start, _, name in busy if name == "push_weights")
+            assert (probe_end <= push_start) == (version == 2), busy  # overlap=False: the probe first
             assert report.bytes == pg.bytes and report.held_checked == pg.held_checked
             assert rollout.generate(prompts, GREEDY).get()[C.RESPONSE_IDS] == by_group
         for version, transport in ((5, "pg"), (6, "shm")):

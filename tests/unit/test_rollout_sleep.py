@@ -1,5 +1,6 @@
 """`rollout.sleep`: the plan's auto rule, the vLLM engine's flag and methods, and when the trainers
-put the rollout to sleep and wake it, all without a GPU (fakes stand in for vLLM and the models)."""
+put the rollout to sleep and wake it, all without a GPU (fakes stand in for vLLM and the models);
+and the other thing a rollout sharing the actor's devices changes: its sync does not overlap."""
 import asyncio
 import dataclasses
 import re
@@ -180,3 +181,15 @@ def test_critic_free_step_sleeps_after_generating_and_wakes_before_the_sync():
     asyncio.run(trainer.step([{"prompt_ids": [1, 2]}] * 8))
     assert log.index("rollout.generate") < log.index("rollout.sleep") < log.index("actor.train_step")
     assert log[-2:] == ["rollout.wake_up", "sync"] and "critic.train_step" not in log
+
+
+def test_a_sync_overlaps_only_where_the_rollout_has_devices_of_its_own():
+    from algorithms.ppo.trainer import PPOTrainer
+    from xray.train import resolve
+
+    for config, shared in ((GPU_1X, True), (GPU_8X, False), (TINY, False)):
+        _, cfg, plan, _, _ = resolve(["ppo", "--config", config])
+        assert plan.shares_devices("actor", "rollout") is shared
+        trainer = PPOTrainer(cfg, fake_models([], cfg, plan, rows=4), lambda rows, responses: None,
+                             pad_id=0, stop_ids=[1])
+        assert trainer.overlap_sync is not shared

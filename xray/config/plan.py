@@ -77,6 +77,10 @@ class Plan:
                 return r
         raise KeyError(f"role {name!r} is not in this plan")
 
+    def shares_devices(self, a: str, b: str) -> bool:
+        """Whether roles `a` and `b` are placed on the same devices (one device group: colocated)."""
+        return self.role(a).group == self.role(b).group
+
     def describe(self) -> str:
         lines = [f"placement plan (backend {self.backend}; {self.nnodes} node(s) x "
                  f"{self.nproc_per_node} devices):"]

@@ -242,29 +242,38 @@ async def landed(pushed: dict, version: int) -> list[dict]:
 
 async def sync_weights(actor, rollout, version: int, cfg: SyncConfig, probe: list[list[int]] | None = None,
                        prompt_lens: list[int] | None = None, corrupt: str | None = None,
-                       replica: int = 0) -> SyncReport:
+                       replica: int = 0, overlap: bool = True) -> SyncReport:
     """Push the actor's weights (exported from its data-parallel `replica`) to every rollout
     replica at `version`, then verify (cfg.verify).
 
-    Everything is queued at once: the actor's probe forward runs on the actor as soon as its last
-    bucket is sent, while the rollout replicas still load, and the engine's probe is queued (Ray
-    waits, not the caller) behind the replicas' `finish_sync`, so only the engine's side of the
-    probe adds to the sync's time."""
+    With `overlap`, everything is queued at once: the actor's probe forward runs on the actor as
+    soon as its last bucket is sent, while the rollout replicas still load, and the engine's probe
+    is queued (Ray waits, not the caller) behind the replicas' `finish_sync`, so only the engine's
+    side of the probe adds to the sync's time. Without it (actor and rollout on the same devices,
+    where running both at once only makes them take turns, and on a CPU oversubscribes its cores),
+    the actor's probe runs first, then the push and the engine's probe."""
     if cfg.verify and not probe:
         raise ValueError("verification needs probe sequences; pass probe= and prompt_lens=")
     t0 = time.perf_counter()
+    actor_out, first_s = None, 0.0
+    if cfg.verify and not overlap:
+        actor_out = await actor.forward(pad_sequences(probe))
+        first_s = time.perf_counter() - t0
     push = actor.push_weights(rollout.shard_handles(), version, cfg.bucket_mb << 20, corrupt, replica, cfg.transport)
-    if cfg.verify:
+    if cfg.verify and overlap:
         actor_call = actor.forward(pad_sequences(probe))
     pushed = await push
     if cfg.verify:
         engine_call = rollout.call("logprobs", probe, prompt_lens, after=tuple(pushed["finishes"]))
     reports = await landed(pushed, version)
-    sync_s = time.perf_counter() - t0
+    sync_s = time.perf_counter() - t0 - first_s
     diff, verify_s = float("nan"), 0.0
     if cfg.verify:
         exact = check_exact(version, reports)
-        actor_out, engine_logp = await asyncio.gather(actor_call, engine_call)
+        if overlap:
+            actor_out, engine_logp = await asyncio.gather(actor_call, engine_call)
+        else:
+            engine_logp = await engine_call
         tolerance = probe_tolerance(cfg, exact["dtypes"] + [pushed["dtype"]], exact["quantized"])
         diff = check_logprobs(actor_out[C.LOGPROBS], engine_logp, probe, prompt_lens, version, tolerance)
         verify_s = time.perf_counter() - t0 - sync_s
