@@ -1,24 +1,33 @@
 """xray against TRL's `GRPOTrainer`: the same GRPO job, side by side in one run, at two sizes.
 
-    .venv/bin/python benchmarks/vs_trl.py [--steps 4] [--warmup 1] [--lr 1e-4]
+    .venv/bin/python benchmarks/vs_trl.py [--steps 4] [--warmup 1] [--lr 1e-4] [--dtype bfloat16]
 
 Both trainers get the same model directory, task (`builtin:arith`, reward
 `xray.rewards.builtin:exact_answer`, TRL's calling convention), training prompts, batch (prompts x
 4 generations), response length, learning rate and GRPO settings: group mean/std advantages, no
 KL (TRL's default beta=0, so xray starts no reference), clip 0.2, one optimizer step per batch,
-constant lr, grad clip 1.0, and the same micro-batch (TRL's `per_device_train_batch_size`, with
-gradient accumulation over the step's completions; xray's `actor.micro_batch_size`): all 64 at the
-small size, 8 at the big one (there TRL's step is 1.3 s faster at 8 than at 16, xray's the same).
-TRL pads each micro-batch to the step's longest completion; xray groups its micro-batches by length
-and cuts each to its longest (`xray/data/lengths.py`). TRL runs in this process on every core (`use_cpu`, HF `generate`);
-xray runs `grpo` as `python -m xray.train grpo` would (`configs/critic_free_tiny_cpu.yaml`:
-actor on device 0, vLLM rollout on device 1), one after the other.
+constant lr, grad clip 1.0, and:
+- no activation recomputation: TRL's GRPOConfig turns gradient checkpointing on by default; it is
+  off here, as xray does not recompute;
+- the same training precision (`--dtype`): by default bfloat16, the default of TRL's GRPOConfig
+  (TRL's `bf16` autocast over fp32 weights; xray's `model.dtype` bf16 weights with fp32 main
+  weights). xray's vLLM rollout generates in fp32 (`rollout.dtype`): vLLM's CPU bf16 path is the
+  slower one here. TRL generates with HF `generate` inside its trainer, as it does by default;
+- the same micro-batch (TRL's `per_device_train_batch_size`, with gradient accumulation over the
+  step's completions; xray's `actor.micro_batch_size`): all 64 at the small size, 8 at the big
+  one (there TRL's fp32 step was 1.3 s faster at 8 than at 16, xray's the same). TRL pads each
+  micro-batch to the step's longest completion; xray groups its micro-batches by length and cuts
+  each to its longest (`xray/data/lengths.py`).
+TRL runs in this process on every core (`use_cpu`). xray runs `grpo` as `python -m xray.train grpo`
+would, from `configs/critic_free_tiny_cpu.yaml` with `--layout colocated` (the default: actor and
+rollout share one device of two threads and take turns) or `separate` (a core each); one trainer
+after the other.
 Sizes: small, a ~1M-parameter Llama, 12-token responses, 64 completions a step; big (compute
 bound), a ~27M-parameter Llama, 128-token responses, 64 completions a step. Both start untrained:
-an untrained model ends a response at a random length (at the big size about 55 tokens on average,
-one in six at the 128-token limit, by TRL's log). Seconds per step: median over `--steps` steps after `--warmup`, per trainer. Eval: greedy
-accuracy of the trained weights on 200 held-out prompts, both scored by the same `transformers`
-generation here.
+an untrained model ends a response at a random length (at the big size about 55 tokens on
+average, one in six at the 128-token limit, by TRL's log). Seconds per step: median over `--steps`
+steps after `--warmup`, per trainer. Eval: greedy accuracy of the trained weights on 200 held-out
+prompts, both scored by the same `transformers` generation here (untrained, both stay at 0).
 Last line: `small_xray_over_trl=<xray s/step / TRL s/step> big_xray_over_trl=<same, big>
 eval_xray=<after, big> eval_trl=<after, big>`.
 """
@@ -83,7 +92,7 @@ class StepTimes:
 
 
 def run_trl(model_dir: Path, train: list[dict], length: int, completions: int, micro: int, steps: int, lr: float,
-            out: Path) -> list[float]:
+            out: Path, dtype: str) -> list[float]:
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
@@ -92,7 +101,8 @@ def run_trl(model_dir: Path, train: list[dict], length: int, completions: int, m
                       max_completion_length=length, learning_rate=lr, lr_scheduler_type="constant",
                       warmup_steps=0, max_steps=steps, beta=0.0, epsilon=0.2, temperature=1.0,
                       scale_rewards="group", loss_type="dapo", num_iterations=1, max_grad_norm=1.0,
-                      adam_beta2=0.95, weight_decay=0.0, use_cpu=True, report_to=[], save_strategy="no",
+                      adam_beta2=0.95, weight_decay=0.0, use_cpu=True, bf16=dtype == "bfloat16",
+                      gradient_checkpointing=False, report_to=[], save_strategy="no",
                       logging_steps=1, disable_tqdm=True, seed=1, dataloader_num_workers=0)
     times = StepTimes()
     trainer = GRPOTrainer(model=str(model_dir), reward_funcs=exact_answer, args=args,
@@ -123,7 +133,7 @@ def xray_config(layout: str, out: Path) -> Path:
 
 
 def run_xray(model_dir: Path, length: int, completions: int, micro: int, steps: int, lr: float, out: Path,
-             layout: str) -> list[float]:
+             layout: str, dtype: str) -> list[float]:
     from algorithms.ppo.run import ppo_trainer
     from xray.backends.hf_dir import save_hf_model
     from xray.run.outputs import RunDir
@@ -133,7 +143,7 @@ def run_xray(model_dir: Path, length: int, completions: int, micro: int, steps: 
                  f"--model.path={model_dir}", f"--rollout.max_new_tokens={length}",
                  f"--rollout.n_samples={GENERATIONS}", f"--ppo.rollout_batch_size={completions // GENERATIONS}",
                  f"--ppo.mini_batch_size={completions}", "--ppo.ppo_epochs=1", "--ppo.cliprange=0.2",
-                 "--critic_free.kl_in=none",
+                 "--critic_free.kl_in=none", f"--model.dtype={dtype}", "--rollout.dtype=float32",
                  f"--actor.optim.lr={lr}", f"--actor.micro_batch_size={micro}",
                  f"--data.eval_size={EVAL_SIZE}", "--data.max_prompt_tokens=16", "--trainer.max_restarts=0"]
     _, cfg, plan, _, _ = resolve(["grpo", *overrides])
@@ -150,14 +160,15 @@ def run_xray(model_dir: Path, length: int, completions: int, micro: int, steps: 
     return seconds
 
 
-def race(size: str, steps: int, warmup: int, lr: float, tmp: Path, layout: str) -> dict[str, float]:
+def race(size: str, steps: int, warmup: int, lr: float, tmp: Path, layout: str, dtype: str) -> dict[str, float]:
     spec, length, completions, micro = SIZES[size]
     model_dir = build_tiny_model(tmp / f"{size}-model", spec, seed=0)
     save_char_tokenizer(model_dir)
     train, held_out = ARITH.splits(EVAL_SIZE)
-    trl_s = run_trl(model_dir, train, length, completions, micro, steps + warmup, lr, tmp / f"{size}-trl")[warmup:]
+    trl_s = run_trl(model_dir, train, length, completions, micro, steps + warmup, lr, tmp / f"{size}-trl",
+                    dtype)[warmup:]
     xray_s = run_xray(model_dir, length, completions, micro, steps + warmup, lr, tmp / f"{size}-xray",
-                      layout)[warmup:]
+                      layout, dtype)[warmup:]
     result = dict(trl_s=statistics.median(trl_s), xray_s=statistics.median(xray_s),
                   eval_before=greedy_accuracy(model_dir, held_out),
                   eval_trl=greedy_accuracy(tmp / f"{size}-trl/final", held_out),
@@ -177,12 +188,15 @@ def main() -> None:
     ap.add_argument("--layout", choices=("separate", "colocated"), default="colocated",
                     help="xray's actor and rollout on a core each, or sharing both cores in turn")
     ap.add_argument("--sizes", nargs="+", default=["small", "big"], choices=list(SIZES))
+    ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                    help="training precision of both (TRL's bf16 flag, xray's model.dtype)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(2)
-    print(f"xray layout: {args.layout}", flush=True)
+    print(f"xray layout: {args.layout}; training dtype: {args.dtype}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
-        results = {size: race(size, args.steps, args.warmup, args.lr, Path(tmp), args.layout) for size in args.sizes}
+        results = {size: race(size, args.steps, args.warmup, args.lr, Path(tmp), args.layout, args.dtype)
+                   for size in args.sizes}
     if set(results) != set(SIZES):
         return
     small, big = results["small"], results["big"]

@@ -32,12 +32,12 @@ def policy_loss(outputs: dict[str, torch.Tensor], batch: Batch) -> tuple[torch.T
 
 
 def reference_train_step(model: torch.nn.Module, batch: Batch, loss_fn: LossFn, optim: OptimConfig,
-                         micro_batch_size: int, steps: int = 1, dp: int = 1) -> list[float]:
-    """Run `steps` optimizer steps of `model` on `batch` in place, micro-batched as `dp` replicas
+                         micro_batch_size: int, steps: int = 1) -> list[float]:
+    """Run `steps` optimizer steps of `model` on `batch` in place, micro-batched as one replica
     would; return the loss of each step."""
     optimizer = build_optimizer(model.parameters(), optim)
     scheduler = build_scheduler(optimizer, optim)
-    micro = [mb for part in batch.split(dp) for mb in train_micro_batches(part, loss_fn, micro_batch_size)]
+    micro = train_micro_batches(batch, loss_fn, micro_batch_size)
     losses = []
     for _ in range(steps):
         optimizer.zero_grad(set_to_none=True)

@@ -66,7 +66,7 @@ def grouped_micro_batches(batch: Batch, size: int, trim: bool = True) -> list[Ba
         idx = order[i * size:(i + 1) * size]
         mb = batch.index(idx)
         if trim:
-            mb = trimmed(mb, int(lengths[idx].max()))
+            mb = trimmed(mb, max(int(lengths[idx].max()), 2))  # at least one predicted position
         mb.meta[NORM] = norm
         micro.append(mb)
     return micro
