@@ -15,9 +15,9 @@ constant lr, grad clip 1.0, and:
   slower one here. TRL generates with HF `generate` inside its trainer, as it does by default;
 - the same micro-batch (TRL's `per_device_train_batch_size`, with gradient accumulation over the
   step's completions; xray's `actor.micro_batch_size`): all 64 at the small size, 8 at the big
-  one (there TRL's fp32 step was 1.3 s faster at 8 than at 16, xray's the same). TRL pads each
-  micro-batch to the step's longest completion; xray groups its micro-batches by length and cuts
-  each to its longest (`xray/data/lengths.py`).
+  one (there TRL's step, at its own defaults, was 1.3 s faster at 8 than at 16; xray's the
+  same). TRL pads each micro-batch to the step's longest completion; xray groups its
+  micro-batches by length and cuts each to its longest (`xray/data/lengths.py`).
 TRL runs in this process on every core (`use_cpu`). xray runs `grpo` as `python -m xray.train grpo`
 would, from `configs/critic_free_tiny_cpu.yaml` with `--layout colocated` (the default: actor and
 rollout share one device of two threads and take turns) or `separate` (a core each); one trainer
