@@ -10,7 +10,8 @@ Per engine (Megatron, world of 1; DeepSpeed ZeRO-3, world of 1), both in bf16 (`
 log-probs against the single-process Hugging Face bf16 model, one optimizer step (loss and
 gradient norm against the Hugging Face model's), the export under Hugging Face names, and a
 checkpoint round trip (a fresh engine loaded from it takes the next step exactly as the saved
-one does). Then the Megatron critic head, the HF reference Workhorse and the reward Workhorse on
+one does), and the algorithms' `PolicyLoss` in length-grouped, trimmed micro-batches taking the
+step of one whole micro-batch. Then the Megatron critic head, the HF reference Workhorse and the reward Workhorse on
 the device, and a 20-step PPO-style loop (clipped ratio loss on fixed advantages) on the Megatron
 engine that must lower its loss. On CUDA the CPU adaptations of Megatron must stay off.
 """
@@ -110,6 +111,29 @@ def test_engine_in_bf16_matches_hf_and_resumes_exactly(backend, tmp_path):
     assert r["exported"] == ref["names"]  # every tensor, under its HF name, in bf16
     assert r["next"] == r["resumed"]  # the checkpoint holds everything the next step reads
     assert r["cpu_compat"] == (DEVICE == "cpu" and backend == "megatron")
+
+
+def _grouped_steps(rank, world, backend, directory):
+    from algorithms.ppo.losses import PolicyLoss
+
+    from tests.backends.test_length_grouped_steps import _batch as ragged_batch
+
+    batch, out = ragged_batch(), {}
+    for micro in (2, len(batch)):  # length-grouped and trimmed micro-batches, then one whole micro-batch
+        out[micro] = _engine(backend, directory).train_step(batch, PolicyLoss(on_policy=True), micro)
+    return {k: (v["loss"], v["grad_norm"]) for k, v in out.items()}
+
+
+@pytest.mark.parametrize("backend", ["megatron", "deepspeed"])
+def test_length_grouped_micro_batches_on_the_device(backend):
+    """The algorithms' loss (`PolicyLoss`, slice-wide denominators) in micro-batches of 2, grouped by
+    length and cut to their longest row on the host before they move to the device, takes the step
+    of one whole micro-batch (bf16: 1% on the loss, 3% on the gradient norm)."""
+    r, = run_distributed(_grouped_steps, 1, backend, model_dir(), backend=BACKEND)
+    (loss, norm), (whole_loss, whole_norm) = r[2], r[8]
+    assert whole_norm > 0 and abs(whole_loss) > 1e-4
+    assert loss == pytest.approx(whole_loss, rel=1e-2, abs=1e-4)
+    assert norm == pytest.approx(whole_norm, rel=3e-2)
 
 
 def _critic_and_loop(rank, world, directory):
