@@ -194,12 +194,14 @@ class SyncConfig:
     catch a wrong tensor."""
     bucket_mb: int = 64
     """Largest bucket of tensors sent at once."""
-    transport: Literal["auto", "objstore", "shm", "pg"] = "auto"
+    transport: Literal["auto", "objstore", "shm", "ipc", "pg"] = "auto"
     """How the weights travel: the object store (shared memory on one node), the actor's own
     shared-memory slots that the rollout maps once (one node, CPU: no page faults after the first
-    sync), a process group of the actor's exporting shard and the rollout shards (gloo on CPU,
-    NCCL on GPU), or auto: the slots when the rollout is on the actor's node on CPU and /dev/shm
-    has room (else the object store there), the group otherwise."""
+    sync), the actor's GPU buffers handed over by CUDA IPC (the rollout on the actor's own GPU), a
+    process group of the actor's exporting shard and the rollout shards (gloo on CPU, NCCL on GPU),
+    or auto: the slots when the rollout is on the actor's node on CPU and /dev/shm has room (else
+    the object store there), CUDA IPC when it shares the actor's GPU (the object store when only
+    part of it does: NCCL cannot group two processes of one GPU), the group otherwise."""
 
 
 @dataclass(frozen=True)

@@ -3,10 +3,12 @@
 The actor's exporting shard streams full Hugging Face tensors in bounded buckets to every rollout
 replica (`TrainWorkhorse.push_weights`), which loads them in place and takes the new weight
 version. `sync.transport` picks the way: through the object store (below), through the exporting
-shard's own shared-memory slots (`xray/sync/shm.py`: one node, CPU), over a process group of the
+shard's own shared-memory slots (`xray/sync/shm.py`: one node, CPU), through its GPU buffers by
+CUDA IPC (`xray/sync/ipc.py`: the rollout on the actor's own GPU), over a process group of the
 exporting shard and the rollout shards (`xray/sync/group.py`: gloo on CPU, NCCL on GPU), or
 `auto`: the slots when every rollout shard shares the exporting shard's node on CPU (the object
-store if /dev/shm has no room), else the group. A staged sync (`stage` / `deliver`, asynchronous runs) always goes through the object
+store if /dev/shm has no room), CUDA IPC when every one shares its GPU (the object store when
+only some do), else the group. A staged sync (`stage` / `deliver`, asynchronous runs) always goes through the object
 store, which holds the version until every replica has taken it. A bucket travels in its wire form (`pack_bucket`): each tensor
 as a flat NumPy byte view, which Ray moves out of band, so putting a bucket costs one copy into
 the object store and reading it on the same node costs none (a pickled torch tensor is copied
@@ -101,7 +103,7 @@ class SyncReport:
     held_unreadable: int = 0
     """Engine tensors that could not be read back to compare (vLLM on CPU: its linear layers)."""
     transport: str = "objstore"
-    """How the bytes travelled: "objstore", "shm" or "pg" (`sync.transport`)."""
+    """How the bytes travelled: "objstore", "shm", "ipc" or "pg" (`sync.transport`)."""
 
 
 # One tensor on the wire: (Hugging Face name, torch dtype name, shape, its bytes as a flat uint8

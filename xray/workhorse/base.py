@@ -209,6 +209,13 @@ class Workhorse(BusyRecorder):
 
         return ray.get_runtime_context().get_node_id()
 
+    def place(self) -> tuple[str, str | None]:
+        """This shard's node and, on a GPU, its GPU's UUID (None on the CPU): two shards share a
+        GPU exactly when both match, whatever indices CUDA_VISIBLE_DEVICES gives them."""
+        from xray.sync.ipc import gpu_uuid
+
+        return self.node_id(), gpu_uuid() if self.device == "gpu" else None
+
     def shutdown(self) -> None:
         """Leave the process group (best effort) before the process ends."""
         import torch.distributed as dist

@@ -187,6 +187,24 @@ class RolloutWorkhorse(Workhorse):
         self._received += sum(n for _, _, _, _, n, _ in layout)
         return len(bucket)
 
+    def load_ipc(self, handle: tuple, layout: list) -> int:
+        """Load the bucket the actor's exporting shard copied into its GPU buffer behind the CUDA
+        IPC `handle` (`xray/sync/ipc.py`: this shard is on the actor's GPU), in place; the copies
+        out of the buffer are finished before this returns (the actor then reuses it)."""
+        import torch
+
+        from xray.sync import ipc
+
+        if not self._sync_started:
+            self._sync_started = time.perf_counter()
+        with self.busy("load_ipc"), self._noting_failure():
+            bucket, changed = ipc.views(ipc.open_handle(handle), layout)
+            self._changed += changed
+            self.engine.load_weights(bucket)
+            torch.cuda.synchronize()
+        self._received += sum(n for _, _, _, _, n, _ in layout)
+        return len(bucket)
+
     @fanout(dispatch="all", collect=lambda layout, results: results)
     def time_reload(self, repeats: int = 5) -> float:
         """Median seconds of the engine's own in-place reload (`VllmEngine.reload`) of its model

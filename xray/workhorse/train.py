@@ -10,15 +10,40 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import torch
+
 from xray.backends import load_backend
 from xray.backends.base import LossFn, ShardInfo, TrainEngine
 from xray.config.optim import OptimConfig
 from xray.data import columns as C
 from xray.data.batch import Batch
-from xray.sync import group, shm
+from xray.sync import group, ipc, shm
 from xray.sync.weights import pack_bucket, perturbed, unpack_bucket
 from xray.wholemodel.protocol import fanout
 from xray.workhorse.base import Workhorse, train_step_columns
+
+TRANSPORTS = ("auto", "objstore", "shm", "ipc", "pg")
+
+
+def choose_transport(transport: str, gpu: bool, same_node: bool, same_gpu: list[bool], shm_room) -> str:
+    """The weight-sync transport (`sync.transport`) from an exporting shard on a GPU or not to
+    targets all on its node or not, each sharing its GPU or not (`shm_room()`: /dev/shm can hold
+    the slots). An explicit choice the placement cannot take stops with the fix."""
+    if transport == "shm" and (not same_node or gpu):
+        raise ValueError("sync.transport=shm needs every rollout shard on the actor's node and the CPU; "
+                         "use auto (it picks CUDA IPC or the process group on GPUs, the group across nodes)")
+    if transport == "ipc" and not (gpu and all(same_gpu)):
+        raise ValueError("sync.transport=ipc needs every rollout shard on the actor's own GPU; use auto")
+    if transport == "pg" and any(same_gpu):
+        raise ValueError("sync.transport=pg cannot join processes that share a GPU into one NCCL group "
+                         "(NCCL: 'Duplicate GPU detected'); use auto (CUDA IPC there) or ipc")
+    if transport != "auto":
+        return transport
+    if gpu:
+        return "ipc" if all(same_gpu) else "objstore" if any(same_gpu) else "pg"
+    if not same_node:
+        return "pg"
+    return "shm" if shm_room() else "objstore"
 
 
 def _replica_metrics(layout: list[ShardInfo], results: list) -> dict[str, float]:
@@ -43,8 +68,9 @@ class TrainWorkhorse(Workhorse):
         super().__init__(role, rank, parallel, seed=seed, **kwargs)
         self.run_seed = seed  # the same on every rank: model init must agree across shards
         self._groups: dict[tuple, Any] = {}  # sync groups with rollout shards (`xray/sync/group.py`)
-        self._nodes: dict[tuple, bool] = {}  # whether a set of rollout shards is all on this node
+        self._places: dict[tuple, tuple] = {}  # a set of rollout shards: all on this node? which on this GPU?
         self._rings: dict[tuple, shm.SendRing] = {}  # shared-memory slots per set of rollout shards
+        self._ipc_rings: dict[tuple, ipc.IpcRing] = {}  # GPU buffers per set of rollout shards on this GPU
         self._adapter_targets: dict[tuple, bool] = {}  # whether a set of rollout shards serves adapters
 
     def setup(self) -> None:
@@ -148,9 +174,12 @@ class TrainWorkhorse(Workhorse):
         its own makers) sends each bucket once, with its tensors' checksums, by `transport`:
         "objstore" puts it in the object store in its wire form; "shm" copies it into this shard's
         shared-memory slots, which the targets map once (`xray/sync/shm.py`; same node, CPU);
-        "pg" broadcasts it over a sync group of its own with the targets (`xray/sync/group.py`,
-        joined on first use); "auto" takes "shm" when every target is on this node, the device is
-        the CPU and /dev/shm has room (else the object store there), and the group otherwise.
+        "ipc" copies it into this shard's GPU buffers and hands the targets their CUDA IPC handles
+        (`xray/sync/ipc.py`; every target on this shard's own GPU); "pg" broadcasts it over a sync
+        group of its own with the targets (`xray/sync/group.py`, joined on first use). "auto" takes
+        "shm" when every target is on this node on the CPU and /dev/shm has room (else the object
+        store there), "ipc" when every target shares this shard's GPU, the object store when some
+        do (NCCL cannot group two processes of one GPU), and the group otherwise.
 
         It exports the next bucket while the targets load this one: at most two buckets are in
         flight. The targets' `finish_sync` is queued behind the last one (`abort_sync` instead if
@@ -195,27 +224,40 @@ class TrainWorkhorse(Workhorse):
                 "loads": [ref for loads in in_flight for ref in loads], "finishes": finishes}
 
     def _transport(self, targets: list, transport: str, bucket_bytes: int) -> str:
-        """The transport a push to `targets` takes (see `push_weights`)."""
+        """The transport a push to `targets` takes (see `push_weights`, `choose_transport`)."""
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport={transport!r}; choose one of {', '.join(TRANSPORTS)}")
+        same_node, same_gpu = self._place_of(targets)
+        return choose_transport(transport, self.device == "gpu", same_node, same_gpu,
+                                lambda: shm.usable(bucket_bytes))
+
+    def _place_of(self, targets: list) -> tuple[bool, list[bool]]:
+        """Whether every target is on this shard's node, and which share this shard's GPU (asked
+        once per set of targets: their node and GPU UUID, `Workhorse.place`)."""
         import ray
 
-        if transport not in ("auto", "objstore", "shm", "pg"):
-            raise ValueError(f"transport={transport!r}; choose auto, objstore, shm or pg")
         key = tuple(t._actor_id.hex() for t in targets)
-        if transport in ("auto", "shm") and key not in self._nodes:
-            self._nodes[key] = set(ray.get([t.node_id.remote() for t in targets])) == {self.node_id()}
-        if transport == "shm" and (not self._nodes[key] or self.device == "gpu"):
-            raise ValueError("sync.transport=shm needs every rollout shard on the actor's node and the CPU; "
-                             "use auto (it picks the process group across nodes and on GPUs)")
-        if transport != "auto":
-            return transport
-        if not self._nodes[key] or self.device == "gpu":
-            return "pg"
-        return "shm" if shm.usable(bucket_bytes) else "objstore"
+        if key not in self._places:
+            node, uuid = self.place()
+            places = ray.get([t.place.remote() for t in targets])
+            self._places[key] = (all(n == node for n, _ in places),
+                                 [uuid is not None and (n, u) == (node, uuid) for n, u in places])
+        return self._places[key]
 
     def _send(self, bucket, targets: list, transport: str, corrupt: str | None, bucket_bytes: int) -> list:
         """Send one bucket to every target by `transport`; their pending loads."""
         import ray
 
+        key = tuple(t._actor_id.hex() for t in targets)
+        if transport == "ipc":  # device to device: the bucket never leaves the GPU
+            if key not in self._ipc_rings:
+                self._ipc_rings[key] = ipc.IpcRing(torch.device("cuda", torch.cuda.current_device()))
+            ring = self._ipc_rings[key]
+            if ring.loads[ring.next]:  # the buffer's last readers (of an earlier sync) must be done
+                ray.wait(ring.loads[ring.next], num_returns=len(ring.loads[ring.next]), fetch_local=False)
+            slot, handle, layout = ring.write(bucket, corrupt)
+            ring.loads[slot] = [t.load_ipc.remote(handle, layout) for t in targets]
+            return ring.loads[slot]
         wire = pack_bucket(bucket)  # the bytes and their checksums
         if corrupt is not None:
             wire = perturbed(wire, corrupt)
@@ -223,7 +265,6 @@ class TrainWorkhorse(Workhorse):
             ref = ray.put(wire)
             return [t.load_bucket.remote(ref) for t in targets]
         if transport == "shm":
-            key = tuple(t._actor_id.hex() for t in targets)
             if key not in self._rings:
                 self._rings[key] = shm.SendRing(f"{self.role}{self.rank}x{len(self._rings)}")
             ring = self._rings[key]
@@ -254,10 +295,13 @@ class TrainWorkhorse(Workhorse):
         return self._groups[key]
 
     def shutdown(self) -> None:
-        """Remove this shard's shared-memory slots, then leave the process group."""
+        """Remove this shard's shared-memory slots, free its GPU buffers, then leave the process group."""
         for ring in self._rings.values():
             ring.close()
         self._rings.clear()
+        for buffers in self._ipc_rings.values():
+            buffers.close()
+        self._ipc_rings.clear()
         super().shutdown()
 
     @fanout(dispatch="all", collect=_exported, deadline_s=1800.0)
