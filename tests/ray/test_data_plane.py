@@ -10,6 +10,7 @@ from xray.data.batch import Batch
 from xray.data.wire import Ragged
 from xray.wholemodel import WholeModel
 from xray.wholemodel.errors import CallDeadlineExceeded
+from xray.wholemodel.handle import INLINE_BYTES
 from xray.workhorse.echo import EchoWorkhorse
 
 pytestmark = pytest.mark.ray
@@ -80,3 +81,17 @@ def test_only_the_columns_a_method_reads_are_shipped(echoes):
     batch = Batch({"x": torch.zeros(4), "y": torch.ones(4)}, {"prompt_ids": [[1]] * 4})
     assert two.received(batch).get() == [["x"], ["x"]]
     assert two.received(two.echo(batch)).get() == [["x"], ["x"]]  # by reference too
+
+
+def test_large_shared_arguments_are_stored_once_small_ones_travel_inline(echoes):
+    """A part every shard takes goes into the object store once when large (`INLINE_BYTES`); a
+    small part, and a slice that one shard alone takes, go inside the calls (no `ray.put`)."""
+    two, _ = echoes
+    many = list(range(100, 100 + INLINE_BYTES // 8))
+    shared = two._dispatch(two.methods["fail_on"], (many,), {})
+    assert isinstance(shared[0], ray.ObjectRef) and shared[0] is shared[1]
+    assert two.fail_on(many).get() == [0, 1]  # no rank is in the list: it arrived whole
+    assert two._dispatch(two.methods["fail_on"], ([0],), {}) == [(([0],), {})] * 2
+    sliced = two._dispatch(two.methods["echo"], (Batch({"x": torch.zeros(2, INLINE_BYTES)}),), {})
+    assert [type(p) for p in sliced] == [tuple, tuple]
+    assert two.echo(Batch({"x": torch.arange(2 * INLINE_BYTES).view(2, -1)})).get()["x"][1, -1] == 2 * INLINE_BYTES - 1

@@ -253,17 +253,20 @@ async def sync_weights(actor, rollout, version: int, cfg: SyncConfig, probe: lis
     is queued (Ray waits, not the caller) behind the replicas' `finish_sync`, so only the engine's
     side of the probe adds to the sync's time. Without it (actor and rollout on the same devices,
     where running both at once only makes them take turns, and on a CPU oversubscribes its cores),
-    the actor's probe runs first, then the push and the engine's probe."""
+    the actor's probe runs first, then the push and the engine's probe (both queued on the actor at
+    once: it runs them in order, with no round trip to the caller between them)."""
     if cfg.verify and not probe:
         raise ValueError("verification needs probe sequences; pass probe= and prompt_lens=")
     t0 = time.perf_counter()
     actor_out, first_s = None, 0.0
     if cfg.verify and not overlap:
-        actor_out = await actor.forward(pad_sequences(probe))
-        first_s = time.perf_counter() - t0
+        actor_call = actor.forward(pad_sequences(probe))
     push = actor.push_weights(rollout.shard_handles(), version, cfg.bucket_mb << 20, corrupt, replica, cfg.transport)
     if cfg.verify and overlap:
         actor_call = actor.forward(pad_sequences(probe))
+    if cfg.verify and not overlap:
+        actor_out = await actor_call
+        first_s = time.perf_counter() - t0
     pushed = await push
     if cfg.verify:
         engine_call = rollout.call("logprobs", probe, prompt_lens, after=tuple(pushed["finishes"]))

@@ -10,13 +10,15 @@
 It starts (or joins) Ray, reserves the devices (placement groups of its own, one per replica kept on
 one node, or bundles of a run's group handed in by the run's placement), and starts the WholeModel Ray actor (the control plane),
 which starts the Workhorses and hands back their handles. A call is dispatched here, on the
-caller's side, and its shard tasks go straight to the Workhorses: each distinct part of the
-arguments is put in the object store once (only the columns the method reads), and the answer
+caller's side, and its shard tasks go straight to the Workhorses: a part of the arguments that
+several shards share is put in the object store once (only the columns the method reads), a
+small or unshared one travels inside the shard's call (`INLINE_BYTES`), and the answer
 comes back as a `Pending` of object refs that the caller collects, or passes on by reference.
 """
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +30,12 @@ from xray.workhorse.quiet import workhorse_env
 
 log = logging.getLogger(__name__)
 _SCALARS = (int, float, str, bool, type(None))
+INLINE_BYTES = 64 << 10
+"""A part of a call's arguments that several shards share goes into the object store once when it
+is larger than this (by `payload_bytes`); a smaller one, and any part that one shard alone takes,
+travels inside the shard's call (Ray itself stores an argument over 100 KiB). On the 2-core CI
+machine a `ray.put` and the fetch behind it cost about 2 ms a call, more than serializing a probe
+or a step's prompts once per shard."""
 
 
 @dataclass(frozen=True)
@@ -86,8 +94,50 @@ class _Method:
         return f"<{self.model.role}.{self.name}{self.__signature__}>"
 
 
-def _is_small(args: tuple, kwargs: dict) -> bool:
-    return all(isinstance(v, _SCALARS) for v in (*args, *kwargs.values()))
+def payload_bytes(value: Any, limit: int = INLINE_BYTES) -> int:
+    """About how many bytes `value` takes serialized, counted until the count passes `limit`
+    (then it returns early). Tensors, arrays, Batches, lists, tuples, dicts, scalars, actor
+    handles and by-reference parts are sized; anything else counts as over `limit`."""
+    import numpy as np
+    from ray.actor import ActorHandle
+
+    from xray.data.batch import Batch
+    import torch
+
+    total, stack = 0, [value]
+    while stack and total <= limit:
+        v = stack.pop()
+        if isinstance(v, (str, bytes)):
+            total += 16 + len(v)
+        elif isinstance(v, _SCALARS):
+            total += 16
+        elif isinstance(v, torch.Tensor):
+            total += 256 + v.numel() * v.element_size()
+        elif isinstance(v, np.ndarray):
+            total += 256 + v.nbytes
+        elif isinstance(v, Batch):
+            stack += [v.tensors, v.lists, v.meta]
+        elif isinstance(v, (list, tuple)):
+            total += 8 + 8 * len(v)
+            if total <= limit:
+                stack += v
+        elif isinstance(v, dict):
+            total += 8 * len(v)
+            if total <= limit:
+                stack += [*v.keys(), *v.values()]
+        elif isinstance(v, (ActorHandle, protocol.PartsSlice)):
+            total += 1024
+        else:
+            total += limit + 1
+    return total
+
+
+def _shared_or_inline(part: tuple[tuple, dict], users: int) -> Any:
+    """One part of a call's (args, kwargs): an object-store entry when `users` shards share it and
+    it is large, else the part itself, inside each call (`INLINE_BYTES`)."""
+    import ray
+
+    return ray.put(part) if users > 1 and payload_bytes(part) > INLINE_BYTES else part
 
 
 class WholeModel:
@@ -198,24 +248,24 @@ class WholeModel:
         return Pending(self.role, method, meta, self.layout, refs, ranks, deadline)
 
     def _dispatch(self, meta: protocol.FanOut, args: tuple, kwargs: dict) -> list:
-        """(args, kwargs) per shard, in rank order; one object-store entry per distinct part,
-        shards of one replica share it. Batches carry only the columns the method reads."""
-        import ray
-
+        """(args, kwargs) per shard, in rank order: a distinct part that several shards share (the
+        shards of one replica) is one object-store entry when large, any other travels inside the
+        calls (`_shared_or_inline`). Batches carry only the columns the method reads."""
         columns = meta.columns(args, kwargs)
         args = tuple(protocol.select_columns(a, columns) for a in args)
         kwargs = {k: protocol.select_columns(v, columns) for k, v in kwargs.items()}
         n = 1 if meta.execute == "first" else len(self.layout)
         if meta.dispatch == "all" or meta.execute == "first":
-            args, kwargs = _by_reference(args, kwargs, 1, columns)[0]
-            packed = (args, kwargs) if _is_small(args, kwargs) else ray.put((args, kwargs))
-            return [packed] * n
+            return [_shared_or_inline(_by_reference(args, kwargs, 1, columns)[0], n)] * n
         if meta.dispatch == "slice":
-            refs = [ray.put(p) for p in _by_reference(args, kwargs, self.parallel.dp, columns, split=True)]
-            return [refs[i] for i in protocol.part_of_shard(self.layout)]
+            owners = protocol.part_of_shard(self.layout)
+            parts = [_shared_or_inline(p, owners.count(d)) for d, p in
+                     enumerate(_by_reference(args, kwargs, self.parallel.dp, columns, split=True))]
+            return [parts[d] for d in owners]
         per_shard = protocol.dispatch(self.layout, meta.dispatch, args, kwargs)
-        seen: dict[int, Any] = {}
-        return [seen.setdefault(id(p), ray.put(p)) for p in per_shard]
+        users, distinct = Counter(id(p) for p in per_shard), {id(p): p for p in per_shard}
+        packed = {key: _shared_or_inline(p, users[key]) for key, p in distinct.items()}
+        return [packed[id(p)] for p in per_shard]
 
     def sync_to(self, rollout: "WholeModel", verify: bool = True, tolerance: float = 1e-3,
                 bucket_mb: int = 64) -> dict:
