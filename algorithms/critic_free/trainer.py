@@ -110,7 +110,7 @@ class CriticFreeTrainer(PPOTrainer):
         if self.kl_in == "loss":
             columns[C.REF_LOGPROBS] = ref_logprobs
         with t("train"):
-            train = await self.train(Batch(columns), step)
+            train = await self.train(Batch(columns), step, probe=self.early_probe(exp))
         kl = kl_metrics(logprobs, ref_logprobs, mask) if ref_logprobs is not None else {}
         gap = {} if self.on_policy else self.gap(logprobs, exp, mask)
         return await self.finish_step(step, t, exp, scores, mask, kl, train, gap)

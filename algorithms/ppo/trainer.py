@@ -44,6 +44,7 @@ from xray.data import columns as C
 from xray.data.batch import Batch
 from xray.run.models import Models, reference_forward
 from xray.sync import sync_weights
+from xray.sync.weights import pad_sequences
 
 # score_fn(prompt_rows, response_ids) -> (scores [B], keep mask [B] or None); or an object with
 # `async ascore(prompt_rows, generated)` that scores the rollout's answer by reference.
@@ -138,6 +139,10 @@ class PPOTrainer:
         """Whether the rollout engine sleeps while the trained roles work (the plan's `rollout.sleep`)."""
         self.overlap_sync = plan is None or not plan.shares_devices("actor", "rollout")
         """Whether a sync runs the actor's probe while the rollout loads (not when they share devices)."""
+        self.queued_probe = None
+        """Without `overlap_sync`: (probe sequences, the actor's forward over them), queued by
+        `train` right behind the step's last update; the next `sync` takes it if its probe is the
+        same (a step that failed between the two leaves a stale one, which is dropped)."""
 
     def losses(self) -> dict[str, Any]:
         """Each trained role's loss function."""
@@ -172,7 +177,7 @@ class PPOTrainer:
                              C.LOSS_MASK: mask, C.OLD_LOGPROBS: old[C.LOGPROBS], C.OLD_VALUES: values[C.VALUES],
                              C.ADVANTAGES: advantages, C.RETURNS: returns, **self.behaviour(exp)})
         with t("train"):
-            train = await self.train(train_batch, step)
+            train = await self.train(train_batch, step, probe=self.early_probe(exp))
         return await self.finish_step(step, t, exp, scores, mask, kl_metrics(old[C.LOGPROBS], ref[C.LOGPROBS], mask),
                                       train, self.gap(old[C.LOGPROBS], exp, mask))
 
@@ -226,12 +231,14 @@ class PPOTrainer:
             return await self.score_fn.ascore(rows, pending)
         return await asyncio.to_thread(self.score_fn, rows, list(generated[C.RESPONSE_IDS]))
 
-    async def train(self, exp: Batch, step: int, parts: int = 1) -> dict[str, float]:
+    async def train(self, exp: Batch, step: int, parts: int = 1,
+                    probe: list[list[int]] | None = None) -> dict[str, float]:
         """`ppo_epochs` shuffled passes of mini-batches through the trained roles. Every mini-batch
         is queued on each at once: each model runs its steps in order, back to back. With
         `ppo.target_kl`, epoch by epoch: no further epoch once one's mean approx KL exceeds it.
         `parts`: `exp` is that many equal parts, one per actor replica in dp order (an asynchronous
-        run's trainers), and each replica's slice of every mini-batch comes from its own part."""
+        run's trainers), and each replica's slice of every mini-batch comes from its own part.
+        `probe` (`early_probe`): the next sync's probe, queued on the actor behind the last update."""
         ppo, b, losses = self.cfg.ppo, self.batches(), self.losses()
         queued: list[list] = []  # per mini-batch, each role's answer
         for epoch in range(ppo.ppo_epochs):
@@ -244,6 +251,8 @@ class PPOTrainer:
                 actor = [(await calls[0])["approx_kl"] for calls in this_epoch]
                 if sum(actor) / len(actor) > ppo.target_kl:
                     break
+        if probe is not None:
+            self.queued_probe = (probe, self.models.actor.forward(pad_sequences(probe)))
         results = [await asyncio.gather(*calls) for calls in queued]
         stats = [{f"{role}/{k}": v for role, answer in zip(losses, result) for k, v in answer.items()}
                  for result in results]
@@ -272,14 +281,21 @@ class PPOTrainer:
         prompts, responses = exp[C.PROMPT_IDS][:k], exp[C.RESPONSE_IDS][:k]
         return [p + r_ for p, r_ in zip(prompts, responses)], [len(p) for p in prompts]
 
+    def early_probe(self, exp: Batch) -> list[list[int]] | None:
+        """The probe sequences `train` queues on the actor behind its last update when a sync
+        verifies without overlap (actor and rollout share devices), else None."""
+        return self.probe(exp)[0] if self.cfg.sync.verify and not self.overlap_sync else None
+
     async def sync(self, exp: Batch, version: int):
         sequences, prompt_lens = self.probe(exp)
+        queued, self.queued_probe = self.queued_probe, None
+        actor_probe = queued[1] if queued is not None and queued[0] == sequences else None  # else stale
         return await sync_weights(self.models.actor, self.models.rollout, version, self.cfg.sync,
-                                  sequences, prompt_lens, overlap=self.overlap_sync)
+                                  sequences, prompt_lens, overlap=self.overlap_sync, actor_probe=actor_probe)
 
     async def resync(self, rows: list[dict], version: int):
         """Bring the rollout engine to the actor's weights outside a step (after a resume)."""
-        rows = rows[:self.probe_size()]
+        rows, self.queued_probe = rows[:self.probe_size()], None  # from a step that did not finish
         await self.wake_rollout()
         gen = await self.models.rollout.generate([r["prompt_ids"] for r in rows], self.sampling(0, greedy=True))
         return await self.sync(gen, version)

@@ -6,7 +6,9 @@ actor) on them in turn.
 Layout as the PPO e2e: actor and reference on Megatron tp=2 or DeepSpeed ZeRO-3 dp=2, a rollout
 of 2 replicas; 4 prompts x 2 responses a step. No critic is started. Each run exercises one set
 of options: Dr. GRPO (no std scaling, `seq-mean-token-sum`, clip-higher, KL loss term); RLOO
-(KL in the reward, `target_kl` stopping after the first of 2 epochs); REINFORCE++ with a guard
+(KL in the reward, `target_kl` stopping after the first of 2 epochs, and its syncs run as where
+actor and rollout share devices: the actor's probe queued behind its last update, before the
+push, and still verified); REINFORCE++ with a guard
 bound below any approx KL, so every update is skipped on both engines and the weights stay; GRPO
 on-policy (one epoch of one mini-batch, no KL): no actor forward before training, ratio exactly 1.
 """
@@ -81,11 +83,13 @@ def test_grpo_rloo_reinforce_pp_three_steps_each(tmp_path, tiny_model, backend):
         for algo, (name, _, _) in VARIANTS.items():
             trainer = make_trainer(name, variant(cfg, algo), first.models, first.score_fn, data)
             assert trainer.on_policy == (algo == "grpo-on-policy")
+            trainer.overlap_sync = algo != "rloo"  # rloo: a colocated layout's sync (`early_probe`)
             before = {k: v.clone() for k, v in first.models.actor.state_dict().get().items()}
             run = RunDir(tmp_path / algo)
             eval_after = asyncio.run(train(trainer, run, data, None))
             run.close()
             check_run(algo, tmp_path / algo, before, trainer.state.eval_before, eval_after)
+            assert trainer.queued_probe is None  # each sync took the probe its step queued
 
 
 def check_run(algo: str, run: Path, before: dict, eval_before: float, eval_after: float) -> None:

@@ -244,7 +244,7 @@ async def landed(pushed: dict, version: int) -> list[dict]:
 
 async def sync_weights(actor, rollout, version: int, cfg: SyncConfig, probe: list[list[int]] | None = None,
                        prompt_lens: list[int] | None = None, corrupt: str | None = None,
-                       replica: int = 0, overlap: bool = True) -> SyncReport:
+                       replica: int = 0, overlap: bool = True, actor_probe=None) -> SyncReport:
     """Push the actor's weights (exported from its data-parallel `replica`) to every rollout
     replica at `version`, then verify (cfg.verify).
 
@@ -254,13 +254,16 @@ async def sync_weights(actor, rollout, version: int, cfg: SyncConfig, probe: lis
     side of the probe adds to the sync's time. Without it (actor and rollout on the same devices,
     where running both at once only makes them take turns, and on a CPU oversubscribes its cores),
     the actor's probe runs first, then the push and the engine's probe (both queued on the actor at
-    once: it runs them in order, with no round trip to the caller between them)."""
+    once: it runs them in order, with no round trip to the caller between them). `actor_probe`:
+    that forward over `probe` (a Pending), already queued by the caller right behind the actor's
+    last update (`PPOTrainer.train`), so the actor runs it while the caller still reads the
+    update's answers."""
     if cfg.verify and not probe:
         raise ValueError("verification needs probe sequences; pass probe= and prompt_lens=")
     t0 = time.perf_counter()
     actor_out, first_s = None, 0.0
     if cfg.verify and not overlap:
-        actor_call = actor.forward(pad_sequences(probe))
+        actor_call = actor.forward(pad_sequences(probe)) if actor_probe is None else actor_probe
     push = actor.push_weights(rollout.shard_handles(), version, cfg.bucket_mb << 20, corrupt, replica, cfg.transport)
     if cfg.verify and overlap:
         actor_call = actor.forward(pad_sequences(probe))
