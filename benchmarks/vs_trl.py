@@ -9,10 +9,12 @@ KL (TRL's default beta=0, so xray starts no reference), clip 0.2, one optimizer 
 constant lr, grad clip 1.0, and:
 - no activation recomputation: TRL's GRPOConfig turns gradient checkpointing on by default; it is
   off here, as xray does not recompute;
-- the same training precision (`--dtype`): by default bfloat16, the default of TRL's GRPOConfig
-  (TRL's `bf16` autocast over fp32 weights; xray's `model.dtype` bf16 weights with fp32 main
-  weights). xray's vLLM rollout generates in fp32 (`rollout.dtype`): vLLM's CPU bf16 path is the
-  slower one here. TRL generates with HF `generate` inside its trainer, as it does by default;
+- the same precision (`--dtype`), generation included: by default bfloat16, the default of
+  TRL's GRPOConfig (TRL's `bf16` autocast over fp32 weights, which its `generate` runs under too;
+  xray's `model.dtype` bf16 weights with fp32 main weights, and its vLLM rollout in bf16,
+  `rollout.dtype`: on this AMD host vLLM's bf16 generates 1.42x the fp32 tokens/s at 27M, 64 x 128
+  tokens, `benchmarks/rollout_throughput.py --dtype bfloat16 --model 27M --prompts 64
+  --threads 2`). TRL generates with HF `generate` inside its trainer, as it does by default;
 - the same micro-batch (TRL's `per_device_train_batch_size`, with gradient accumulation over the
   step's completions; xray's `actor.micro_batch_size`): all 64 at the small size, 8 at the big
   one (there TRL's step, at its own defaults, was 1.3 s faster at 8 than at 16; xray's the
@@ -143,7 +145,7 @@ def run_xray(model_dir: Path, length: int, completions: int, micro: int, steps: 
                  f"--model.path={model_dir}", f"--rollout.max_new_tokens={length}",
                  f"--rollout.n_samples={GENERATIONS}", f"--ppo.rollout_batch_size={completions // GENERATIONS}",
                  f"--ppo.mini_batch_size={completions}", "--ppo.ppo_epochs=1", "--ppo.cliprange=0.2",
-                 "--critic_free.kl_in=none", f"--model.dtype={dtype}", "--rollout.dtype=float32",
+                 "--critic_free.kl_in=none", f"--model.dtype={dtype}", f"--rollout.dtype={dtype}",
                  f"--actor.optim.lr={lr}", f"--actor.micro_batch_size={micro}",
                  f"--data.eval_size={EVAL_SIZE}", "--data.max_prompt_tokens=16", "--trainer.max_restarts=0"]
     _, cfg, plan, _, _ = resolve(["grpo", *overrides])
