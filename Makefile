@@ -11,7 +11,7 @@ XRAY_DEVICE ?= cpu
 PYTEST_ARGS ?=
 RUN_ARGS ?=
 
-.PHONY: run test test-all install lock clean
+.PHONY: run test test-fast install lock clean
 
 install: $(STAMP)
 
@@ -29,11 +29,13 @@ endif
 run: $(STAMP)
 	$(BIN)/python -m xray.train ppo $(RUN_ARGS)
 
+# The whole suite, `slow` included (what CI runs); `test-fast` leaves out the `slow` tests, for
+# local iteration.
 test: $(STAMP)
-	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
-
-test-all: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
 
 lock:
 	$(BIN)/pip freeze --all --exclude-editable | grep -v "^pip==" | sed 's/^torch==\(.*\)+cpu$$/torch==\1/' | sort -f > requirements/cpu.txt.new

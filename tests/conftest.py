@@ -1,6 +1,8 @@
 """Shared fixtures: the tiny model every short run (e2e and Ray tiers) starts from, built once per
-test session."""
+test session; the per-test timeout plugin (`tests/timeouts.py`)."""
 import pytest
+
+pytest_plugins = ["tests.timeouts"]
 
 
 @pytest.fixture(scope="session")
