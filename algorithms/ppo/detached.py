@@ -38,7 +38,8 @@ from xray.sync import deliver, stage
 class MakerStats:
     """What the makers did since the last trainer step."""
 
-    busy_s: float = 0.0
+    busy: list = field(default_factory=list)
+    """(start, end) perf-counter seconds of each batch a maker finished making."""
     samples: int = 0
     waited: int = 0
     """Times a maker waited for new weights (on_stale: wait)."""
@@ -77,6 +78,8 @@ class Detached:
         self.rows: deque = deque()
         """Prompt rows drawn from the sampler and not yet taken by a maker."""
         self.in_flight: dict[int, tuple[int, list]] = {}
+        self.making: dict[int, float] = {}
+        """Maker -> when it began the batch it is making (perf-counter seconds)."""
         """Maker -> (serial, prompt rows) of the batch it is making."""
         self.serial = 0
         self.claimed = [self.version] * self.graph.trainers
@@ -134,7 +137,7 @@ class Detached:
             self.serial += 1
             serial = self.serial
             self.in_flight[i] = (serial, rows)
-            start = time.perf_counter()
+            start = self.making[i] = time.perf_counter()
             async with self.locks[i]:
                 version = self.versions[i]
                 gen = self.makers[i].generate([r["prompt_ids"] for r in rows],
@@ -148,8 +151,9 @@ class Detached:
                            C.LOSS_MASK: mask, C.BEHAVIOUR_LOGPROBS: exp[C.BEHAVIOUR_LOGPROBS],
                            C.REF_LOGPROBS: (await ref)[C.LOGPROBS], C.SCORES: scores},
                           {C.PROMPT_IDS: exp[C.PROMPT_IDS], C.RESPONSE_IDS: exp[C.RESPONSE_IDS]})
-            self.stats.busy_s += time.perf_counter() - start
+            self.stats.busy.append((start, time.perf_counter()))
             self.stats.samples += len(batch)
+            del self.making[i]
             await self.buffer.put.remote(Entry([_put(batch)], version, i, serial, index), trainer)
             del self.in_flight[i]
 
@@ -170,6 +174,13 @@ class Detached:
         await self._notify()
         return [entry for entry, _ in taken], max(staleness for _, staleness in taken)
 
+    def maker_busy(self, made: MakerStats, start: float, end: float) -> float:
+        """The makers' mean busy share of [start, end]: the time each spent making batches (those
+        finished, and the ones still in the making, up to `end`), clipped to the window."""
+        intervals = [*made.busy, *((since, end) for since in self.making.values())]
+        busy = sum(max(0.0, min(b, end) - max(a, start)) for a, b in intervals)  # a maker's own never overlap
+        return busy / ((end - start) * len(self.makers))
+
     async def step(self, step: int, makers: list[asyncio.Task]) -> dict[str, float]:
         """One trainer step: take a batch per trainer, recompute, train, push every `push_every` steps."""
         t, acfg = self.trainer, self.trainer.cfg.async_
@@ -189,11 +200,14 @@ class Detached:
             parts=len(entries))
         kl, kl_coef = kl_metrics(proximal[C.LOGPROBS], exp[C.REF_LOGPROBS], mask), t.kl.value
         t.kl.update(kl["kl_sequence"], len(exp))
+        delivering = time.perf_counter()
         sync = await self.delivered()  # the previous push travelled while this step trained
+        waited_s += time.perf_counter() - delivering
         self.version = t.state.step = step
         if step % acfg.push_every == 0:
             self.push(exp)
-        wall = time.perf_counter() - start
+        end = time.perf_counter()
+        wall = end - start
         made, self.stats = self.stats, MakerStats()
         scores = exp[C.SCORES]
         return {"reward/mean": float(scores.mean()), "reward/std": float(scores.std()) if len(scores) > 1 else 0.0,
@@ -201,8 +215,7 @@ class Detached:
                 "response_length": float(mask.sum(1).mean()), "async/staleness": float(staleness),
                 **{f"async/trainer{d}_maker": float(e.maker) for d, e in enumerate(entries)},
                 "async/waited": float(made.waited), "async/buffer_full_waits": float(made.full_waits),
-                "async/trainer_busy": 1.0 - waited_s / wall,
-                "async/maker_busy": min(1.0, made.busy_s / (wall * len(self.makers))),
+                "async/trainer_busy": 1.0 - waited_s / wall, "async/maker_busy": self.maker_busy(made, start, end),
                 "samples_per_s": len(exp) / wall, **sync, **(await self.buffer.stats.remote())}
 
     def push(self, exp: Batch) -> None:

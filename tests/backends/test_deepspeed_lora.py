@@ -9,11 +9,11 @@ Checked: the step losses, the adapter after two steps, the merged export against
 the frozen base weights did not move, that only the adapters hold optimizer state, and that
 the exported adapter directory loads in `peft` with the same logits.
 
-Tolerances: adapters within 1e-4 relative to each tensor's largest entry. B starts at zero, so
+Tolerances: adapters within 1e-3 relative to each tensor's largest entry. B starts at zero, so
 after two Adam steps every entry of B is about +-2 lr whatever its gradient's size: an entry
 whose gradient is near zero turns reduction-order rounding (ZeRO sums over 2 ranks, the
-reference over 1) into a visible share of lr (3e-5 measured), while a wrong lr, scaling or
-missed step is off by 0.5 or more. Merged weights within 1e-5 (B A is small next to W), losses
+reference over 1) into a visible share of lr (3e-5 measured on an Intel host, 1.0e-4 at ZeRO-2
+on an AMD EPYC host), while a wrong lr, scaling or missed step is off by 0.5 or more. Merged weights within 1e-5 (B A is small next to W), losses
 and log-probs within 1e-5.
 """
 from __future__ import annotations
@@ -114,7 +114,7 @@ def test_lora_matches_peft(lora_runs):
     for stage, out in ((s, [r[s] for r in results]) for s in STAGES):
         first = out[0]
         assert first["losses"] == pytest.approx(losses, rel=1e-5), stage
-        assert max_rel_diff(_torch(first["adapter"]), ref_adapter) < 1e-4, stage
+        assert max_rel_diff(_torch(first["adapter"]), ref_adapter) < 1e-3, stage
         assert max(float((_torch(first["adapter"])[k]).abs().max()) for k in ref_adapter if "lora_B" in k) > 1e-4
         merged = _torch(first["merged"])
         merged_ref_named = {k: merged_ref[k] for k in merged}

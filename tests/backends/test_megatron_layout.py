@@ -155,7 +155,8 @@ def test_entropy_is_computed_only_when_read():
     calls = []
     outputs = PolicyOutputs(torch.zeros(2, 3), lambda: calls.append(1) or torch.ones(2, 3))
     assert C.ENTROPY in outputs and C.VALUES not in outputs and not calls
-    assert torch.equal(outputs.get(C.ENTROPY), torch.ones(2, 3)) and outputs[C.ENTROPY] is outputs[C.ENTROPY]
+    entropy = outputs.get(C.ENTROPY)
+    assert torch.equal(entropy, torch.ones(2, 3)) and outputs[C.ENTROPY] is entropy  # computed once, kept
     assert calls == [1]
     with pytest.raises(KeyError, match="policy head"):
         outputs[C.VALUES]

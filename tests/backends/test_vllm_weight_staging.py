@@ -57,4 +57,4 @@ def test_sampling_spec_checks_keys_and_ranges():
         SamplingSpec.from_dict({"top_p": 0.0})
     assert call_seed(SamplingSpec(seed=5), 0, 9) == 5
     assert call_seed(SamplingSpec(), 0, 1) != call_seed(SamplingSpec(), 0, 2)
-    assert call_seed(SamplingSpec(), 0, 1) == call_seed(SamplingSpec(), 0, 1)
+    assert len({call_seed(SamplingSpec(), 0, 1) for _ in range(3)}) == 1  # the same on every call

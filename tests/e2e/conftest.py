@@ -1,7 +1,9 @@
 """End-to-end tier: every run joins one Ray head shared by the session (`tests/ray_head.py`), started
 before the first e2e test and stopped after the last one, so the runs skip starting a cluster each.
 A test that drives runs in this process stays connected to the head until then (joining again in
-one process after `ray.shutdown()` costs about 30 s here)."""
+one process after `ray.shutdown()` costs about 30 s here). Every e2e test also shares one cache
+directory (`XRAY_CACHE`), so the built-in model is warm-started once a session, by whichever run
+needs it first (`test_learning.py`), not read from a cache outside the session."""
 from __future__ import annotations
 
 import pytest
@@ -18,12 +20,20 @@ def ray_head(tmp_path_factory) -> RayHead:
     return _HEAD[0]
 
 
+@pytest.fixture(scope="session")
+def xray_cache(tmp_path_factory):
+    """The session's cache of built-in models (`XRAY_CACHE`: `algorithms.warm_start`)."""
+    return tmp_path_factory.mktemp("xray-cache")
+
+
 @pytest.fixture(autouse=True)
-def join_shared_head(ray_head: RayHead, monkeypatch):
-    """`python -m xray.train` run by the test joins the shared head (it reads RAY_ADDRESS)."""
+def join_shared_head(ray_head: RayHead, xray_cache, monkeypatch):
+    """`python -m xray.train` run by the test joins the shared head (it reads RAY_ADDRESS) and
+    uses the session's cache."""
     for key, value in ray_head.env.items():
         monkeypatch.setenv(key, value)
     monkeypatch.setenv("RAY_ADDRESS", ray_head.address)
+    monkeypatch.setenv("XRAY_CACHE", str(xray_cache))
 
 
 def pytest_runtest_teardown(item, nextitem):

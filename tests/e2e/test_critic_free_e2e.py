@@ -22,6 +22,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.e2e.test_ppo_e2e import FP32_PROBE, HELD
+
 pytestmark = pytest.mark.e2e
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # keep Ray on loopback
 ROOT = Path(__file__).resolve().parents[2]
@@ -80,6 +82,7 @@ def test_grpo_rloo_reinforce_pp_three_steps_each(tmp_path, tiny_model, backend):
     assert [r.role for r in plan.roles] == ["rollout", "actor", "reference"]
     with ppo_trainer(cfg, plan, RunDir(tmp_path / "start"), algo="grpo") as (first, data):
         assert first.models.critic is None
+        evals = []  # (before, after) of each run; each starts from the weights the one before ended on
         for algo, (name, _, _) in VARIANTS.items():
             trainer = make_trainer(name, variant(cfg, algo), first.models, first.score_fn, data)
             assert trainer.on_policy == (algo == "grpo-on-policy")
@@ -88,21 +91,26 @@ def test_grpo_rloo_reinforce_pp_three_steps_each(tmp_path, tiny_model, backend):
             run = RunDir(tmp_path / algo)
             eval_after = asyncio.run(train(trainer, run, data, None))
             run.close()
-            check_run(algo, tmp_path / algo, before, trainer.state.eval_before, eval_after)
+            check_run(algo, tmp_path / algo, before, backend)
             assert trainer.queued_probe is None  # each sync took the probe its step queued
+            evals.append((trainer.state.eval_before, eval_after))
+        # greedy evaluations of the same weights agree: a run's first is its predecessor's last,
+        # and REINFORCE++, whose every update was skipped, ends where it began
+        assert all(evals[i][0] == evals[i - 1][1] for i in range(1, len(evals))), evals
+        assert evals[list(VARIANTS).index("reinforce_pp")][0] == evals[list(VARIANTS).index("reinforce_pp")][1]
 
 
-def check_run(algo: str, run: Path, before: dict, eval_before: float, eval_after: float) -> None:
+def check_run(algo: str, run: Path, before: dict, backend: str) -> None:
     from safetensors.torch import load_file
 
     rows = {r["step"]: r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
     assert sorted(rows) == [1, 2, 3], algo
     for row in rows.values():
         assert all(math.isfinite(v) for v in row.values() if isinstance(v, float)), (algo, row)
-        assert row["sync/max_abs_logprob_diff"] <= 1e-3  # verified after every sync
+        assert row["sync/max_abs_logprob_diff"] <= FP32_PROBE and row["sync/held_checked"] == 2 * HELD[backend.split("-")[1]], row
+        assert row["sync/version"] == row["step"]  # verified after every step's sync
         assert not any(k.startswith("critic/") for k in row)
         assert ("kl" in row and "kl_k3" in row) == (algo != "grpo-on-policy")  # no reference: no KL
-    assert 0.0 <= eval_before <= 1.0 and 0.0 <= eval_after <= 1.0
     assert {p.name for p in (run / "checkpoints/step-000002").iterdir() if p.is_dir()} == {"actor"}
     after = load_file(str(run / "final/actor/model.safetensors"))
     moved = max(float((before[k].float() - after[k].float()).abs().max()) for k in after)

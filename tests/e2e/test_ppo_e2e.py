@@ -28,6 +28,15 @@ import yaml
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
 VOLATILE = ("time/", "tokens_per_s", "sync/verify_s", "checkpoint/")
+HELD = {"vllm": 7, "dsinfer": 21}
+"""Tensors of the tiny model a rollout replica reads back and compares, bit for bit, at every sync:
+vLLM the embedding, the four layer norms, the final norm and the output layer (its linear layers
+on CPU are checked functionally), DeepSpeed-Inference every tensor."""
+FP32_PROBE = 1e-5
+"""The probe's worst |actor - engine| log-prob after an fp32 sync, as these tests expect it (seen:
+~1e-6); the runtime fails a sync only above `sync.tolerance` (1e-3), so this bound is the test's own."""
+BF16_PROBE = 0.1
+"""Likewise in bf16 (two bf16 implementations of one model; seen: ~0.02); the runtime's bound is 0.25."""
 
 
 def config(tmp_path: Path, model_dir: Path, backend: str, dtype: str = "float32") -> Path:
@@ -79,7 +88,8 @@ def test_three_steps_then_exact_resume(tmp_path, tiny_model, backend):
     assert sorted(steps) == [1, 2, 3]
     for row in steps.values():
         assert all(math.isfinite(v) for v in row.values() if isinstance(v, float)), row
-        assert row["sync/max_abs_logprob_diff"] <= 0.25 and row["sync/held_checked"] >= 2 * 7  # verified each sync
+        assert row["sync/max_abs_logprob_diff"] <= BF16_PROBE and row["sync/held_checked"] == 2 * HELD[backend.split("-")[1]], row
+        assert row["sync/version"] == row["step"]  # each step's sync verified on both replicas
     before = load_file(str(tiny_model / "model.safetensors"))
     after = load_file(str(run_a / "final/actor/model.safetensors"))
     assert sorted(before) == sorted(after)
@@ -212,7 +222,7 @@ def score(prompts, completions, **kwargs):
 '''
 
 
-@pytest.mark.slow  # 1 min for one error message: `make test-all`
+@pytest.mark.slow  # 1 min for one error message: `make test-fast` leaves it out
 def test_a_failing_reward_function_stops_the_run_with_its_prompt(tmp_path, tiny_model):
     reward = tmp_path / "bad_reward.py"
     reward.write_text(BAD_REWARD)

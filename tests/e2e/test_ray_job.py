@@ -33,9 +33,11 @@ def ray_cli(*args: str, env: dict, timeout: float = 900) -> subprocess.Completed
 
 
 def test_default_job_through_ray_job_submit(ray_head, tmp_path):
-    run, cache = tmp_path / "run", tmp_path / "cache"
+    run = tmp_path / "run"
     env = {**os.environ, **ray_head.env}
-    runtime_env = {"env_vars": {"XRAY_CACHE": str(cache)}}  # the job's environment is the cluster's, plus this
+    # the job's environment is the cluster's, plus this: the session's cache, whose warm start
+    # `test_learning.py` built (the same key: seed, task, backend and warm-start settings)
+    runtime_env = {"env_vars": {"XRAY_CACHE": os.environ["XRAY_CACHE"]}}
     submit = ray_cli("job", "submit", "--address", ray_head.dashboard, "--submission-id", "xray-default-job",
                      "--runtime-env-json", json.dumps(runtime_env), "--",
                      sys.executable, "-m", "xray.train", "ppo", f"--output-dir={run}", f"--trainer.steps={STEPS}",

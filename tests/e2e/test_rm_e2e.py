@@ -64,7 +64,8 @@ def test_rm_trains_exports_and_scores_a_ppo_run(tmp_path, tiny_model, backend):
     cfg, run, accuracy = train_rm(tmp_path, tiny_model, backend)
     steps = metrics(run)
     assert sorted(steps) == [1, 2, 3, 4]
-    assert all(math.isfinite(r["rm_loss"]) and 0 <= r["rm_accuracy"] <= 1 for r in steps.values())
+    assert all(math.isfinite(r["rm_loss"]) for r in steps.values())
+    assert all(r["rm_accuracy"] * 4 == round(r["rm_accuracy"] * 4) for r in steps.values()), steps  # of 4 pairs
     export = run / "final/reward_model"
     assert json.loads((export / "config.json").read_text())["architectures"] == ["LlamaForSequenceClassification"]
     assert hf_accuracy(cfg, export, tmp_path / "data") == pytest.approx(accuracy, abs=1e-9)

@@ -17,9 +17,9 @@ import logging
 import pytest
 import yaml
 
-from tests.e2e.test_ppo_e2e import config
+from tests.e2e.test_ppo_e2e import FP32_PROBE, config
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow]  # 1.5 min: `make test-all`
+pytestmark = [pytest.mark.ray, pytest.mark.slow]  # 1.5 min: `make test-fast` leaves it out
 WORKER = {"num_cpus": 2, "resources": {"xray_trainer": 1}}
 
 
@@ -105,7 +105,7 @@ def test_a_node_leaves_and_comes_back(tmp_path, tiny_model, two_nodes, caplog):
     assert rows[-1]["elastic/resizes"] >= 2.0
     counts = collections.Counter(r["step"] for r in rows)
     assert sorted(counts) == list(range(1, 11)) and counts[1] == counts[2] == 1 and counts[3] <= 2 and max(counts.values()) <= 2
-    assert all(r["sync/max_abs_logprob_diff"] <= 1e-3 for r in rows)
+    assert all(r["sync/max_abs_logprob_diff"] <= FP32_PROBE for r in rows), rows
     log = caplog.text
     assert "train_group: 2 -> 1 devices" in log and "train_group: 1 -> 2 devices (devices joined)" in log
     assert "WholeModel actor is gone" not in log  # the control planes stayed: only Workhorses restarted
