@@ -93,7 +93,9 @@ def test_dead_workhorses_are_replaced(tmp_path, tiny_model, backend, trained, ca
 @pytest.mark.slow
 def test_async_run_recovers(tmp_path, tiny_model, caplog, local_ray):
     """An asynchronous run (one trainer, two makers) whose actor Workhorse is killed during step 5
-    goes back to the step-3 checkpoint, buffer included, with new makers, and finishes."""
+    goes back to the step-3 checkpoint, buffer included, with new makers; a maker's rollout
+    Workhorse killed during step 7 (its death met by a generation or by a weight delivery, which
+    calls the Workhorses directly) sends it back to the step-6 checkpoint; it finishes."""
     import ray
 
     from algorithms.ppo.run import ppo_trainer
@@ -106,13 +108,15 @@ def test_async_run_recovers(tmp_path, tiny_model, caplog, local_ray):
     run = RunDir(tmp_path / "run")
     caplog.set_level(logging.WARNING)
     with ppo_trainer(cfg, plan, run) as (trainer, data):
-        kills = [(5, "actor", ray.get(trainer.models.actor.shard_handles()[0].pid.remote()))]
+        kills = [(5, "actor", ray.get(trainer.models.actor.shard_handles()[0].pid.remote())),
+                 (7, "rollout", ray.get(trainer.models.rollout.shard_handles()[1].pid.remote()))]
         _, killed = train_with_kills(trainer, run, data, kills)
-    assert killed == ["actor"] and trainer.state.step == 8
+    assert killed == ["actor", "rollout"] and trainer.state.step == 8
     last = [json.loads(line) for line in (run.path / "metrics.jsonl").read_text().splitlines()][-1]
     assert last["step"] == 8 and last["sync/version"] == 7  # the new makers took the trainers' pushes
     rows = steps_logged(run)
     assert sorted(rows) == list(range(1, 9))
     assert all(rows[s] == 1 for s in (1, 2, 3)) and max(rows.values()) <= 2, rows
-    assert "actor: replaced" in caplog.text
+    assert "actor: replaced" in caplog.text and "rollout: replaced" in caplog.text
     assert "async run back at the checkpoint of step 3, restored from memory" in caplog.text
+    assert "async run back at the checkpoint of step 6, restored from memory" in caplog.text

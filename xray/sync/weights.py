@@ -319,6 +319,21 @@ def stage(actor, version: int, cfg: SyncConfig, probe: list[list[int]] | None = 
     return Staged(version, export, actor_probe, probe, prompt_lens, time.perf_counter())
 
 
+async def on_every_shard(role: str, method: str, refs: list) -> list:
+    """The answers of direct calls on a model's shards (one ref per rank); a failure raises what a
+    call through the WholeModel raises (`WorkhorseDied` when a process is gone), so that a run's
+    recovery sees a rollout Workhorse lost during a sync as it sees one lost anywhere else."""
+    from xray.wholemodel.errors import WholeModelError, WorkhorseDied
+    from xray.wholemodel.pending import shard_failure
+
+    answers = await asyncio.gather(*refs, return_exceptions=True)
+    failed = [shard_failure(role, rank, a) for rank, a in enumerate(answers) if isinstance(a, BaseException)]
+    if not failed:
+        return list(answers)
+    error = WorkhorseDied if any(died for _, died in failed) else WholeModelError
+    raise error(role, method, [failure for failure, _ in failed], len(refs))
+
+
 async def deliver(staged: Staged, rollout, cfg: SyncConfig) -> SyncReport:
     """Load a staged version into every replica of `rollout`, then verify it as `sync_weights`
     does (the engine's probe log-probs against the actor's of the same instant)."""
@@ -326,8 +341,9 @@ async def deliver(staged: Staged, rollout, cfg: SyncConfig) -> SyncReport:
     export = await staged.export
     targets = rollout.shard_handles()
     for ref in export["buckets"]:  # in order; each target loads one bucket after the other
-        await asyncio.gather(*[t.load_bucket.remote(ref) for t in targets])
-    replicas = await asyncio.gather(*[t.finish_sync.remote(staged.version) for t in targets])
+        await on_every_shard(rollout.role, "load_bucket", [t.load_bucket.remote(ref) for t in targets])
+    replicas = await on_every_shard(rollout.role, "finish_sync",
+                                    [t.finish_sync.remote(staged.version) for t in targets])
     sync_s = time.perf_counter() - t0
     diff, verify_s = float("nan"), 0.0
     if cfg.verify:
