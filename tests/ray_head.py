@@ -1,6 +1,7 @@
 """A real Ray head started with `ray start --head` on 127.0.0.1, shared by the end-to-end runs of a
 test session (each `python -m xray.train` joins it through `RAY_ADDRESS` instead of starting and
-stopping its own cluster, which costs 6-9 s a run on 2 cores) and by the `ray job submit` test.
+stopping its own cluster, which costs 6-9 s a run on 2 cores) and by the `ray job submit` run of
+`tests/e2e/test_learning.py`.
 
 Token authentication is off (`RAY_AUTH_MODE=disabled`): Ray reads its authentication mode once per
 process, and the test process's own earlier clusters fix it there, so a test that joins in-process

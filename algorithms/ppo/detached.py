@@ -245,6 +245,7 @@ class Detached:
         self.deliveries = []
         return {"sync/max_abs_logprob_diff": max(r.max_abs_logprob_diff for r in reports),
                 "sync/held_checked": float(sum(r.held_checked for r in reports)),
+                "sync/held_unreadable": float(sum(r.held_unreadable for r in reports)),
                 "sync/verify_s": max(r.verify_s for r in reports), "sync/version": float(reports[0].version)}
 
     # -- checkpoints -----------------------------------------------------------------------------

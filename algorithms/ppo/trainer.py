@@ -207,8 +207,8 @@ class PPOTrainer:
         return {"reward/mean": float(scores.mean()), "reward/std": float(scores.std()) if len(scores) > 1 else 0.0,
                 **kl, "kl_coef": kl_coef, **train, **(gap or {}),
                 "response_length": float(mask.sum(1).mean()), "sync/max_abs_logprob_diff": report.max_abs_logprob_diff,
-                "sync/held_checked": float(report.held_checked), "sync/verify_s": report.verify_s,
-                "sync/version": float(report.version), **t.seconds,
+                "sync/held_checked": float(report.held_checked), "sync/held_unreadable": float(report.held_unreadable),
+                "sync/verify_s": report.verify_s, "sync/version": float(report.version), **t.seconds,
                 "tokens_per_s": tokens / max(1e-9, sum(t.seconds.values()))}
 
     async def sleep_rollout(self, t: PhaseTimer) -> None:

@@ -12,9 +12,9 @@ the exported adapter directory loads in `peft` with the same logits.
 Tolerances: adapters within 1e-3 relative to each tensor's largest entry. B starts at zero, so
 after two Adam steps every entry of B is about +-2 lr whatever its gradient's size: an entry
 whose gradient is near zero turns reduction-order rounding (ZeRO sums over 2 ranks, the
-reference over 1) into a visible share of lr (3e-5 measured on an Intel host, 1.0e-4 at ZeRO-2
-on an AMD EPYC host), while a wrong lr, scaling or missed step is off by 0.5 or more. Merged weights within 1e-5 (B A is small next to W), losses
-and log-probs within 1e-5.
+reference over 1) into a visible share of lr (3e-5 measured on an Intel host, 1.0e-4 at
+ZeRO-2 on an AMD EPYC host), while a wrong lr, scaling or missed step is off by 0.5 or more.
+Merged weights within 1e-5 (B A is small next to W), losses and log-probs within 1e-5.
 """
 from __future__ import annotations
 

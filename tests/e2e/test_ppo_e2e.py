@@ -28,15 +28,20 @@ import yaml
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
 VOLATILE = ("time/", "tokens_per_s", "sync/verify_s", "checkpoint/")
-HELD = {"vllm": 7, "dsinfer": 21}
-"""Tensors of the tiny model a rollout replica reads back and compares, bit for bit, at every sync:
-vLLM the embedding, the four layer norms, the final norm and the output layer (its linear layers
-on CPU are checked functionally), DeepSpeed-Inference every tensor."""
-FP32_PROBE = 1e-5
+HOLDS = {"vllm": 15, "dsinfer": 21}
+"""Tensors a rollout replica of a 2-layer tiny Llama holds (vLLM fuses q/k/v and gate/up); at every
+sync each is read back and compared bit for bit with what was sent, or counted unreadable."""
+READ_BACK = {"vllm": 7, "dsinfer": 21}
+"""Of those, the ones read back on every host: vLLM on CPU keeps its fp32 linear layers only packed
+for oneDNN (7 of 15 read back); in bf16 it read back all 15 on this AMD EPYC host, where the slow
+bf16 sync test, written on an earlier host, expected 7."""
+FP32_PROBE = 2e-5
 """The probe's worst |actor - engine| log-prob after an fp32 sync, as these tests expect it (seen:
-~1e-6); the runtime fails a sync only above `sync.tolerance` (1e-3), so this bound is the test's own."""
-BF16_PROBE = 0.1
-"""Likewise in bf16 (two bf16 implementations of one model; seen: ~0.02); the runtime's bound is 0.25."""
+up to 2.9e-6 on the warm-started model, 4.8e-7 on the tiny one); the runtime fails a sync only
+above `sync.tolerance` (1e-3), so this bound is the test's own."""
+BF16_PROBE = 0.05
+"""Likewise in bf16 (two bf16 implementations of one model; seen: 0.004 on the tiny model, vLLM
+against Megatron); the runtime's bound is 0.25."""
 
 
 def config(tmp_path: Path, model_dir: Path, backend: str, dtype: str = "float32") -> Path:
@@ -57,6 +62,14 @@ def config(tmp_path: Path, model_dir: Path, backend: str, dtype: str = "float32"
     path = tmp_path / f"{backend}.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return path
+
+
+def check_held(row: dict, backend: str, replicas: int = 2) -> None:
+    """A step's sync accounted for every tensor each rollout replica holds (compared bit for bit, or
+    unreadable), and compared at least those every host can read back."""
+    engine = backend.split("-")[1]
+    assert row["sync/held_checked"] + row["sync/held_unreadable"] == replicas * HOLDS[engine], row
+    assert row["sync/held_checked"] >= replicas * READ_BACK[engine], row
 
 
 def train(*args: str) -> subprocess.CompletedProcess:
@@ -88,7 +101,8 @@ def test_three_steps_then_exact_resume(tmp_path, tiny_model, backend):
     assert sorted(steps) == [1, 2, 3]
     for row in steps.values():
         assert all(math.isfinite(v) for v in row.values() if isinstance(v, float)), row
-        assert row["sync/max_abs_logprob_diff"] <= BF16_PROBE and row["sync/held_checked"] == 2 * HELD[backend.split("-")[1]], row
+        assert row["sync/max_abs_logprob_diff"] <= BF16_PROBE, row
+        check_held(row, backend)
         assert row["sync/version"] == row["step"]  # each step's sync verified on both replicas
     before = load_file(str(tiny_model / "model.safetensors"))
     after = load_file(str(run_a / "final/actor/model.safetensors"))
@@ -227,6 +241,12 @@ def test_a_failing_reward_function_stops_the_run_with_its_prompt(tmp_path, tiny_
     reward = tmp_path / "bad_reward.py"
     reward.write_text(BAD_REWARD)
     cfg = config(tmp_path, tiny_model, "megatron-vllm")
+    raw = yaml.safe_load(cfg.read_text())  # the default job's layout (4 Workhorses): the message is the point
+    raw["device_groups"] = yaml.safe_load((ROOT / "configs/ppo_tiny_cpu.yaml").read_text())["device_groups"]
+    for role in ("actor", "critic", "reference"):
+        raw[role].update(tp=1, dp=1)
+    raw["rollout"]["dp"] = 1
+    cfg.write_text(yaml.safe_dump(raw, sort_keys=False))
     run = tmp_path / "run"
     p = subprocess.run([sys.executable, "-m", "xray.train", "ppo", "--config", str(cfg), "--output-dir", str(run),
                         f"--reward.function={reward}:score", "--trainer.save_every=1"],
