@@ -78,9 +78,9 @@ class Detached:
         self.rows: deque = deque()
         """Prompt rows drawn from the sampler and not yet taken by a maker."""
         self.in_flight: dict[int, tuple[int, list]] = {}
+        """Maker -> (serial, prompt rows) of the batch it is making."""
         self.making: dict[int, float] = {}
         """Maker -> when it began the batch it is making (perf-counter seconds)."""
-        """Maker -> (serial, prompt rows) of the batch it is making."""
         self.serial = 0
         self.claimed = [self.version] * self.graph.trainers
         """Per trainer, the last index claimed (the trainer step its batch is for)."""
