@@ -54,7 +54,7 @@ async def run_mode(trainer: PPOTrainer, data, steps: int, warmup: int) -> tuple[
 
     span = range(1, warmup + steps + 1)
     if trainer.cfg.trainer.mode == "async":
-        await Detached(trainer, data.next_train_rows).run(span, on_step)
+        await Detached(trainer, data).run(span, on_step)
     else:
         for step in span:
             await on_step(step, await trainer.step(data.next_train_rows()))

@@ -1,149 +1,277 @@
-"""The experience buffer of asynchronous PPO: makers put experience batches, trainers take them.
+"""The experience buffer of asynchronous PPO: the prompt source, admission control and the queues
+of scored groups between the experience makers (`algorithms.ppo.maker`) and the trainer
+(`algorithms.ppo.async_trainer`).
 
 It holds object references, never the experiences themselves (they stay in Ray's object store
-where the maker put them): one queue per trainer (data-parallel replica of the actor). A maker
-claims a place before it samples (`Detached.claim`): trainer `d` and index `j`, the trainer step
-that will train on the batch; a trainer step takes, from every queue, the entry with the next
-index, so batches are trained in the order they were claimed, whatever order they finish in.
-An entry records the weight version that generated it and the maker that made it; when the
-trainers, at weight version `t`, take an entry of version `v`, its staleness is `t - v`. An entry
-over `max_staleness` is dropped and counted, and the next index takes its place (`on_stale: drop`;
-with `wait` makers claim only what will be fresh enough, and nothing is dropped). `ExperienceBuffer`
-is the policy, plain and unit-tested; `BufferActor` serves it as an asynchronous Ray actor whose
-`take` waits until every queue has its next entry. A checkpoint reads every entry (`snapshot`)
-and a resume puts them back (`restore`).
+where a maker put them). One place owns everything that must be read at one instant for a
+lossless checkpoint: the prompt sampler, the prompts queued again, the prompts each maker is
+making (leased, not yet put) and the scored groups waiting to be trained on.
+
+- A maker **leases** prompts (`lease`), up to as many as it asks for and as many as admission
+  allows: queued prompts first, then the sampler's. The trainer it would feed is the one of its
+  graph's `async.feeds` with most room. With `on_stale: wait` admission is AReaL's rule, per
+  trainer d: a maker holding weight version v may start a prompt only while
+  `(max_staleness + v + 1) x share - (accepted_d + running_d) > 0`, where `share` is the groups
+  trainer d takes a step, `accepted_d` the groups put for d so far (trained included) and
+  `running_d` those leased and not yet put: a prompt started then is among the first
+  `v + max_staleness + 1` steps' worth, so it is trained at most `max_staleness` versions after v
+  unless a slower maker's groups overtake it. Both modes also keep at most `capacity` steps'
+  worth per trainer, queued or being made.
+- A maker **puts** each prompt's group of samples as soon as it is scored (`put`), with the
+  oldest weight version among its tokens and its token count.
+- The trainer **takes** (`take`) the first `share` ready groups of each trainer's queue, from
+  whichever makers made them, in the order they arrived: a slow maker holds up no one else.
+  A group older than `max_staleness` when taken is queued again as a prompt (`on_stale: wait`:
+  nothing lost, made again with newer weights) or dropped and counted (`drop`: its prompt lost).
+- A lost maker's leases are queued again (`requeue`): nothing lost, nothing trained twice.
+
+`ExperienceBuffer` is the policy, plain and unit-tested; `BufferActor` serves it as an
+asynchronous Ray actor (its `lease` and `take` may wait).
 """
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
-
-
-def maker_must_wait(on_stale: str, index: int, maker_version: int, max_staleness: int) -> bool:
-    """`on_stale: wait`: a maker waits for new weights while a batch it sampled now for trainer
-    step `index` (trained from version `index - 1`) would be too stale then. `drop`: makers never
-    wait (the buffer drops instead)."""
-    return on_stale == "wait" and index - 1 - maker_version > max_staleness
+from typing import Any, Callable
 
 
 @dataclass(frozen=True)
-class Entry:
-    """One experience batch in a queue."""
+class Group:
+    """One prompt's scored samples in a queue."""
 
     item: Any
-    """What the maker put (a list holding the batch's object reference)."""
+    """What the maker put: a list holding the object reference of the group's Batch."""
     version: int
-    """The weight version that generated it."""
+    """The oldest weight version that sampled any of its tokens."""
     maker: int
-    serial: int
-    """The run's count of batches begun: identifies the batch across a checkpoint."""
-    index: int = 0
-    """Its place in its trainer's queue: the trainer step claimed for it."""
+    tokens: int
+    """Response tokens in the group (staleness is counted per token)."""
+    row: dict
+    """The prompt row, to make it again if it comes out too stale."""
+    key: int = 0
+    """The lease of its prompt (identifies it across a checkpoint)."""
+
+
+@dataclass
+class Lease:
+    """A prompt a maker is making."""
+
+    maker: int
+    trainer: int
+    row: dict
+    version: int
 
 
 @dataclass
 class ExperienceBuffer:
-    """Per-trainer queues of entries by index; drops counted."""
+    """Prompts, leases and per-trainer queues of scored groups; admission and staleness counted."""
 
-    capacity: int
-    """Entries each trainer's queue holds (the makers' claims keep within it)."""
-    max_staleness: int
-    trainers: int = 1
-    first: int = 1
-    """The index the trainers take first (the step after the run's start or resume)."""
+    share: int
+    """Groups (prompts) each trainer takes a step: rollout_batch_size / trainers."""
+    feeds: list
+    """Per maker, the trainers it may feed."""
+    draw: Callable[[], list]
+    """The sampler's next batch of prompt rows."""
+    max_staleness: int = 1
+    on_stale: str = "wait"
+    capacity: int = 2
+    """Steps' worth of groups each trainer's queue holds, counting those being made for it."""
+    version: int = 0
+    """The trainer's weight version: steps done."""
+    rows: deque = field(default_factory=deque)
+    """Prompts queued to be made before the sampler's next: a lost maker's, too-stale ones, a resume's."""
+    leases: dict = field(default_factory=dict)
+    """Lease key -> `Lease`: prompts being made."""
+    serial: int = 0
     queues: list = field(default_factory=list)
-    expected: list = field(default_factory=list)
-    """Per queue, the index its next take needs."""
+    accepted: list = field(default_factory=list)
+    running: list = field(default_factory=list)
     dropped: int = 0
-    """Entries discarded for being too stale when taken."""
+    requeued_stale: int = 0
+    late: int = 0
+    """Groups put under a lease that was no longer held (its maker had been replaced): ignored."""
+    drawn: list = field(default_factory=list)
+    """Rows drawn from the sampler and not yet leased."""
 
     def __post_init__(self) -> None:
-        if self.capacity < 1 or self.max_staleness < 0 or self.trainers < 1:
-            raise ValueError(f"capacity={self.capacity} and trainers={self.trainers} must be >= 1 and "
+        if self.share < 1 or self.max_staleness < 0 or self.capacity < 1:
+            raise ValueError(f"share={self.share} and capacity={self.capacity} must be >= 1 and "
                              f"max_staleness={self.max_staleness} >= 0")
-        self.queues = [{} for _ in range(self.trainers)]
-        self.expected = [self.first] * self.trainers
+        trainers = 1 + max(t for targets in self.feeds for t in targets)
+        self.queues = [[] for _ in range(trainers)]
+        self.accepted = [self.version * self.share] * trainers
+        self.running = [0] * trainers
 
-    def put(self, entry: Entry, trainer: int) -> None:
-        """Queue `entry` for `trainer` at its claimed index."""
-        queue = self.queues[trainer]
-        if len(queue) >= self.capacity:
-            raise RuntimeError(f"trainer {trainer}'s queue is full ({self.capacity}); claim a place before sampling")
-        if entry.index < self.expected[trainer] or entry.index in queue:
-            raise RuntimeError(f"index {entry.index} of trainer {trainer} is taken or already trained on")
-        queue[entry.index] = entry
+    @property
+    def trainers(self) -> int:
+        return len(self.queues)
 
-    def take(self, trainer_version: int) -> tuple[list[tuple[Entry, int]] | None, list[int]]:
-        """(The next entry of every queue with its staleness, in trainer order, or None (nothing
-        taken) while a queue's next entry is missing; per queue, the entries dropped now). Too-stale
-        entries are dropped and the next index takes their place."""
-        dropped = [0] * self.trainers
+    def room(self, trainer: int, maker_version: int) -> int:
+        """Groups a maker holding `maker_version` may still start for `trainer`."""
+        d = trainer
+        room = self.capacity * self.share - (len(self.queues[d]) + self.running[d])
+        if self.on_stale == "wait":
+            room = min(room, (self.max_staleness + maker_version + 1) * self.share - (self.accepted[d] + self.running[d]))
+        return room
+
+    def lease(self, maker: int, most: int, maker_version: int) -> list[tuple[int, dict]]:
+        """Up to `most` (lease key, prompt row) pairs for `maker`, as many as admission allows now
+        (none: wait for a take or a newer version)."""
+        rooms = {d: self.room(d, maker_version) for d in self.feeds[maker]}
+        d = max(rooms, key=lambda d: (rooms[d], -d))
+        leased = []
+        for _ in range(min(most, rooms[d])):
+            if not self.rows and not self.drawn:
+                self.drawn = list(self.draw())
+            row = self.rows.popleft() if self.rows else self.drawn.pop(0)
+            self.serial += 1
+            self.leases[self.serial] = Lease(maker, d, row, maker_version)
+            self.running[d] += 1
+            leased.append((self.serial, row))
+        return leased
+
+    def put(self, groups: list[Group]) -> int:
+        """Scored groups into their trainers' queues; how many were accepted (a group whose lease
+        is no longer held, its maker replaced and its prompt queued again, is ignored)."""
+        accepted = 0
+        for g in groups:
+            held = self.leases.pop(g.key, None)
+            if held is None:
+                self.late += 1
+                continue
+            self.running[held.trainer] -= 1
+            self.accepted[held.trainer] += 1
+            self.queues[held.trainer].append(g)
+            accepted += 1
+        return accepted
+
+    def take(self, trainer_version: int) -> list[list[Group]] | None:
+        """The first `share` ready groups of every trainer's queue (in arrival order), or None
+        (nothing taken) while a queue has fewer. Too-stale groups are first queued again as
+        prompts (`wait`) or dropped (`drop`)."""
+        self.version = trainer_version
         for d, queue in enumerate(self.queues):
-            while self.expected[d] in queue and trainer_version - queue[self.expected[d]].version > self.max_staleness:
-                del queue[self.expected[d]]
-                self.expected[d] += 1
-                dropped[d] += 1
-        self.dropped += sum(dropped)
-        if not all(e in q for e, q in zip(self.expected, self.queues)):
-            return None, dropped
+            stale = [g for g in queue if trainer_version - g.version > self.max_staleness]
+            queue[:] = [g for g in queue if trainer_version - g.version <= self.max_staleness]
+            if self.on_stale == "wait":  # first in line, in the order they came
+                self.rows.extendleft(reversed([g.row for g in stale]))
+                self.accepted[d] -= len(stale)
+                self.requeued_stale += len(stale)
+            else:
+                self.dropped += len(stale)
+        if any(len(q) < self.share for q in self.queues):
+            return None
         taken = []
-        for d, queue in enumerate(self.queues):
-            entry = queue.pop(self.expected[d])
-            self.expected[d] += 1
-            taken.append((entry, trainer_version - entry.version))
-        return taken, dropped
+        for queue in self.queues:
+            taken.append(queue[:self.share])
+            del queue[:self.share]
+        return taken
 
-    def entries(self) -> list[tuple[int, Entry]]:
-        """Every queued entry with its trainer, in index order per queue."""
-        return [(d, queue[i]) for d, queue in enumerate(self.queues) for i in sorted(queue)]
+    def requeue(self, maker: int) -> int:
+        """Queue the prompts `maker` was making again (it was lost), first in line; how many."""
+        lost = sorted(k for k, held in self.leases.items() if held.maker == maker)
+        for k in lost:
+            self.running[self.leases[k].trainer] -= 1
+        self.rows.extendleft(reversed([self.leases.pop(k).row for k in lost]))
+        return len(lost)
 
     def stats(self) -> dict[str, float]:
-        fill = sum(len(q) for q in self.queues) / (self.capacity * self.trainers)
-        return {"async/buffer_fill": fill, "async/dropped": self.dropped}
+        ready = sum(len(q) for q in self.queues)
+        return {"async/buffer_fill": ready / (self.capacity * self.share * self.trainers),
+                "async/prompts_in_flight": float(sum(self.running)),
+                "async/dropped": float(self.dropped), "async/requeued_stale": float(self.requeued_stale)}
 
 
 class BufferActor:
-    """`ExperienceBuffer` as an asynchronous Ray actor shared by makers and the trainers."""
+    """`ExperienceBuffer` as an asynchronous Ray actor shared by the makers and the trainer; it
+    owns the run's prompt sampler (`prompts`: the training PromptSet, `sampler`: its sampler)."""
 
-    def __init__(self, capacity: int, max_staleness: int, trainers: int = 1, first: int = 1):
-        self.buffer = ExperienceBuffer(capacity, max_staleness, trainers, first)
+    def __init__(self, prompts, sampler, share: int, feeds: list, max_staleness: int, on_stale: str,
+                 capacity: int, version: int):
+        self.prompts, self.sampler = prompts, sampler
+        self.buffer = ExperienceBuffer(share, [list(f) for f in feeds], self._draw, max_staleness, on_stale,
+                                       capacity, version)
         self.changed: asyncio.Condition | None = None
+        self.maker_versions: dict[int, int] = {}
+
+    def _draw(self) -> list:
+        return self.prompts.rows(self.sampler.next_indices())
 
     def _condition(self) -> asyncio.Condition:
         if self.changed is None:
             self.changed = asyncio.Condition()
         return self.changed
 
-    async def put(self, entry: Entry, trainer: int) -> None:
+    async def lease(self, maker: int, most: int, maker_version: int, wait: bool = True) -> list[tuple[int, dict]]:
+        """Up to `most` prompts for `maker` (its version: the larger of the one given and the last
+        `set_maker_version`); with `wait`, waits until at least one is admitted, else answers at once."""
         changed = self._condition()
-        async with changed:
-            self.buffer.put(entry, trainer)
-            changed.notify_all()
-
-    async def take(self, trainer_version: int) -> tuple[list[tuple[Entry, int]], list[int]]:
-        """The next entry of every queue (waits until each has it), and the drops per queue."""
-        changed = self._condition()
-        dropped = [0] * self.buffer.trainers
         async with changed:
             while True:
-                found, now = self.buffer.take(trainer_version)
-                dropped = [a + b for a, b in zip(dropped, now)]
-                if found is not None:
-                    return found, dropped
+                version = max(maker_version, self.maker_versions.get(maker, maker_version))
+                found = self.buffer.lease(maker, most, version)
+                if found or not wait:
+                    return found
                 await changed.wait()
 
-    def snapshot(self) -> list[tuple[int, Entry]]:
-        """Every queued entry with its trainer (for a checkpoint; nothing is removed)."""
-        return self.buffer.entries()
+    async def set_maker_version(self, maker: int, version: int) -> None:
+        changed = self._condition()
+        async with changed:
+            self.maker_versions[maker] = version
+            changed.notify_all()
 
-    def restore(self, entries: list[tuple[int, Entry]], first: int) -> None:
-        """Start over at index `first` with a checkpoint's entries (given their new indices),
-        before any maker starts."""
-        self.buffer.queues = [{} for _ in range(self.buffer.trainers)]
-        self.buffer.expected = [first] * self.buffer.trainers
-        for trainer, entry in entries:
-            self.buffer.put(entry, trainer)
+    async def put(self, groups: list[Group]) -> int:
+        changed = self._condition()
+        async with changed:
+            accepted = self.buffer.put(groups)
+            changed.notify_all()
+            return accepted
+
+    async def take(self, trainer_version: int) -> list[list[Group]]:
+        """The next `share` groups of every trainer (waits until each has them)."""
+        changed = self._condition()
+        async with changed:
+            while True:
+                found = self.buffer.take(trainer_version)
+                changed.notify_all()  # the version moved, or requeued prompts: admissions may open
+                if found is not None:
+                    return found
+                await changed.wait()
+
+    async def requeue(self, maker: int) -> int:
+        changed = self._condition()
+        async with changed:
+            n = self.buffer.requeue(maker)
+            self.maker_versions.pop(maker, None)
+            changed.notify_all()
+            return n
 
     def stats(self) -> dict[str, float]:
         return self.buffer.stats()
+
+    async def snapshot(self) -> dict:
+        """Everything a checkpoint needs, read at one instant: the sampler's state, the prompts to
+        make again (being made, queued, drawn and not leased) and the ready groups with their
+        experiences (fetched here, never by the driver's loop)."""
+        b = self.buffer
+        groups = [(d, g) for d, queue in enumerate(b.queues) for g in queue]
+        state = {"sampler": self.sampler.state_dict(),
+                 "rows": [b.leases[k].row for k in sorted(b.leases)] + list(b.rows) + list(b.drawn)}
+        batches = await asyncio.gather(*[g.item[0] for _, g in groups]) if groups else []
+        state["entries"] = [{"trainer": d, "version": g.version, "maker": g.maker, "tokens": g.tokens,
+                             "row": g.row, "batch": batch} for (d, g), batch in zip(groups, batches)]
+        return state
+
+    def restore(self, state: dict, version: int) -> None:
+        """Start over at weight `version` from a checkpoint's snapshot, before any maker starts."""
+        import ray
+
+        b = self.buffer
+        self.sampler.load_state_dict(state["sampler"])
+        b.version, b.rows, b.drawn, b.leases = version, deque(state["rows"]), [], {}
+        b.queues = [[] for _ in range(b.trainers)]
+        b.accepted, b.running = [version * b.share] * b.trainers, [0] * b.trainers
+        for e in state["entries"]:
+            b.queues[e["trainer"]].append(Group([ray.put(e["batch"])], e["version"], e["maker"], e["tokens"], e["row"]))
+            b.accepted[e["trainer"]] += 1

@@ -1,317 +1,254 @@
-"""Detached asynchronous PPO (`trainer.mode: async`): experience makers and trainers joined by a buffer.
+"""Detached asynchronous PPO (`trainer.mode: async`): the driver's part, which only supervises.
 
-ColossalChat's design on xray's WholeModels, all on the run's one event loop:
-- each **experience maker** drives one rollout replica (`rollout.replica(m)`): it takes one
-  trainer's share of a rollout batch of prompts, samples with the weights it holds (recording
-  their version and the engine's own log-probs, the behaviour policy), has the reference model
-  score them by reference and the reward score them, and puts the experience batch into the
-  buffer (`algorithms.ppo.buffer`) for the trainer the graph (`async.feeds`) and the queues pick;
-- the **trainers** are the actor's data-parallel replicas (with the critic): a trainer step takes
-  one batch per trainer, so each replica trains on its own makers' experience; it recomputes
-  log-probs (the proximal policy) and values with the current weights, computes advantages, trains
-  with the decoupled PPO loss (`PolicyLoss` with a truncated behaviour weight), and every
-  `async.push_every` steps trainer d pushes its weights to the makers `async.pushes` gives it,
-  each push verified and made under that maker's lock only, so the other makers keep sampling.
-With `on_stale: wait` a maker whose weights are more than `max_staleness` versions behind the
-trainers' waits for a push. A checkpoint holds the buffer's experiences (with their versions and
-behaviour log-probs) and the prompts of batches still being made; a resume queues both again,
-and the makers start from the checkpoint's weights. Interleaving is not deterministic: runs are
-not bitwise repeatable.
+ColossalChat's design on xray's WholeModels, each part a Ray actor with its own loop:
+- the **buffer** (`algorithms.ppo.buffer`): the prompt source, admission control and the queue of
+  scored groups, held as object references;
+- one **experience maker** per rollout replica (`algorithms.ppo.maker`): lease prompts, sample,
+  have the reference and the reward score by reference, put each group into the buffer;
+- the **trainer** (`algorithms.ppo.async_trainer`): take what is ready, recompute, train, publish
+  weight versions to the makers without waiting for them.
+The driver starts them, streams the trainer's per-step metrics to `on_step` (loggers, progress,
+checkpoints), lets the trainer run up to the next checkpoint step and takes the checkpoint there
+(the trainer's state, and the buffer's snapshot read at one instant: nothing lost, nothing
+trained twice on a resume), replaces a lost maker while the others and the trainer go on (its
+prompts queued again; the replacement loads the latest published version first), and stops them.
+No experience byte passes through the driver (a checkpoint's snapshot excepted, which it writes).
+A failure of the trainer (its actor or critic lost) ends `run` with the error: the run's recovery
+(`algorithms.ppo.recovery.recover_async`) goes back to the latest checkpoint. Interleaving is not
+deterministic: runs are not bitwise repeatable.
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import logging
 import time
-from collections import deque
-from dataclasses import dataclass, field
 
-from algorithms.ppo.buffer import Entry, maker_must_wait
-from algorithms.ppo.kl_estimators import kl_metrics
-from algorithms.ppo.trainer import ppo_targets
 from xray.config.graph import build_graph
-from xray.data import columns as C
-from xray.data.batch import Batch
-from xray.sync import deliver, stage
+
+log = logging.getLogger(__name__)
 
 
-@dataclass
-class MakerStats:
-    """What the makers did since the last trainer step."""
-
-    busy: list = field(default_factory=list)
-    """(start, end) perf-counter seconds of each batch a maker finished making."""
-    samples: int = 0
-    waited: int = 0
-    """Times a maker waited for new weights (on_stale: wait)."""
-    full_waits: int = 0
-    """Times a maker waited for room in its trainers' queues."""
+class MakerLost(RuntimeError):
+    """Makers failed more often than `trainer.max_restarts` allows."""
 
 
-@dataclass
 class Detached:
-    """Makers and trainers of one asynchronous run around a PPOTrainer (its models, losses, data)."""
+    """The makers, buffer and trainer of one asynchronous run around a PPOTrainer (the driver's:
+    its models, data and scorer), supervised."""
 
-    trainer: object
-    next_rows: object
-    """Callable giving the next rollout batch of prompt rows."""
-    makers: list = field(default_factory=list)
-    locks: list = field(default_factory=list)
-    versions: list = field(default_factory=list)
-    """The weight version each maker holds."""
-    version: int = 0
-    """The trainers' weight version: trainer steps done."""
-    stats: MakerStats = field(default_factory=MakerStats)
-
-    def __post_init__(self) -> None:
+    def __init__(self, trainer, data):
         import ray
 
         from algorithms.ppo.buffer import BufferActor
 
-        cfg, models = self.trainer.cfg, self.trainer.models
-        self.makers = [models.rollout.replica(d) for d in range(models.rollout.parallel.dp)]
-        self.graph = build_graph(cfg.async_.feeds, cfg.async_.pushes, len(self.makers), models.actor.parallel.dp)
-        self.locks = [asyncio.Lock() for _ in self.makers]
-        self.versions = [self.trainer.state.step] * len(self.makers)
-        self.version = self.trainer.state.step
+        self.trainer, self.data = trainer, data
+        cfg, models = trainer.cfg, trainer.models
+        self.graph = build_graph(cfg.async_.feeds, cfg.async_.pushes, models.rollout.parallel.dp,
+                                 models.actor.parallel.dp)
         self.share = cfg.ppo.rollout_batch_size // self.graph.trainers
-        """Prompts per maker batch: one trainer's share of a rollout batch."""
-        self.rows: deque = deque()
-        """Prompt rows drawn from the sampler and not yet taken by a maker."""
-        self.in_flight: dict[int, tuple[int, list]] = {}
-        """Maker -> (serial, prompt rows) of the batch it is making."""
-        self.making: dict[int, float] = {}
-        """Maker -> when it began the batch it is making (perf-counter seconds)."""
-        self.serial = 0
-        self.claimed = [self.version] * self.graph.trainers
-        """Per trainer, the last index claimed (the trainer step its batch is for)."""
-        self.outstanding = [0] * self.graph.trainers
-        """Per trainer, batches claimed and not yet taken: being made or in the buffer."""
-        self.changed = asyncio.Condition()
-        """Notified when a claim may have become possible: a take, a push."""
-        self.deliveries: list[asyncio.Future] = []
-        """The last push's deliveries to the makers, in flight."""
+        """Prompts a maker leases at a time, and each trainer takes a step."""
+        a = cfg.async_
         self.buffer = ray.remote(BufferActor).options(num_cpus=0).remote(
-            cfg.async_.buffer_capacity, cfg.async_.max_staleness, self.graph.trainers, self.version + 1)
+            data.train, data.sampler, self.share, [list(f) for f in self.graph.feeds], a.max_staleness,
+            a.on_stale, a.buffer_capacity, trainer.state.step)
+        self.makers: list = []
+        self.runs: list = []
+        self.learner = None
+        self.trainer_runs = 0
+        """Calls of the trainer's `run` so far."""
+        self.replaced = 0
+        """Makers replaced so far (each counts against `trainer.max_restarts`)."""
 
-    # -- makers ----------------------------------------------------------------------------------
-    def _take_rows(self) -> list[dict]:
-        while len(self.rows) < self.share:
-            self.rows.extend(self.next_rows())
-        return [self.rows.popleft() for _ in range(self.share)]
+    # -- the parts -------------------------------------------------------------------------------
+    def _maker(self, i: int, version: int):
+        import ray
 
-    def _claimable(self, i: int) -> tuple[int, int] | str:
-        """Maker i's place: (trainer, index) with room (the fewest outstanding of its trainers),
-        or why it must wait: "full", or "stale" (its weights too old for that index)."""
-        acfg = self.trainer.cfg.async_
-        open_ = [d for d in self.graph.feeds[i] if self.outstanding[d] < acfg.buffer_capacity]
-        if not open_:
-            return "full"
-        d = min(open_, key=lambda d: (self.outstanding[d], d))
-        if maker_must_wait(acfg.on_stale, self.claimed[d] + 1, self.versions[i], acfg.max_staleness):
-            return "stale"
-        return d, self.claimed[d] + 1
+        from algorithms.ppo.maker import ExperienceMaker
 
-    async def claim(self, i: int) -> tuple[int, int]:
-        """Wait until maker i may begin a batch; claim its place in a trainer's queue."""
-        async with self.changed:
-            while isinstance(found := self._claimable(i), str):
-                if found == "stale":
-                    self.stats.waited += 1
-                else:
-                    self.stats.full_waits += 1
-                await self.changed.wait()
-            d, index = found
-            self.claimed[d], self.outstanding[d] = index, self.outstanding[d] + 1
-            return d, index
+        t, m = self.trainer, self.trainer.models
+        return ray.remote(ExperienceMaker).options(num_cpus=0, max_concurrency=1000).remote(
+            i, m.rollout.replica(i), m.reference, t.score_fn, self.buffer, t.cfg, t.stop_ids, t.pad_id,
+            self.share, version)
 
-    async def _notify(self) -> None:
-        async with self.changed:
-            self.changed.notify_all()
+    def start(self) -> None:
+        """Start the makers' loops and the trainer (from the driver's trainer state)."""
+        import ray
 
-    async def maker(self, i: int) -> None:
-        """Maker `i`'s loop: claim, sample, score, put; forever (cancelled at the end of the run)."""
+        from algorithms.ppo.async_trainer import AsyncTrainer
+
         t = self.trainer
-        while True:
-            trainer, index = await self.claim(i)
-            rows = self._take_rows()
-            self.serial += 1
-            serial = self.serial
-            self.in_flight[i] = (serial, rows)
-            start = self.making[i] = time.perf_counter()
-            async with self.locks[i]:
-                version = self.versions[i]
-                gen = self.makers[i].generate([r["prompt_ids"] for r in rows],
-                                              t.sampling(1_000_003 * (i + 1) + serial), pad_id=t.pad_id)
-                ref = t.models.reference.forward(gen)  # by reference, queued before the answer is in
-                exp = await gen
-            rows = [rows[j // t.cfg.rollout.n_samples] for j in range(len(exp))]
-            scores, keep = await t.score(rows, exp, gen)
-            mask = exp[C.LOSS_MASK] if keep is None else exp[C.LOSS_MASK] * keep[:, None].float()
-            batch = Batch({C.INPUT_IDS: exp[C.INPUT_IDS], C.ATTENTION_MASK: exp[C.ATTENTION_MASK],
-                           C.LOSS_MASK: mask, C.BEHAVIOUR_LOGPROBS: exp[C.BEHAVIOUR_LOGPROBS],
-                           C.REF_LOGPROBS: (await ref)[C.LOGPROBS], C.SCORES: scores},
-                          {C.PROMPT_IDS: exp[C.PROMPT_IDS], C.RESPONSE_IDS: exp[C.RESPONSE_IDS]})
-            self.stats.busy.append((start, time.perf_counter()))
-            self.stats.samples += len(batch)
-            del self.making[i]
-            await self.buffer.put.remote(Entry([_put(batch)], version, i, serial, index), trainer)
-            del self.in_flight[i]
+        self.makers = [self._maker(i, t.state.step) for i in range(len(self.graph.feeds))]
+        self.runs = [asyncio.ensure_future(m.run.remote()) for m in self.makers]
+        models = dataclasses.replace(t.models, starter=None)
+        self.learner = ray.remote(AsyncTrainer).options(num_cpus=0, max_concurrency=1000).remote(
+            t.cfg, models, t.pad_id, t.stop_ids, self.buffer, self.makers, list(self.graph.pusher), t.state.step,
+            t.kl.state_dict(), self.data.model_dir)
 
-    # -- trainers --------------------------------------------------------------------------------
-    async def take(self, makers: list[asyncio.Task]) -> tuple[list[Entry], int]:
-        """One entry per trainer, and the largest staleness among them; a maker that failed stops
-        the run with its error."""
-        taking = asyncio.ensure_future(self.buffer.take.remote(self.version))
-        done, _ = await asyncio.wait([taking, *makers], return_when=asyncio.FIRST_COMPLETED)
-        for task in makers:
-            if task in done:
-                taking.cancel()
-                task.result()  # raises the maker's error
-                raise RuntimeError("an experience maker stopped without an error")
-        taken, dropped = taking.result()
-        for d in range(self.graph.trainers):
-            self.outstanding[d] -= 1 + dropped[d]
-        await self._notify()
-        return [entry for entry, _ in taken], max(staleness for _, staleness in taken)
+    async def stop(self) -> None:
+        """Stop the makers and the trainer, and free the buffer."""
+        import ray
 
-    def maker_busy(self, made: MakerStats, start: float, end: float) -> float:
-        """The makers' mean busy share of [start, end]: the time each spent making batches (those
-        finished, and the ones still in the making, up to `end`), clipped to the window."""
-        intervals = [*made.busy, *((since, end) for since in self.making.values())]
-        busy = sum(max(0.0, min(b, end) - max(a, start)) for a, b in intervals)  # a maker's own never overlap
-        return busy / ((end - start) * len(self.makers))
-
-    async def step(self, step: int, makers: list[asyncio.Task]) -> dict[str, float]:
-        """One trainer step: take a batch per trainer, recompute, train, push every `push_every` steps."""
-        t, acfg = self.trainer, self.trainer.cfg.async_
-        start = time.perf_counter()
-        entries, staleness = await self.take(makers)
-        exp = Batch.concat(await asyncio.gather(*[e.item[0] for e in entries]), pad_width=True)
-        self.last = exp
-        waited_s = time.perf_counter() - start
-        proximal, values = await asyncio.gather(t.models.actor.forward(exp), t.models.critic.forward(exp))
-        mask = exp[C.LOSS_MASK]
-        advantages, returns = ppo_targets(proximal[C.LOGPROBS], exp[C.REF_LOGPROBS], values[C.VALUES], mask,
-                                          exp[C.SCORES], t.cfg, t.kl.value)
-        train = await t.train(Batch({
-            C.INPUT_IDS: exp[C.INPUT_IDS], C.ATTENTION_MASK: exp[C.ATTENTION_MASK], C.LOSS_MASK: mask,
-            C.OLD_LOGPROBS: proximal[C.LOGPROBS], C.BEHAVIOUR_LOGPROBS: exp[C.BEHAVIOUR_LOGPROBS],
-            C.OLD_VALUES: values[C.VALUES], C.ADVANTAGES: advantages, C.RETURNS: returns}), step,
-            parts=len(entries))
-        kl, kl_coef = kl_metrics(proximal[C.LOGPROBS], exp[C.REF_LOGPROBS], mask), t.kl.value
-        t.kl.update(kl["kl_sequence"], len(exp))
-        delivering = time.perf_counter()
-        sync = await self.delivered()  # the previous push travelled while this step trained
-        waited_s += time.perf_counter() - delivering
-        self.version = t.state.step = step
-        if step % acfg.push_every == 0:
-            self.push(exp)
-        end = time.perf_counter()
-        wall = end - start
-        made, self.stats = self.stats, MakerStats()
-        scores = exp[C.SCORES]
-        return {"reward/mean": float(scores.mean()), "reward/std": float(scores.std()) if len(scores) > 1 else 0.0,
-                **kl, "kl_coef": kl_coef, **train, **t.gap(proximal[C.LOGPROBS], exp, mask),
-                "response_length": float(mask.sum(1).mean()), "async/staleness": float(staleness),
-                **{f"async/trainer{d}_maker": float(e.maker) for d, e in enumerate(entries)},
-                "async/waited": float(made.waited), "async/buffer_full_waits": float(made.full_waits),
-                "async/trainer_busy": 1.0 - waited_s / wall, "async/maker_busy": self.maker_busy(made, start, end),
-                "samples_per_s": len(exp) / wall, **sync, **(await self.buffer.stats.remote())}
-
-    def push(self, exp: Batch) -> None:
-        """Stage the trainers' weights at their version (one export per pushing trainer, queued on
-        the actor before anything else, so the next step trains on while they travel) and deliver
-        each maker its trainer's copy (`async.pushes`) as soon as the maker is between batches,
-        verified, under that maker's lock: no maker stops the others or the trainers."""
-        sequences, prompt_lens = self.trainer.probe(exp)
-        cfg, actor = self.trainer.cfg.sync, self.trainer.models.actor
-        staged = {d: stage(actor, self.version, cfg, sequences, prompt_lens, replica=d)
-                  for d in sorted(set(self.graph.pusher))}
-
-        async def one(i: int):
-            async with self.locks[i]:
-                report = await deliver(staged[self.graph.pusher[i]], self.makers[i], cfg)
-                self.versions[i] = report.version
-            await self._notify()
-            return report
-
-        self.deliveries = [asyncio.ensure_future(one(i)) for i in range(len(self.makers))]
-
-    async def delivered(self) -> dict[str, float]:
-        """Wait for the last push's deliveries; their verification, for the step's metrics."""
-        if not self.deliveries:
-            return {}
-        reports = await asyncio.gather(*self.deliveries)
-        self.deliveries = []
-        return {"sync/max_abs_logprob_diff": max(r.max_abs_logprob_diff for r in reports),
-                "sync/held_checked": float(sum(r.held_checked for r in reports)),
-                "sync/held_unreadable": float(sum(r.held_unreadable for r in reports)),
-                "sync/verify_s": max(r.verify_s for r in reports), "sync/version": float(reports[0].version)}
-
-    # -- checkpoints -----------------------------------------------------------------------------
-    def capture(self) -> dict:
-        """What must be read at the checkpoint's instant, synchronously (no maker runs meanwhile):
-        the batches being made and the prompts drawn but not taken. `state_dict` completes it."""
-        return {"in_flight": dict(self.in_flight), "rows": list(self.rows), "serial": self.serial}
-
-    async def state_dict(self, captured: dict) -> dict:
-        """The async part of a checkpoint: the buffer's experiences made before the capture (as
-        batches, with version, maker and trainer) and the prompts of every batch made after it or
-        not finished, to be made again; the makers' weight versions, for the record."""
-        entries = [(t, e) for t, e in await self.buffer.snapshot.remote() if e.serial <= captured["serial"]]
-        queued = {e.serial for _, e in entries}
-        batches = await asyncio.gather(*[e.item[0] for _, e in entries])
-        again = [row for serial, rows in sorted(captured["in_flight"].values(), key=lambda sr: sr[0])
-                 if serial not in queued for row in rows]
-        return {"entries": [{"trainer": t, "version": e.version, "maker": e.maker, "serial": e.serial,
-                             "index": e.index, "batch": b} for (t, e), b in zip(entries, batches)],
-                "rows": again + captured["rows"], "maker_versions": list(self.versions)}
-
-    async def load_state_dict(self, state: dict, version: int) -> None:
-        """Resume at trainer `version` (before `run`): the makers hold its weights, and the
-        checkpoint's experiences are queued again, in their order, for the next steps; its
-        prompts are made again first."""
-        self.version, self.versions = version, [version] * len(self.makers)
-        self.claimed, self.outstanding = [version] * self.graph.trainers, [0] * self.graph.trainers
-        entries = []
-        for e in sorted(state["entries"], key=lambda e: (e["trainer"], e["index"])):
-            d = e["trainer"]
-            self.claimed[d], self.outstanding[d] = self.claimed[d] + 1, self.outstanding[d] + 1
-            entries.append((d, Entry([_put(e["batch"])], e["version"], e["maker"], e["serial"], self.claimed[d])))
-        await self.buffer.restore.remote(entries, version + 1)
-        self.rows = deque(state["rows"])
-        self.serial = max([e["serial"] for e in state["entries"]], default=0)
+        for m in self.makers:
+            m.stop.remote()
+        await asyncio.gather(*self.runs, return_exceptions=True)
+        for actor in [*self.makers, self.learner, self.buffer]:
+            if actor is not None:
+                ray.kill(actor)
+        self.makers, self.runs, self.learner = [], [], None
 
     # -- the run ---------------------------------------------------------------------------------
     async def run(self, steps: range, on_step, stop=None, on_stop=None) -> None:
         """Trainer steps `steps` with the makers running beside them; awaits `on_step(step, metrics)`
-        after each (metrics, checkpoints); ends early when `stop` (a `GracefulStop`) is requested,
-        awaiting `on_stop()` (the last checkpoint) while the buffer still stands."""
-        makers = [asyncio.ensure_future(self.maker(i)) for i in range(len(self.makers))]
+        after each (metrics, checkpoints at `trainer.save_every`, between which the trainer runs
+        on its own); ends early when `stop` (a `GracefulStop`) is requested, awaiting `on_stop()`
+        (the last checkpoint) while the buffer still stands. The makers end holding the trainer's
+        last weights (for the evaluation)."""
+        cfg = self.trainer.cfg
+        self.start()
         try:
-            for step in steps:
+            first = steps.start
+            while first < steps.stop and not (stop is not None and stop.requested):
+                every = cfg.trainer.save_every
+                until = min(steps.stop - 1, ((first - 1) // every + 1) * every if every else steps.stop - 1)
+                await self.segment(first, until, on_step, stop)
+                if self.trainer.state.step < first and not (stop is not None and stop.requested):
+                    raise RuntimeError(f"the trainer stopped before step {first} without an error or a signal")
+                first = self.trainer.state.step + 1
+            if stop is not None and stop.requested and on_stop is not None:
+                await self.pull_state()
+                await on_stop()
+            else:
+                await _unwrapped(self.learner.finish.remote())
+        finally:
+            await self.stop()
+
+    async def segment(self, first: int, until: int, on_step, stop) -> None:
+        """The trainer's steps `first..until` on its own; each step's metrics to `on_step` as it
+        ends (the last after the trainer stopped: its checkpoint sees it at rest). Makers that
+        fail meanwhile are replaced; a failure of the trainer is raised."""
+        running = asyncio.ensure_future(self.learner.run.remote(until))
+        self.trainer_runs += 1
+        try:
+            for step in range(first, until + 1):
+                metrics = await self.metrics_of(step, stop)
+                if metrics is None:
+                    break  # the trainer stopped before this step: a signal, or its error (raised below)
+                self.trainer.state.step = step
+                if step == until or (stop is not None and stop.requested):
+                    await _unwrapped(running)
+                    await self.pull_state()
+                await on_step(step, metrics)
                 if stop is not None and stop.requested:
                     break
-                metrics = await (stop.guard(self.step(step, makers)) if stop is not None else self.step(step, makers))
-                if metrics is None:
-                    break
-                await on_step(step, metrics)
-            if stop is not None and stop.requested and on_stop is not None:
-                await on_stop()
+            await _unwrapped(running)
         finally:
-            for task in makers:
-                task.cancel()
-            await asyncio.gather(*makers, return_exceptions=True)
-            import ray
+            if not running.done():
+                self.learner.request_stop.remote()
+                await asyncio.gather(running, return_exceptions=True)
 
-            ray.kill(self.buffer)
-        await self.delivered()
-        if self.versions != [self.version] * len(self.makers) and getattr(self, "last", None) is not None:
-            self.push(self.last)  # the makers end on the trainers' last weights (for the eval)
-            await self.delivered()
+    async def metrics_of(self, step: int, stop) -> dict | None:
+        """Step `step`'s metrics from the trainer (None: it stopped before it), replacing the
+        makers that fail while it trains and passing a signal on to it."""
+        got = asyncio.ensure_future(self.learner.next_metrics.remote(step, self.trainer_runs))
+        while True:
+            done, _ = await asyncio.wait([got, *self.runs], return_when=asyncio.FIRST_COMPLETED,
+                                         timeout=0.5 if stop is not None else None)
+            if stop is not None and stop.requested:
+                self.learner.request_stop.remote()
+            if got in done:
+                return await _unwrapped(got)
+            failed = [i for i, r in enumerate(self.runs) if r in done]
+            if failed:
+                await self.replace_failed(failed)
+
+    async def pull_state(self) -> None:
+        """The driver's trainer takes the trainer actor's state (step, KL controller), for a checkpoint."""
+        state = await self.learner.state.remote()
+        self.trainer.state.step = state["step"]
+        self.trainer.kl.load_state_dict(state["kl"])
+
+    async def replace_failed(self, failed: list[int]) -> None:
+        """Replace the makers whose loops ended with an error, while the trainer and the other
+        makers go on: their prompts are queued again; a dead rollout Workhorse's replica is
+        restarted alone on its devices, a dead reference or reward model anew (every maker then
+        gets the new one), and each new maker loads the trainer's latest published version
+        before it samples."""
+        from algorithms.ppo.recovery import dead_models
+
+        errors = {}
+        for i in failed:
+            try:
+                await self.runs[i]
+                errors[i] = RuntimeError(f"maker {i} stopped without an error")
+            except Exception as exc:  # noqa: BLE001 - inspected below
+                errors[i] = _cause(exc)
+            log.warning("experience maker %d failed: %s", i, errors[i])
+        first = next(iter(errors.values()))
+        self.replaced += len(failed)
+        limit = self.trainer.cfg.trainer.max_restarts
+        if self.replaced > limit:
+            raise MakerLost(f"experience makers failed {self.replaced} times (trainer.max_restarts={limit}): "
+                            f"{first}") from first
+        t0 = time.perf_counter()
+        dead = await asyncio.to_thread(dead_models, self.trainer.models)
+        if set(dead) & {"actor", "critic"}:
+            raise first  # the trainer's loss: the run's recovery
+        models = self.trainer.models
+        replicas = sorted({models.rollout.layout[r].dp_rank for r in dead.get("rollout", [])})
+        again = sorted(set(failed) | set(replicas) | (set(range(len(self.makers))) if set(dead) - {"rollout"} else set()))
+        await self._stop_makers(again)
+        for replica in replicas:
+            await asyncio.to_thread(models.rollout.restart_replica, replica)
+        for role in sorted(set(dead) - {"rollout"}):
+            new = await asyncio.to_thread(models.replace, role)
+            if role == "reward" and hasattr(self.trainer.score_fn, "reward"):
+                self.trainer.score_fn.reward = new
+        latest = await self.learner.latest.remote()
+        for i in again:
+            self.makers[i] = self._maker(i, -1)
+            await _unwrapped(self.makers[i].load.remote(latest[i]))
+            self.runs[i] = asyncio.ensure_future(self.makers[i].run.remote())
+        await self.learner.set_makers.remote(self.makers)
+        log.warning("experience maker%s %s replaced in %.1f s at weight version %d (%s; dead Workhorses: %s; "
+                    "rollout replicas restarted: %s); the trainer and the other makers went on",
+                    "s" if len(again) > 1 else "", ", ".join(map(str, again)), time.perf_counter() - t0,
+                    latest[again[0]].version, "; ".join(f"maker {i}: {type(e).__name__}" for i, e in errors.items()),
+                    dead or "none", replicas or "none")
+
+    async def _stop_makers(self, which: list[int]) -> None:
+        """Stop makers `which` and queue their prompts again."""
+        import ray
+
+        for i in which:
+            self.makers[i].stop.remote()
+        await asyncio.gather(*[self.runs[i] for i in which], return_exceptions=True)
+        for i in which:
+            ray.kill(self.makers[i])
+            requeued = await self.buffer.requeue.remote(i)
+            log.info("maker %d stopped; its %d prompts in the making queued again", i, requeued)
+
+    # -- checkpoints -----------------------------------------------------------------------------
+    async def state_dict(self) -> dict:
+        """The buffer's snapshot, read at one instant: the sampler's state, the prompts to make
+        again and the ready groups with their experiences."""
+        return await self.buffer.snapshot.remote()
+
+    async def load_state_dict(self, state: dict, version: int, sampler: dict) -> None:
+        """Resume at trainer `version` (before `run`): the checkpoint's groups queued again, its
+        prompts made first, the sampler where it was."""
+        await self.buffer.restore.remote({**state, "sampler": sampler}, version)
 
 
-def _put(batch: Batch):
-    import ray
+def _cause(exc: BaseException) -> BaseException:
+    """The error a Ray task raised, not Ray's wrapper."""
+    from ray.exceptions import RayTaskError
 
-    return ray.put(batch)
+    return exc.cause if isinstance(exc, RayTaskError) and exc.cause is not None else exc
+
+
+async def _unwrapped(ref):
+    try:
+        return await ref
+    except Exception as exc:  # noqa: BLE001 - re-raised unwrapped
+        raise _cause(exc) from None

@@ -12,8 +12,10 @@ grants, `algorithms.ppo.elastic`), then, in a synchronous run:
 - otherwise (the actor or critic died, or anything died once training had begun) the actor,
   critic, trainer state and sampler go back to the latest complete checkpoint (from disk) and the
   steps since it run again, each once.
-An asynchronous run (`recover_async`) always goes back to the latest complete checkpoint, its
-buffer and prompts in the making included, with new experience makers and a new buffer.
+An asynchronous run replaces a lost experience maker itself, while the trainer goes on
+(`algorithms.ppo.detached`); when the trainer fails (its actor or critic lost), `recover_async`
+goes back to the latest complete checkpoint, its buffer and prompts in the making included, with
+new experience makers, trainer and buffer.
 At most `trainer.max_restarts` recoveries; one more death ends the run with the error.
 """
 from __future__ import annotations
@@ -98,7 +100,7 @@ async def recover(exc: WholeModelError, trainer, data, checkpoints, run, sampler
 async def back_to_checkpoint(exc: WholeModelError, trainer, data, run, dead: dict, checkpoints,
                              detached=None) -> str:
     """Restore the latest complete checkpoint (from memory where it can); where it came from."""
-    from algorithms.ppo.run import resume_from
+    from algorithms.ppo.checkpoint import resume_from
 
     latest = run.latest_checkpoint()
     if latest is None:
@@ -106,15 +108,14 @@ async def back_to_checkpoint(exc: WholeModelError, trainer, data, run, dead: dic
     return await resume_from(trainer, latest, data, detached, checkpoints)
 
 
-async def recover_async(exc: WholeModelError, trainer, data, checkpoints, run, restarts: int, old):
-    """An asynchronous run (`algorithms.ppo.detached`; its makers and buffer already stopped):
+async def recover_async(exc: WholeModelError, trainer, data, checkpoints, run, restarts: int):
+    """An asynchronous run whose trainer failed (`algorithms.ppo.detached`; its parts already stopped):
     replace the dead models and go back to the latest complete checkpoint, buffer included, with
     new makers and a new buffer; returns the new `Detached`."""
     from algorithms.ppo.detached import Detached
 
-    await asyncio.gather(*old.deliveries, return_exceptions=True)  # pushes to makers that may be gone
     dead, _, (t0, found, replaced) = await replace_dead(exc, trainer, checkpoints, restarts)
-    detached = Detached(trainer, old.next_rows)
+    detached = Detached(trainer, data)
     source = await back_to_checkpoint(exc, trainer, data, run, dead, checkpoints, detached)
     log.warning("%s replaced; async run back at the checkpoint of step %d, restored from %s (%.1f s after the "
                 "failure was seen: %.1f s finding the dead, %.1f s starting Workhorses, %.1f s restoring)",

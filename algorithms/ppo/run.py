@@ -15,10 +15,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
-
-import torch
-
-from algorithms.ppo.trainer import PPOTrainer, PPOState
+from algorithms.ppo.trainer import PPOTrainer
 from xray.config.plan import Plan
 from xray.config.schema import RunConfig
 from xray.config.typed import to_dict
@@ -26,58 +23,15 @@ from xray.rewards.model import ModelScorer
 from xray.run.models import build_models, check_layouts
 from xray.run.final import export_actor
 from xray.run.checkpoints import FlashCheckpoints
+from algorithms.ppo.checkpoint import resume_from, save_checkpoint
 from xray.run.graceful import GracefulStop, RunInterrupted
-from xray.run.outputs import RunDir, read_trainer_state
+from xray.run.outputs import RunDir
 from xray.run.progress import StepProgress
 from xray.run.timeline import StepTimeline
 from algorithms.warm_start import model_dir
 from xray.run.inputs import BUILTIN_MODEL, RunData, prepare
 
 log = logging.getLogger(__name__)
-ASYNC_STATE = "async.pt"
-"""An async run's checkpoint file for the buffer's experiences and the prompts in the making."""
-
-
-async def save_checkpoint(trainer: PPOTrainer, checkpoints: FlashCheckpoints, data: RunData,
-                          detached=None) -> asyncio.Future:
-    """A flash checkpoint of the actor and critic, with the trainer's state and, in async mode, the
-    buffer's experiences and the prompts of batches in the making (`Detached.state_dict`); returns
-    a future of the seconds training stopped for it (`FlashCheckpoints.take`: not waited for here)."""
-    sampler, captured = data.sampler.state_dict(), detached.capture() if detached else None  # one instant
-    files = {ASYNC_STATE: await detached.state_dict(captured)} if detached is not None else {}
-    state = {"step": trainer.state.step, "kl": trainer.kl.state_dict(), "eval_before": trainer.state.eval_before,
-             "sampler": sampler}
-    return await checkpoints.take(trainer.state.step, state, files)
-
-
-async def resume_from(trainer: PPOTrainer, directory: Path, data: RunData, detached=None,
-                      checkpoints: FlashCheckpoints | None = None) -> str:
-    """Restore the run from checkpoint `directory` (the models from the snapshots `checkpoints`
-    holds in memory when their layout is unchanged); returns where the models' files came from."""
-    state = read_trainer_state(directory)
-    models = trainer.models
-    held = {role: checkpoints.held_for(directory, role, getattr(models, role)) if checkpoints else None
-            for role in trainer.trained}
-    sources = await asyncio.gather(*[getattr(models, role).load(str(directory / role), held=held[role])
-                                     for role in trainer.trained])
-    trainer.kl.load_state_dict(state["kl"])
-    data.sampler.load_state_dict(state["sampler"])
-    trainer.state = PPOState(step=state["step"], kl=state["kl"], eval_before=state["eval_before"])
-    # the rollout engine starts from the base weights: bring it to the checkpoint's
-    await trainer.resync(data.eval_rows, trainer.state.step)
-    if detached is not None:
-        if not (directory / ASYNC_STATE).exists():
-            raise FileNotFoundError(f"{directory / ASYNC_STATE} is missing: the checkpoint was written by a "
-                                    "synchronous run; resume it with trainer.mode=sync")
-        saved = torch.load(directory / ASYNC_STATE, weights_only=False)
-        await detached.load_state_dict(saved, trainer.state.step)
-        log.info("async: %d buffered experience batches and %d prompts in the making queued again",
-                 len(saved["entries"]), len(saved["rows"]))
-    source = "memory" if set(sources) == {"memory"} else "disk"
-    log.info("resumed at step %d from %s (model state from %s)", trainer.state.step, directory, source)
-    return source
-
-
 def make_trainer(algo: str, cfg: RunConfig, models, score, data: RunData) -> PPOTrainer:
     """The trainer of `algo`: PPO, or a critic-free one (`algorithms.critic_free`)."""
     if algo == "ppo":
@@ -133,7 +87,7 @@ async def train(trainer: PPOTrainer, run: RunDir, data: RunData, resume: str | N
     if cfg.trainer.mode == "async":
         from algorithms.ppo.detached import Detached
 
-        detached = Detached(trainer, data.next_train_rows)
+        detached = Detached(trainer, data)
     if latest is not None:
         await resume_from(trainer, latest, data, detached)
     if trainer.state.eval_before is None:
@@ -213,7 +167,7 @@ async def async_steps(trainer: PPOTrainer, run: RunDir, data: RunData, current: 
             break
         except WholeModelError as exc:  # makers and buffer are stopped: start them again
             restarts += 1
-            current[0] = await recover_async(exc, trainer, data, checkpoints, run, restarts, current[0])
+            current[0] = await recover_async(exc, trainer, data, checkpoints, run, restarts)
 
 
 async def sync_steps(trainer: PPOTrainer, run: RunDir, data: RunData, checkpoints: FlashCheckpoints,

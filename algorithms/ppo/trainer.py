@@ -227,9 +227,12 @@ class PPOTrainer:
 
     async def score(self, rows: list[dict], generated: Batch, pending) -> "tuple[torch.Tensor, torch.Tensor | None]":
         """Scores of the generated responses: a reward WholeModel scores the rollout's answer by
-        reference (`ascore`); a Python function runs in a worker thread, off the event loop."""
+        reference (`ascore`); a Python function runs in a worker thread, off the event loop, and
+        an `async def` one is awaited on it."""
         if hasattr(self.score_fn, "ascore"):
             return await self.score_fn.ascore(rows, pending)
+        if getattr(self.score_fn, "is_async", False):  # an `async def` reward function: every sample at once
+            return await self.score_fn.acall(rows, list(generated[C.RESPONSE_IDS]))
         return await asyncio.to_thread(self.score_fn, rows, list(generated[C.RESPONSE_IDS]))
 
     async def train(self, exp: Batch, step: int, parts: int = 1,

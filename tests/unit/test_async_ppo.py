@@ -1,9 +1,11 @@
-"""Asynchronous PPO's pure parts: the decoupled loss, the experience buffer's staleness policy and
-routing, the maker/trainer graph, and each trainer's share of the mini-batches."""
+"""Asynchronous PPO's pure parts: the decoupled loss, the experience buffer's admission control,
+staleness policy, arrival-order takes and routing, per-token staleness, the maker/trainer graph,
+and each trainer's share of the mini-batches."""
 import pytest
 import torch
 
-from algorithms.ppo.buffer import Entry, ExperienceBuffer, maker_must_wait
+from algorithms.ppo.async_trainer import staleness
+from algorithms.ppo.buffer import ExperienceBuffer, Group
 from algorithms.ppo.losses import PolicyLoss, behaviour_weight
 from algorithms.ppo.trainer import mini_batch_rows
 from xray.config.graph import build_graph
@@ -46,37 +48,86 @@ def test_truncated_weight_per_token():
     assert loss.item() == pytest.approx(-(1.0 + 2.0 + 3.0) / 3)  # ratio 1 at the proximal policy: -A x w
 
 
-def entry(item, version, index, maker=0):
-    return Entry(item, version, maker, serial=ord(item), index=index)
+def prompts():
+    """A sampler of numbered prompt rows, 4 at a time."""
+    drawn = iter(range(10_000))
+    return lambda: [{"n": next(drawn)} for _ in range(4)]
 
 
-def test_buffer_takes_in_claimed_order_and_drops_what_is_too_stale():
-    buf = ExperienceBuffer(capacity=3, max_staleness=1)
-    buf.put(entry("b", 1, index=2), 0)  # finished first, claimed second
-    assert buf.take(trainer_version=0) == (None, [0])  # index 1 is still being made
-    buf.put(entry("a", 0, index=1), 0)
-    buf.put(entry("c", 1, index=3), 0)
-    with pytest.raises(RuntimeError, match="full"):
-        buf.put(entry("d", 2, index=4), 0)
-    assert buf.take(trainer_version=0) == ([(entry("a", 0, 1), 0)], [0])
-    assert buf.take(trainer_version=3) == (None, [2])  # "b" and "c" are 2 versions old: dropped
-    assert buf.dropped == 2 and buf.expected == [4]
-    buf.put(entry("d", 2, index=4), 0)
-    assert buf.take(trainer_version=3) == ([(entry("d", 2, 4), 1)], [0])
-    with pytest.raises(RuntimeError, match="already trained"):
-        buf.put(entry("e", 3, index=2), 0)
-    assert buf.stats()["async/buffer_fill"] == 0.0
+def group(key, row, version, maker=0, tokens=3):
+    return Group([f"ref{key}"], version, maker, tokens, row, key)
+
+
+def test_admission_is_areals_rule_and_leases_may_be_partial():
+    # share 4, max_staleness 1: a maker at version v may have started (1 + v + 1) x 4 groups in all
+    buf = ExperienceBuffer(share=4, feeds=[[0], [0]], draw=prompts(), max_staleness=1, capacity=10)
+    first = buf.lease(0, 6, maker_version=0)
+    assert [k for k, _ in first] == [1, 2, 3, 4, 5, 6] and [r["n"] for _, r in first] == [0, 1, 2, 3, 4, 5]
+    assert len(buf.lease(1, 6, maker_version=0)) == 2  # 8 - 6: a partial lease
+    assert buf.lease(1, 6, maker_version=0) == []  # the bound: wait for newer weights
+    assert len(buf.lease(1, 6, maker_version=1)) == 4  # (1 + 1 + 1) x 4 - 8
+    assert buf.running == [12] and buf.stats()["async/prompts_in_flight"] == 12.0
+    drop = ExperienceBuffer(share=4, feeds=[[0]], draw=prompts(), on_stale="drop", capacity=2)
+    assert len(drop.lease(0, 20, maker_version=0)) == 8  # drop: only the capacity bounds it
+
+
+def test_takes_in_arrival_order_so_a_slow_maker_blocks_no_one():
+    buf = ExperienceBuffer(share=2, feeds=[[0], [0]], draw=prompts(), max_staleness=1, capacity=4)
+    slow = buf.lease(1, 2, 0)  # maker 1 leases first and is still making
+    fast = buf.lease(0, 4, 0)
+    assert buf.take(0) is None
+    buf.put([group(k, r, 0) for k, r in fast[:2]])
+    taken = buf.take(0)  # maker 0's groups, made after maker 1's were leased, go first
+    assert [g.key for g in taken[0]] == [k for k, _ in fast[:2]] and all(g.maker == 0 for g in taken[0])
+    assert buf.put([group(k, r, 0, maker=1) for k, r in slow]) == 2
+    assert [g.maker for g in buf.take(1)[0]] == [1, 1]
+
+
+def test_too_stale_groups_are_made_again_or_dropped():
+    for on_stale in ("wait", "drop"):
+        buf = ExperienceBuffer(share=2, feeds=[[0]], draw=prompts(), max_staleness=1, on_stale=on_stale, capacity=4)
+        leased = buf.lease(0, 4, 0)
+        buf.put([group(k, r, version=0) for k, r in leased[:2]] + [group(k, r, version=2) for k, r in leased[2:]])
+        taken = buf.take(trainer_version=2)  # the two of version 0 are 2 behind: too stale
+        assert [g.version for g in taken[0]] == [2, 2] and buf.queues[0] == []
+        if on_stale == "wait":  # their prompts first in line, nothing lost
+            assert buf.requeued_stale == 2 and [r["n"] for r in buf.rows] == [0, 1]
+            assert [r["n"] for _, r in buf.lease(0, 2, 2)] == [0, 1]
+        else:
+            assert buf.dropped == 2 and not buf.rows
+
+
+def test_a_lost_makers_prompts_are_queued_again_once():
+    buf = ExperienceBuffer(share=2, feeds=[[0], [0]], draw=prompts(), max_staleness=2, capacity=4)
+    mine, other = buf.lease(0, 3, 0), buf.lease(1, 1, 0)
+    buf.put([group(*mine[0], 0)])  # one of the lost maker's groups was put before it died
+    assert buf.requeue(0) == 2 and buf.running == [1]
+    assert [r["n"] for r in buf.rows] == [1, 2]
+    assert buf.put([group(*mine[1], 0)]) == 0 and buf.late == 1  # a put that raced the requeue: ignored
+    again = buf.lease(1, 2, 0)
+    assert [r["n"] for _, r in again] == [1, 2]  # the same prompts, new leases
+    assert buf.put([group(k, r, 0, maker=1) for k, r in [*other, *again]]) == 3
+    assert sorted(g.row["n"] for g in buf.queues[0]) == [0, 1, 2, 3]
+
+
+def test_buffer_takes_each_trainers_share():
+    buf = ExperienceBuffer(share=1, feeds=[[0], [1]], draw=prompts(), max_staleness=0, capacity=2)
+    a = buf.lease(0, 1, 0)
+    buf.put([group(*a[0], 0)])
+    assert buf.take(0) is None and len(buf.queues[0]) == 1  # trainer 1 has nothing: nothing taken
+    b = buf.lease(1, 1, 0)
+    buf.put([group(*b[0], 0, maker=1)])
+    assert [[g.maker for g in q] for q in buf.take(0)] == [[0], [1]]
     with pytest.raises(ValueError):
-        ExperienceBuffer(capacity=0, max_staleness=1)
+        ExperienceBuffer(share=0, feeds=[[0]], draw=prompts())
 
 
-def test_buffer_takes_one_entry_per_trainer():
-    buf = ExperienceBuffer(capacity=2, max_staleness=0, trainers=2)
-    buf.put(entry("a", 0, index=1, maker=0), 0)
-    assert buf.take(0) == (None, [0, 0]) and len(buf.queues[0]) == 1  # trainer 1 has nothing: nothing taken
-    buf.put(entry("b", 0, index=1, maker=1), 1)
-    assert buf.take(0) == ([(entry("a", 0, 1), 0), (entry("b", 0, 1, maker=1), 0)], [0, 0])
-    assert [t for t, _ in buf.entries()] == []
+def test_staleness_is_counted_per_token():
+    mask = torch.tensor([[0.0, 1.0, 1.0, 1.0], [0.0, 1.0, 1.0, 0.0]])
+    versions = torch.tensor([[0, 3, 3, 4], [0, 4, 4, 0]], dtype=torch.int32)  # row 0 spans versions 3 and 4
+    out = staleness(Batch({C.LOSS_MASK: mask, C.BEHAVIOUR_VERSIONS: versions}), version=5)
+    assert out["async/staleness"] == 2.0 and out["async/partial_samples"] == 1.0
+    assert out["async/staleness_token_mean"] == pytest.approx((2 + 2 + 1 + 1 + 1) / 5)
 
 
 def test_graph_defaults_names_and_errors():
@@ -100,11 +151,3 @@ def test_each_replica_trains_on_its_own_part():
         assert all(r < 8 for r in mb[:4].tolist()) and all(r >= 8 for r in mb[4:].tolist())
     order = torch.randperm(16, generator=torch.Generator().manual_seed(3))
     assert [r.tolist() for r in mini_batch_rows(16, 8, 1, 3)] == [order[:8].tolist(), order[8:].tolist()]
-
-
-def test_wait_policy_on_a_scripted_sequence_of_versions():
-    # (index claimed: the trainer step that trains on it, from version index - 1; maker's version)
-    script = [(1, 0), (2, 0), (3, 0), (3, 2), (4, 2), (5, 2)]
-    waits = [maker_must_wait("wait", j, m, max_staleness=1) for j, m in script]
-    assert waits == [False, False, True, False, False, True]
-    assert not any(maker_must_wait("drop", j, m, max_staleness=1) for j, m in script)

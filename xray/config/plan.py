@@ -218,17 +218,15 @@ def _check_async(cfg: RunConfig, plan: Plan) -> None:
     if cfg.ppo.rollout_batch_size % trainers:
         raise ConfigError(f"ppo.rollout_batch_size={cfg.ppo.rollout_batch_size} is not divisible by the {trainers} "
                           f"trainers (actor.dp): each maker batch is one trainer's share; use a multiple of {trainers}")
-    share = cfg.ppo.rollout_batch_size // trainers * cfg.rollout.n_samples
-    for role in ("reference", "reward"):
-        if role in {r.role for r in plan.roles} and share % plan.role(role).parallel.dp:
-            raise ConfigError(f"a maker batch of {share} samples (rollout_batch_size x n_samples / actor.dp) is "
-                              f"not divisible by {role}.dp={plan.role(role).parallel.dp}; change one of them")
     if a.push_every > a.max_staleness + 1:
         raise ConfigError(f"async.push_every={a.push_every} with async.max_staleness={a.max_staleness}: between "
                           "pushes the makers' weights fall further behind than allowed, and the run would stall; "
                           f"set async.push_every <= {a.max_staleness + 1} or raise async.max_staleness")
     if a.buffer_capacity < 1 or a.behaviour_weight_cap <= 0:
         raise ConfigError("async.buffer_capacity must be >= 1 and async.behaviour_weight_cap > 0")
+    if a.segment_tokens < 0 or a.max_in_flight < 0:
+        raise ConfigError(f"async.segment_tokens={a.segment_tokens} and async.max_in_flight={a.max_in_flight} "
+                          "must be >= 0 (0: whole responses; one trainer's share)")
 
 
 def _check_sampling(cfg: RunConfig, plan: Plan, role: str = "rollout") -> None:

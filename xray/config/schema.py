@@ -323,15 +323,26 @@ class AsyncConfig:
     push_every: int = 1
     """Trainer steps (experience batches trained on) between weight pushes to the makers."""
     max_staleness: int = 1
-    """Largest allowed gap, in weight versions, between the weights that generated an experience
-    and the trainer's when it trains on it."""
+    """Largest allowed gap, in weight versions, between the oldest weights that sampled an
+    experience's tokens and the trainer's when it trains on it."""
     on_stale: Literal["wait", "drop"] = "wait"
-    """`wait`: a maker whose next batch would be too stale when trained on waits for new weights
-    (nothing is dropped); `drop`: makers never wait, and the trainers drop too-stale batches (their
-    prompts are lost). Both are counted in metrics."""
+    """`wait`: admission control (AReaL's rule): a maker starts a prompt only while it will be
+    fresh enough when trained on, and a group that still comes out too stale (overtaken by a
+    slower maker) is made again (nothing is lost); `drop`: makers start prompts whenever the
+    buffer has room, and the trainer drops too-stale groups (their prompts are lost). Both are
+    counted in metrics."""
     buffer_capacity: int = 2
-    """Experience batches each trainer's queue holds, counting those being made for it; a maker
-    waits for room before it samples."""
+    """Steps' worth of experience (groups) each trainer's queue holds, counting the prompts being
+    made for it; a maker starts no prompt beyond it."""
+    segment_tokens: int = 16
+    """Partial rollouts: a maker generates its samples this many tokens at a time, and between two
+    segments loads a newer weight version if one was published; the samples then go on from the
+    tokens they have, with the new weights (each token records the version that sampled it). A
+    push thus waits at most one segment of each maker's generations, never their end. 0: whole
+    responses in one call."""
+    max_in_flight: int = 0
+    """Prompts a maker has in flight at most (being generated or scored; its engine batches all
+    those generating); 0: one trainer's share of a step (`ppo.rollout_batch_size / trainers`)."""
     behaviour_weight_cap: float = 2.0
     """Truncation of the importance weight pi_proximal / pi_behaviour of the decoupled PPO loss."""
     feeds: dict[str, list[str]] = field(default_factory=dict)

@@ -11,6 +11,7 @@ LOGPROBS = "logprobs"              # [B, T-1] float: log p(token t+1 | tokens <=
 REF_LOGPROBS = "ref_logprobs"      # [B, T-1] float: the same under the reference model
 OLD_LOGPROBS = "old_logprobs"      # [B, T-1] float: the actor's log-probs when the rollout was scored
 BEHAVIOUR_LOGPROBS = "behaviour_logprobs"  # [B, T-1] float: the rollout engine's log-probs of its samples
+BEHAVIOUR_VERSIONS = "behaviour_versions"  # [B, T-1] int32: the weight version that sampled token t+1
 VALUES = "values"                  # [B, T-1] float: critic value at position t (predicting token t+1)
 OLD_VALUES = "old_values"          # [B, T-1] float: critic values when the rollout was scored
 ADVANTAGES = "advantages"          # [B, T-1] float

@@ -15,10 +15,13 @@ from xray.data.batch import Batch
 
 
 def pack_sequences(prompt_ids: Sequence[list[int]], response_ids: Sequence[list[int]], pad_id: int = 0,
-                   response_logprobs: Sequence[list[float]] | None = None) -> Batch:
+                   response_logprobs: Sequence[list[float]] | None = None,
+                   response_versions: Sequence[list[int]] | None = None) -> Batch:
     """INPUT_IDS / ATTENTION_MASK `[B, T]` and LOSS_MASK `[B, T-1]` (1 where token t+1 belongs to
     the response), plus list columns PROMPT_IDS and RESPONSE_IDS; with `response_logprobs` (the
-    sampler's log-prob of each response token) also BEHAVIOUR_LOGPROBS `[B, T-1]` at LOSS_MASK."""
+    sampler's log-prob of each response token) also BEHAVIOUR_LOGPROBS `[B, T-1]` at LOSS_MASK, and
+    with `response_versions` (the weight version that sampled each response token: a partial
+    rollout's tokens span versions) BEHAVIOUR_VERSIONS `[B, T-1]` likewise."""
     if len(prompt_ids) != len(response_ids):
         raise ValueError(f"{len(prompt_ids)} prompts but {len(response_ids)} responses; pair each prompt "
                          "with exactly one response (repeat prompts for several samples)")
@@ -39,5 +42,10 @@ def pack_sequences(prompt_ids: Sequence[list[int]], response_ids: Sequence[list[
         for i, (p, lp) in enumerate(zip(prompt_ids, response_logprobs)):
             behaviour[i, len(p) - 1:len(p) - 1 + len(lp)] = torch.tensor(list(lp), dtype=torch.float32)
         tensors[C.BEHAVIOUR_LOGPROBS] = behaviour
+    if response_versions is not None:
+        versions = torch.zeros(len(seqs), width - 1, dtype=torch.int32)
+        for i, (p, v) in enumerate(zip(prompt_ids, response_versions)):
+            versions[i, len(p) - 1:len(p) - 1 + len(v)] = torch.tensor(list(v), dtype=torch.int32)
+        tensors[C.BEHAVIOUR_VERSIONS] = versions
     return Batch(tensors,
                  {C.PROMPT_IDS: [list(p) for p in prompt_ids], C.RESPONSE_IDS: [list(r) for r in response_ids]})

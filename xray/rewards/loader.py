@@ -8,6 +8,9 @@ keyword argument with one value per sample. A function without `**kwargs` receiv
 arguments it names. `None` means "no score" and counts as NaN. A function that raises stops the run
 with a `RewardFunctionError` that shows the offending prompt and the original traceback; a NaN or
 infinite score is an error, or (with `on_nonfinite="skip"`) drops that sample via a keep-mask.
+An `async def` function (a remote judge, a sandbox) is awaited on the caller's event loop instead
+of running in a thread: a synchronous step awaits the whole batch at once, so its samples wait
+concurrently; an asynchronous run's makers score each prompt's group as soon as it is generated.
 """
 from __future__ import annotations
 
@@ -62,8 +65,6 @@ def load_reward_function(spec: str) -> RewardFn:
                               f"its callables are {public[:20]}")
     if not callable(fn):
         raise RewardSpecError(f"reward function {spec!r}: {attr!r} is a {type(fn).__name__}, not a function")
-    if inspect.iscoroutinefunction(fn):
-        raise RewardSpecError(f"reward function {spec!r} is async; make it a plain function returning floats")
     return fn
 
 
@@ -94,24 +95,42 @@ def _accepted(fn: RewardFn, kwargs: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in kwargs.items() if k in names}
 
 
+def _reward_kwargs(fn: RewardFn, prompts: Sequence[Any], completions: Sequence[str], extras: dict[str, list],
+                   completion_ids: Optional[Sequence[list[int]]]) -> dict[str, Any]:
+    kwargs = dict(prompts=list(prompts), completions=_conversational(prompts, completions), **extras)
+    if completion_ids is not None:
+        kwargs["completion_ids"] = [list(c) for c in completion_ids]
+    return _accepted(fn, kwargs)
+
+
+def _raised(fn: RewardFn, e: Exception, row: int, prompts: Sequence[Any], completions: Sequence[str]) -> RewardFunctionError:
+    tb = "".join(traceback.format_exception(e))
+    return RewardFunctionError(
+        f"the reward function {getattr(fn, '__qualname__', fn)!r} raised {type(e).__name__}: {e}\n"
+        f"on row {row} of the batch, prompt {prompts[row]!r}, completion {completions[row]!r}\n"
+        f"fix the function (or the data) and resume from the last checkpoint\n{tb}",
+        row=row, prompt=prompts[row], completion=completions[row], traceback_text=tb)
+
+
 def call_reward_function(fn: RewardFn, prompts: Sequence[Any], completions: Sequence[str],
                          extras: dict[str, list], completion_ids: Optional[Sequence[list[int]]] = None) -> list:
     """Call `fn` TRL-style on the batch; on an exception raise `RewardFunctionError` naming the
     first row that fails on its own (or the batch's first row) with the original traceback."""
-    kwargs = dict(prompts=list(prompts), completions=_conversational(prompts, completions), **extras)
-    if completion_ids is not None:
-        kwargs["completion_ids"] = [list(c) for c in completion_ids]
-    kwargs = _accepted(fn, kwargs)
+    kwargs = _reward_kwargs(fn, prompts, completions, extras, completion_ids)
     try:
         return list(fn(**kwargs))
     except Exception as e:  # noqa: BLE001 - any user error is reported with its sample
-        tb = "".join(traceback.format_exception(e))
-        row = _first_failing_row(fn, kwargs, len(prompts))
-        raise RewardFunctionError(
-            f"the reward function {getattr(fn, '__qualname__', fn)!r} raised {type(e).__name__}: {e}\n"
-            f"on row {row} of the batch, prompt {prompts[row]!r}, completion {completions[row]!r}\n"
-            f"fix the function (or the data) and resume from the last checkpoint\n{tb}",
-            row=row, prompt=prompts[row], completion=completions[row], traceback_text=tb) from e
+        raise _raised(fn, e, _first_failing_row(fn, kwargs, len(prompts)), prompts, completions) from e
+
+
+async def acall_reward_function(fn: RewardFn, prompts: Sequence[Any], completions: Sequence[str],
+                                extras: dict[str, list], completion_ids: Optional[Sequence[list[int]]] = None) -> list:
+    """`call_reward_function` for an `async def` function: awaited, the error names the batch's first row."""
+    kwargs = _reward_kwargs(fn, prompts, completions, extras, completion_ids)
+    try:
+        return list(await fn(**kwargs))
+    except Exception as e:  # noqa: BLE001 - any user error is reported with its sample
+        raise _raised(fn, e, 0, prompts, completions) from e
 
 
 def _first_failing_row(fn: RewardFn, kwargs: dict[str, Any], n: int) -> int:
@@ -175,19 +194,37 @@ def compute_scores(fn: RewardFn, prompts: Sequence[Any], completions: Sequence[s
 class RewardScorer:
     """A reward function bound to a tokenizer: `(rows, response_ids) -> (scores [B], keep [B])`,
     where `rows` are `PromptSet.rows()` dicts (`prompt`, `prompt_ids`, other columns) and the
-    responses are decoded without special tokens before the function sees them."""
+    responses are decoded without special tokens before the function sees them. An `async def`
+    function is scored with `acall` (`is_async`)."""
 
     def __init__(self, fn: RewardFn | str, tokenizer, on_nonfinite: str = "error"):
         self.fn = load_reward_function(fn) if isinstance(fn, str) else fn
         self.tokenizer, self.on_nonfinite = tokenizer, on_nonfinite
+        self.is_async = inspect.iscoroutinefunction(self.fn)
 
-    def __call__(self, rows: Sequence[dict], response_ids: Sequence[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _inputs(self, rows: Sequence[dict], response_ids: Sequence[list[int]]) -> tuple[list, list[str], dict]:
         if len(rows) != len(response_ids):
             raise ValueError(f"{len(rows)} prompt rows but {len(response_ids)} responses; repeat each row once "
                              "per sample")
         completions = [self.tokenizer.decode(list(r), skip_special_tokens=True) for r in response_ids]
         columns = dict.fromkeys(k for row in rows for k in row if k not in ("prompt", "prompt_ids"))
         extras = {k: [row.get(k) for row in rows] for k in columns}
-        s = compute_scores(self.fn, [row["prompt"] for row in rows], completions, extras, self.on_nonfinite,
-                           completion_ids=response_ids)
+        return [row["prompt"] for row in rows], completions, extras
+
+    def __call__(self, rows: Sequence[dict], response_ids: Sequence[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.is_async:
+            raise TypeError(f"{self.fn!r} is an async reward function: await RewardScorer.acall(rows, response_ids)")
+        prompts, completions, extras = self._inputs(rows, response_ids)
+        s = compute_scores(self.fn, prompts, completions, extras, self.on_nonfinite, completion_ids=response_ids)
+        return s.scores, s.keep
+
+    async def acall(self, rows: Sequence[dict], response_ids: Sequence[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The scores of an `async def` function (a plain one runs in a worker thread)."""
+        if not self.is_async:
+            import asyncio
+
+            return await asyncio.to_thread(self, rows, response_ids)
+        prompts, completions, extras = self._inputs(rows, response_ids)
+        raw = await acall_reward_function(self.fn, prompts, completions, extras, response_ids)
+        s = check_scores(raw, prompts, completions, self.on_nonfinite)
         return s.scores, s.keep

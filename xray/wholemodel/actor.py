@@ -70,6 +70,31 @@ class WholeModelActor:
         self._spawn(parallel, init_kwargs, slots)
         return await self.start(timeout_s)
 
+    async def restart_replica(self, dp_rank: int, init_kwargs: dict, slots: list[tuple[Any, int]],
+                              timeout_s: float = 600.0) -> tuple[list[ShardInfo], list]:
+        """Kill the Workhorses of data-parallel replica `dp_rank` alone and start new ones on its
+        `slots`, in a process group of their own (`Workhorse.start_alone`): for a model whose
+        replicas never communicate (a rollout engine's), the other replicas go on untouched.
+        Returns the new shards' infos and handles, in rank order."""
+        ranks = [i.rank for i in self.layout if i.dp_rank == dp_rank]
+        if len(ranks) != len(slots):
+            raise ValueError(f"{self.role} replica {dp_rank} has {len(ranks)} shards, {len(slots)} slots given")
+        remote_cls = ray.remote(self.cls)
+        for rank, (placement_group, bundle) in zip(ranks, slots):
+            ray.kill(self.shards[rank])
+            options = dict(self.resources, runtime_env={"env_vars": self.env},
+                           scheduling_strategy=PlacementGroupSchedulingStrategy(
+                               placement_group=placement_group, placement_group_bundle_index=bundle))
+            self.shards[rank] = remote_cls.options(**options).remote(
+                role=self.role, rank=rank, parallel=self.parallel, **init_kwargs)
+        new = [self.shards[r] for r in ranks]
+        ((addr, port),) = await self._gather("address", [new[0].address.remote()], timeout_s)
+        infos = await self._gather("start_alone", [s.start_alone.remote(addr, port) for s in new], timeout_s)
+        for rank, info in zip(ranks, infos):
+            self.layout[rank] = info
+        log.info("%s: replica %d restarted (%d Workhorses)", self.role, dp_rank, len(new))
+        return infos, new
+
     def kill_workhorses(self) -> None:
         for s in self.shards:
             ray.kill(s)

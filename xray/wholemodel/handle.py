@@ -344,6 +344,24 @@ class WholeModel:
         log.info("%s restarted: %d Workhorses, tp=%d pp=%d dp=%d", self.role, len(self.layout),
                  parallel.tp, parallel.pp, parallel.dp)
 
+    def restart_replica(self, dp_rank: int, timeout_s: float = 600.0) -> None:
+        """Replace the Workhorses of data-parallel replica `dp_rank` alone (one died), on the same
+        devices, while the other replicas go on: for a model whose replicas never talk to each
+        other (a rollout engine; its Workhorses implement `start_alone`). The new shards hold the
+        initial weights. Views taken before (`replica`) still hold the old handles: take new ones."""
+        if self.__dict__.get("_view_of") is not None:
+            raise RuntimeError(f"this is a view of one {self.role} replica; restart it on the model it came from")
+        ranks = [s.rank for s in self.layout if s.dp_rank == dp_rank]
+        if not ranks:
+            raise ValueError(f"{self.role} has replicas 0..{self.parallel.dp - 1}, not {dp_rank}")
+        slots = [self.bundles.slots()[r] for r in ranks]
+        kwargs = dict(seed=self._seed, device=self.device.lower(), threads=self._threads, **self.init_kwargs)
+        infos, shards = _unwrapped(self._actor.restart_replica.remote(dp_rank, kwargs, slots, timeout_s),
+                                   timeout_s + 30)
+        for rank, info, shard in zip(ranks, infos, shards):
+            self.layout[rank], self.shards[rank] = info, shard
+        log.info("%s: replica %d restarted (ranks %s)", self.role, dp_rank, ranks)
+
     def stop_workhorses(self, grace_s: float = 0.0) -> None:
         """Stop the Workhorses and keep the WholeModel actor (`restart` starts new ones)."""
         _unwrapped(self._actor.shutdown.remote(grace_s), grace_s + 20)

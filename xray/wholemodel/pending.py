@@ -154,5 +154,8 @@ class _Unset:
     def __repr__(self) -> str:
         return "<unset>"
 
+    def __reduce__(self) -> str:
+        return "_UNSET"  # one sentinel in every process: a Pending passed to another actor stays pending
+
 
 _UNSET = _Unset()

@@ -44,6 +44,9 @@ class RolloutWorkhorse(Workhorse):
         vllm = self.config.get("backend") == "vllm"
         if vllm and self.parallel.tp == 1:
             return
+        if getattr(self, "_alone", False):
+            self.alone_world(master_addr, master_port, timeout_s)
+            return
         super().init_dist(master_addr, master_port, timeout_s)
         if vllm and self.parallel.dp > 1:
             self.replica_world(timeout_s)
@@ -69,6 +72,28 @@ class RolloutWorkhorse(Workhorse):
         dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=c.tp_rank,
                                 world_size=self.parallel.tp, timeout=timedelta(seconds=timeout_s))
         self.log.info("replica %d: its own group of %d at %s:%d", c.dp_rank, self.parallel.tp, addr, port)
+
+    def start_alone(self, master_addr: str, master_port: int) -> ShardInfo:
+        """`start` for a replica restarted on its own (`WholeModel.restart_replica`): its shards
+        join a world of their own (the replica's tp shards, at its first shard's address), since
+        the other replicas' shards are busy generating and never talk to this one."""
+        self._alone = True
+        return self.start(master_addr, master_port)
+
+    def alone_world(self, addr: str, port: int, timeout_s: float) -> None:
+        """The default group of a replica restarted alone: its tp shards, ranked by tp rank."""
+        import os
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        c = self.parallel.coords(self.rank)
+        os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port), RANK=str(c.tp_rank),
+                          WORLD_SIZE=str(self.parallel.tp), LOCAL_RANK="0")
+        dist.init_process_group("nccl" if self.device == "gpu" else "gloo", init_method=f"tcp://{addr}:{port}",
+                                rank=c.tp_rank, world_size=self.parallel.tp, timeout=timedelta(seconds=timeout_s))
+        self.log.info("replica %d restarted alone: its own group of %d at %s:%d", c.dp_rank, self.parallel.tp,
+                      addr, port)
 
     def shard_info(self) -> ShardInfo:
         return layout_of(self.parallel, self.rank)

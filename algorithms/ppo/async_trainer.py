@@ -1,0 +1,210 @@
+"""The trainer of asynchronous PPO: a Ray actor with its own loop (`algorithms.ppo.detached`
+starts it beside the makers and the buffer).
+
+Its loop, step after step up to the step the driver allows (a checkpoint or the end): take the
+next `rollout_batch_size` scored groups from the buffer (`algorithms.ppo.buffer`; each trainer,
+an actor replica, its own share from the makers the graph lets feed it, in whatever order they
+were made), fetch them here, recompute log-probs (the proximal policy) and values with the
+current weights, compute advantages, train with the decoupled PPO loss, and every
+`async.push_every` steps publish the weights: export them into the object store (queued on the
+actor ahead of the next step, which trains on while they travel) and hand each maker its
+trainer's copy (`ExperienceMaker.load`). A push never waits for a maker: each loads between two of
+its generations, and the step whose window a load completes in reports it (`sync/*`, push
+latency from publish to the last maker loaded). The driver receives each step's metrics
+(`next_metrics`), and nothing else: the experience stays between the makers, the object store
+and this actor.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+
+from algorithms.ppo.kl_estimators import kl_metrics
+from algorithms.ppo.trainer import PPOTrainer, ppo_targets
+from xray.data import columns as C
+from xray.data.batch import Batch
+
+
+class AsyncTrainer:
+    """The trainer's loop (a Ray actor: `ray.remote(AsyncTrainer)`)."""
+
+    def __init__(self, cfg, models, pad_id: int, stop_ids: list[int], buffer, makers: list, pusher: list[int],
+                 step: int, kl_state: dict, model_dir: str):
+        self.t = PPOTrainer(cfg, models, None, pad_id, stop_ids)
+        self.t.kl.load_state_dict(kl_state)
+        self.t.state.step = step
+        self.buffer, self.makers, self.pusher = buffer, list(makers), list(pusher)
+        self.changed: asyncio.Condition | None = None
+        self.metrics: dict[int, dict] = {}
+        """Steps done whose metrics the driver has not taken yet."""
+        self.stopping = False
+        self.runs_ended = 0
+        """Calls of `run` that have returned (or raised)."""
+        self.pushes: list[dict] = []
+        """Pushes whose loads are not all in: version, publish time, one load ref per maker."""
+        self.staged: dict = {}
+        """The latest published version, per pushing trainer (a new maker loads it first)."""
+        self.model_dir = model_dir
+        self.publish_start()
+
+    def _condition(self) -> asyncio.Condition:
+        if self.changed is None:
+            self.changed = asyncio.Condition()
+        return self.changed
+
+    async def run(self, last: int) -> int:
+        """Train steps up to `last` (or a requested stop, after the step under way); the step reached."""
+        changed = self._condition()
+        try:
+            while self.t.state.step < last and not self.stopping:
+                step = self.t.state.step + 1
+                metrics = await self.step(step)
+                async with changed:
+                    self.metrics[step] = metrics
+                    changed.notify_all()
+        finally:
+            self.stopping = False
+            async with changed:
+                self.runs_ended += 1
+                changed.notify_all()
+        return self.t.state.step
+
+    async def next_metrics(self, step: int, run: int) -> dict | None:
+        """Step `step`'s metrics once it is done, or None when the `run`-th call of `run` (counted
+        from 1) ended before it: a requested stop, or an error (which that call raises)."""
+        changed = self._condition()
+        async with changed:
+            while step not in self.metrics and self.runs_ended < run:
+                await changed.wait()
+            return self.metrics.pop(step, None)
+
+    def request_stop(self) -> None:
+        """End `run` after the step under way (a signal, a failure elsewhere)."""
+        self.stopping = True
+
+    def state(self) -> dict:
+        return {"step": self.t.state.step, "kl": self.t.kl.state_dict()}
+
+    def set_makers(self, makers: list) -> None:
+        """Replaced makers (the pushes go to them from now on)."""
+        self.makers = list(makers)
+
+    def latest(self) -> dict:
+        """The latest published version, per maker (what a replacement loads first)."""
+        return {i: self.staged[d] for i, d in enumerate(self.pusher)}
+
+    def publish_start(self) -> None:
+        """Publish the weights the run starts from (what the rollout holds already), so that a
+        replaced maker has a version to load before the first push."""
+        from xray.sync import stage
+        from xray.sync.weights import random_probe
+
+        actor, cfg = self.t.models.actor, self.t.cfg.sync
+        probe, lens = random_probe(self.model_dir, actor.parallel.dp, 1, seed=self.t.state.step) if cfg.verify \
+            else (None, None)
+        self.staged = {d: stage(actor, self.t.state.step, cfg, probe, lens, replica=d) for d in sorted(set(self.pusher))}
+
+    async def step(self, step: int) -> dict[str, float]:
+        """One trainer step: take, recompute, train, publish every `push_every` steps."""
+        t, acfg = self.t, self.t.cfg.async_
+        start = time.time()
+        taken = await self.buffer.take.remote(t.state.step)
+        parts = [Batch.concat(await asyncio.gather(*[g.item[0] for g in groups]), pad_width=True) for groups in taken]
+        exp = Batch.concat(parts, pad_width=True)
+        waited_s = time.time() - start
+        proximal, values = await asyncio.gather(t.models.actor.forward(exp), t.models.critic.forward(exp))
+        mask = exp[C.LOSS_MASK]
+        advantages, returns = ppo_targets(proximal[C.LOGPROBS], exp[C.REF_LOGPROBS], values[C.VALUES], mask,
+                                          exp[C.SCORES], t.cfg, t.kl.value)
+        train = await t.train(Batch({
+            C.INPUT_IDS: exp[C.INPUT_IDS], C.ATTENTION_MASK: exp[C.ATTENTION_MASK], C.LOSS_MASK: mask,
+            C.OLD_LOGPROBS: proximal[C.LOGPROBS], C.BEHAVIOUR_LOGPROBS: exp[C.BEHAVIOUR_LOGPROBS],
+            C.OLD_VALUES: values[C.VALUES], C.ADVANTAGES: advantages, C.RETURNS: returns}), step, parts=len(parts))
+        kl, kl_coef = kl_metrics(proximal[C.LOGPROBS], exp[C.REF_LOGPROBS], mask), t.kl.value
+        t.kl.update(kl["kl_sequence"], len(exp))
+        t.state.step = step
+        publish_s = 0.0
+        if step % acfg.push_every == 0:
+            t0 = time.time()
+            self.push(*t.probe(exp))
+            publish_s = time.time() - t0
+        end = time.time()
+        scores = exp[C.SCORES]
+        return {"reward/mean": float(scores.mean()), "reward/std": float(scores.std()) if len(scores) > 1 else 0.0,
+                **kl, "kl_coef": kl_coef, **train, **t.gap(proximal[C.LOGPROBS], exp, mask),
+                "response_length": float(mask.sum(1).mean()), **staleness(exp, step - 1),
+                **{f"async/trainer{d}_from_maker{i}": float(sum(g.maker == i for g in groups))
+                   for d, groups in enumerate(taken) for i in range(len(self.makers))},
+                "async/trainer_busy": 1.0 - waited_s / (end - start), "async/publish_s": publish_s,
+                **(await self.maker_busy(start, end)), "samples_per_s": len(exp) / (end - start), **self.loaded(),
+                **(await self.buffer.stats.remote())}
+
+    async def maker_busy(self, start: float, end: float) -> dict[str, float]:
+        """The makers' mean busy share of [start, end], from their measured intervals."""
+        stats = await asyncio.gather(*[m.stats.remote() for m in self.makers], return_exceptions=True)
+        live = [s for s in stats if isinstance(s, dict)]
+        busy = sum(max(0.0, min(b, end) - max(a, start)) for s in live for a, b in s["busy"])
+        return {"async/maker_busy": busy / ((end - start) * max(1, len(live)))}
+
+    def push(self, sequences: list[list[int]], prompt_lens: list[int]) -> None:
+        """Publish the weights at the trainer's version: stage one export per pushing trainer
+        (queued on the actor before the next step's calls) and ask every maker to load its copy;
+        nothing here waits for the loads (each maker's answer is awaited by a task of its own)."""
+        from xray.sync import stage
+
+        version, cfg, actor = self.t.state.step, self.t.cfg.sync, self.t.models.actor
+        self.staged = {d: stage(actor, version, cfg, sequences, prompt_lens, replica=d) for d in sorted(set(self.pusher))}
+        loads = [asyncio.ensure_future(_settled(m.load.remote(self.staged[self.pusher[i]])))
+                 for i, m in enumerate(self.makers)]
+        self.pushes.append({"version": version, "published": time.time(), "loads": loads})
+
+    def loaded(self) -> dict[str, float]:
+        """The verification of the latest push that every maker has answered by now (loaded, or
+        skipped for a newer version; a lost maker's answer is None: the driver replaces it)."""
+        out: dict[str, float] = {}
+        while self.pushes and all(task.done() for task in self.pushes[0]["loads"]):
+            push = self.pushes.pop(0)
+            reports = [r for r in (task.result() for task in push["loads"]) if r is not None]
+            if not reports:
+                continue
+            out = {"sync/version": float(push["version"]),
+                   "sync/max_abs_logprob_diff": max(r.max_abs_logprob_diff for r, _ in reports),
+                   "sync/held_checked": float(sum(r.held_checked for r, _ in reports)),
+                   "sync/held_unreadable": float(sum(r.held_unreadable for r, _ in reports)),
+                   "sync/replicas_loaded": float(len(reports)),
+                   "sync/verify_s": max(r.verify_s for r, _ in reports),
+                   "async/push_latency_s": max(done for _, done in reports) - push["published"]}
+        return out
+
+    async def finish(self) -> None:
+        """Bring every maker to the trainer's last weights (for the evaluation after the run)."""
+        from xray.sync.weights import random_probe
+
+        held = await asyncio.gather(*[m.stats.remote() for m in self.makers])
+        if any(h["version"] != self.t.state.step for h in held) and \
+                (not self.pushes or self.pushes[-1]["version"] != self.t.state.step):
+            self.push(*random_probe(self.model_dir, self.t.models.actor.parallel.dp, 1, seed=self.t.state.step))
+        for push in self.pushes:
+            await asyncio.gather(*push["loads"])
+        self.pushes = []
+
+
+def staleness(exp: Batch, version: int) -> dict[str, float]:
+    """Staleness per token of the experience a step trains on at weight `version` (versions behind
+    the weights that sampled each response token): mean and max; and the samples whose tokens
+    span several versions (partial rollouts)."""
+    mask = exp[C.LOSS_MASK] > 0
+    versions = exp[C.BEHAVIOUR_VERSIONS].long()
+    behind = (version - versions)[mask].float()
+    spans = [(versions[i][mask[i]].unique().numel() > 1) for i in range(len(exp))]
+    return {"async/staleness": float(behind.max()) if behind.numel() else 0.0,
+            "async/staleness_token_mean": float(behind.mean()) if behind.numel() else 0.0,
+            "async/partial_samples": float(sum(spans))}
+
+
+async def _settled(ref):
+    """A maker's answer to a load, or None when the maker is gone."""
+    try:
+        return await ref
+    except Exception:  # noqa: BLE001 - a lost maker: the driver replaces it and logs why
+        return None

@@ -1,0 +1,307 @@
+"""An experience maker of asynchronous PPO: a Ray actor with its own loop, driving one rollout
+replica (`algorithms.ppo.detached` starts one per replica).
+
+Its loop: lease prompts from the buffer (`algorithms.ppo.buffer`: admitted only while the
+staleness bound allows, at most `async.max_in_flight` in flight), and generate for every sample
+in flight at once, `async.segment_tokens` tokens at a time: each segment is one call on the
+engine, which batches all of them, and new prompts join at every segment. A sample that ends
+(a stop token, or `rollout.max_new_tokens`) leaves; when a prompt's samples have all ended, its
+group is scored at once (the reference's log-probs, the reward) while the engine generates the
+others, and put into the buffer as soon as its score is in.
+
+Partial rollouts: a weight load (`load`, called by the trainer when it publishes a version, never
+waiting for it) takes the engine between two segments, verified as every sync is; the samples in
+flight then go on from the tokens they have with the new weights. Each token records the
+version and the engine's log-prob it was sampled with (BEHAVIOUR_VERSIONS, BEHAVIOUR_LOGPROBS),
+which the decoupled loss uses per token. A continued sample's prompt is its prompt and the
+tokens it has, as exact ids: nothing is re-tokenized.
+
+The experience stays between the engine, this actor, the object store and the trainer: nothing
+of it passes through the run's driver.
+
+Test hook: `XRAY_MAKER_SLOWDOWN="<maker>:<factor>"` holds that maker's engine `factor` times as
+long as each segment took (a slow replica, for the head-of-line test).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Sample:
+    """One sample in the making."""
+
+    key: int
+    """Its prompt's lease."""
+    row: dict
+    response: list = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    versions: list = field(default_factory=list)
+    """Per response token, the weight version that sampled it."""
+    done: bool = False
+
+
+class ExperienceMaker:
+    """One maker's loop and its engine's weight loads (a Ray actor: `ray.remote(ExperienceMaker)`)."""
+
+    def __init__(self, index: int, rollout, reference, score_fn, buffer, cfg, stop_ids: list[int],
+                 pad_id: int, share: int, version: int):
+        self.index, self.rollout, self.reference = index, rollout, reference
+        self.score_fn, self.buffer, self.cfg = score_fn, buffer, cfg
+        self.stop_ids, self.pad_id = stop_ids, pad_id
+        a, r = cfg.async_, cfg.rollout
+        self.segment = a.segment_tokens or r.max_new_tokens
+        self.max_in_flight = a.max_in_flight or share
+        self.version = self.latest = version
+        self.engine: asyncio.Lock | None = None
+        self.in_flight = 0
+        """Prompts leased and not yet put (generating or being scored)."""
+        self.busy: list[tuple[float, float]] = []
+        """(start, end) wall-clock seconds of each segment's generation and each group's scoring."""
+        self.making: dict[int, float] = {}
+        """Work under way (a serial) -> when it began."""
+        self.works = 0
+        self.samples = self.segments = self.partial = 0
+        self.error: BaseException | None = None
+        self.task: asyncio.Future | None = None
+        slow = os.environ.get("XRAY_MAKER_SLOWDOWN", "")
+        self.slowdown = float(slow.split(":")[1]) if slow and int(slow.split(":")[0]) == index else 1.0
+
+    def _lock(self) -> asyncio.Lock:
+        if self.engine is None:
+            self.engine = asyncio.Lock()
+        return self.engine
+
+    async def run(self) -> int:
+        """The loop, until `stop` (then the samples made) or an error (raised)."""
+        self.task = asyncio.ensure_future(self._loop())
+        try:
+            await self.task
+        except asyncio.CancelledError:
+            if self.error is not None:
+                raise self.error from None
+        return self.samples
+
+    def stop(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+
+    async def _loop(self) -> None:
+        active: list[Sample] = []
+        scoring: set[asyncio.Task] = set()
+        try:
+            while True:
+                for task in [t for t in scoring if t.done()]:
+                    scoring.discard(task)
+                    task.result()  # a scoring error stops the loop
+                await self._admit(active, scoring)
+                if active:
+                    finished = await self._segment(active)
+                    active[:] = [s for s in active if not s.done]
+                    if finished:
+                        task = asyncio.ensure_future(self._score(finished))
+                        scoring.add(task)
+        finally:
+            for task in scoring:
+                task.cancel()
+
+    async def _admit(self, active: list[Sample], scoring: set) -> None:
+        """Lease prompts up to `max_in_flight`: at once while samples are generating (they go on
+        whatever the answer), else waiting until admission opens (or, with every slot taken by
+        groups being scored, until one of them is done)."""
+        free = self.max_in_flight - self.in_flight
+        if free <= 0:
+            if not active:
+                await asyncio.wait(scoring, return_when=asyncio.FIRST_COMPLETED)
+            return
+        if active:
+            leased = await self.buffer.lease.remote(self.index, free, self.version, wait=False)
+        else:
+            lease = asyncio.ensure_future(self.buffer.lease.remote(self.index, free, self.version))
+            watched = set(scoring)
+            while not lease.done():  # a scoring error must not wait for admission
+                done, watched = await asyncio.wait([lease, *watched], return_when=asyncio.FIRST_COMPLETED)
+                watched = {t for t in watched if t is not lease}
+                for task in done:
+                    if task is not lease and task.exception() is not None:
+                        raise task.exception()
+            leased = lease.result()
+        n = self.cfg.rollout.n_samples
+        for key, row in leased:
+            active.extend(Sample(key, row) for _ in range(n))
+        self.in_flight += len(leased)
+
+    async def _segment(self, active: list[Sample]) -> list[list[Sample]]:
+        """Generate the next segment of every active sample; the groups that ended with it."""
+        from xray.backends.sampling import FINISH_REASON, RESPONSE_LOGPROBS
+        from xray.data import columns as C
+        from algorithms.ppo.trainer import rollout_sampling
+
+        limit = self.cfg.rollout.max_new_tokens
+        budget = min(self.segment, max(limit - len(s.response) for s in active))
+        self.segments += 1
+        sampling = rollout_sampling(self.cfg, self.stop_ids, 1_000_003 * (self.index + 1) + self.segments)
+        sampling.update(n=1, max_new_tokens=budget)
+        prompts = [s.row["prompt_ids"] + s.response for s in active]
+        async with self._lock():
+            start, work = time.time(), self._begin()
+            version = self.version
+            out = await self.rollout.generate(prompts, sampling)
+            if self.slowdown > 1.0:
+                await asyncio.sleep((self.slowdown - 1.0) * (time.time() - start))
+            self._end(work)
+        for s, ids, lps, reason in zip(active, out[C.RESPONSE_IDS], out[RESPONSE_LOGPROBS], out[FINISH_REASON]):
+            keep = min(len(ids), limit - len(s.response))
+            s.response += [int(t) for t in ids[:keep]]
+            s.logprobs += [float(x) for x in lps[:keep]]
+            s.versions += [version] * keep
+            s.done = len(s.response) >= limit or (reason == "stop" and keep == len(ids))
+        ended = {s.key for s in active if s.done}
+        groups: dict[int, list[Sample]] = {}
+        for s in active:
+            groups.setdefault(s.key, []).append(s)
+        return [g for key, g in groups.items() if key in ended and all(s.done for s in g)]
+
+    async def _score(self, groups: list[list[Sample]]) -> None:
+        """The reference's log-probs of the ended groups' samples (one call), each group's reward,
+        and each group into the buffer as soon as its reward is in."""
+        from xray.data.sequences import pack_sequences
+
+        work = self._begin()
+        samples = [s for g in groups for s in g]
+        batch = pack_sequences([s.row["prompt_ids"] for s in samples], [s.response for s in samples],
+                               self.pad_id, [s.logprobs for s in samples], [s.versions for s in samples])
+        ref = self._reference(batch)
+        try:
+            if getattr(self.score_fn, "is_async", False):  # a remote judge: each group on its own
+                offsets = [sum(len(g) for g in groups[:i]) for i in range(len(groups))]
+                await asyncio.gather(*[self._score_group(batch, ref, g, o) for g, o in zip(groups, offsets)])
+            else:
+                scores, keep = await self._scores(samples, batch)
+                await self._put(batch, await ref, groups, scores, keep, range(len(groups)))
+        finally:
+            self._end(work)
+
+    def _begin(self) -> int:
+        self.works += 1
+        self.making[self.works] = time.time()
+        return self.works
+
+    def _end(self, work: int) -> None:
+        self.busy.append((self.making.pop(work), time.time()))
+
+    async def _score_group(self, batch, ref, group: list[Sample], offset: int) -> None:
+        rows = list(range(offset, offset + len(group)))
+        scores, keep = await self.score_fn.acall([s.row for s in group], [s.response for s in group])
+        logprobs = await ref
+        part = batch.index(rows)
+        await self._put(part, logprobs.index(rows) if logprobs is not None else None, [group], scores, keep, [0])
+
+    def _reference(self, batch):
+        """A task of the reference's log-probs of `batch` (padded with copies of its first row to a
+        multiple of the reference's dp, whose ranks all take part in every forward, and cut back)."""
+        from xray.data import columns as C
+        from xray.data.batch import Batch
+
+        model = self.reference
+        extra = -len(batch) % model.parallel.dp
+        padded = Batch.concat([batch, *[batch.index([0])] * extra]) if extra else batch
+
+        async def forward():
+            out = await model.forward(padded.select([C.INPUT_IDS, C.ATTENTION_MASK]))
+            return Batch({C.LOGPROBS: out[C.LOGPROBS][:len(batch)]})
+        return asyncio.ensure_future(forward())
+
+    async def _scores(self, samples: list[Sample], batch):
+        """A reward model scores the batch by reference (padded to its dp); a function in a thread."""
+        from xray.data import columns as C
+        from xray.data.batch import Batch
+
+        rows = [s.row for s in samples]
+        if hasattr(self.score_fn, "ascore"):
+            dp = self.score_fn.reward.parallel.dp
+            extra = -len(batch) % dp
+            padded = Batch.concat([batch, *[batch.index([0])] * extra]) if extra else batch
+            scores, keep = await self.score_fn.ascore(rows + [rows[0]] * extra, padded)
+            return scores[:len(batch)], None if keep is None else keep[:len(batch)]
+        return await asyncio.to_thread(self.score_fn, rows, list(batch[C.RESPONSE_IDS]))
+
+    async def _put(self, batch, ref, groups: list[list[Sample]], scores, keep, which) -> None:
+        """One Batch per group into the object store, and the groups into the buffer."""
+        import ray
+
+        from algorithms.ppo.buffer import Group
+        from xray.data import columns as C
+        from xray.data.batch import Batch
+
+        mask = batch[C.LOSS_MASK] if keep is None else batch[C.LOSS_MASK] * keep[:, None].float()
+        whole = Batch({C.INPUT_IDS: batch[C.INPUT_IDS], C.ATTENTION_MASK: batch[C.ATTENTION_MASK], C.LOSS_MASK: mask,
+                       C.BEHAVIOUR_LOGPROBS: batch[C.BEHAVIOUR_LOGPROBS],
+                       C.BEHAVIOUR_VERSIONS: batch[C.BEHAVIOUR_VERSIONS], C.REF_LOGPROBS: ref[C.LOGPROBS],
+                       C.SCORES: scores}, {C.PROMPT_IDS: batch[C.PROMPT_IDS], C.RESPONSE_IDS: batch[C.RESPONSE_IDS]})
+        entries, first = [], 0
+        for i in which:
+            group = groups[i]
+            part = _trimmed(whole.index(list(range(first, first + len(group)))))
+            first += len(group)
+            versions = [v for s in group for v in s.versions]
+            self.partial += sum(len(set(s.versions)) > 1 for s in group)
+            entries.append(Group([ray.put(part)], min(versions, default=self.version), self.index,
+                                 int(part[C.LOSS_MASK].sum()), group[0].row, group[0].key))
+        self.samples += sum(len(groups[i]) for i in which)
+        self.in_flight -= len(entries)
+        await self.buffer.put.remote(entries)
+
+    async def load(self, staged) -> tuple | None:
+        """Load a published weight version into the engine between two segments, verified
+        (`xray.sync.deliver`); (its SyncReport, when loaded: wall-clock seconds), or None when a
+        newer version arrived meanwhile (that one is loaded instead). A failure stops the loop."""
+        from xray.sync import deliver
+
+        self.latest = max(self.latest, staged.version)
+        try:
+            async with self._lock():
+                if staged.version < self.latest or staged.version <= self.version:
+                    return None
+                report = await deliver(staged, self.rollout, self.cfg.sync)
+                self.version = report.version
+        except BaseException as exc:
+            self.error = exc
+            self.stop()
+            raise
+        await self.buffer.set_maker_version.remote(self.index, self.version)
+        return report, time.time()
+
+    def stats(self) -> dict:
+        """The busy intervals since the last call, those under way up to now (merged; the caller clips
+        them to its window), the samples made so far and those that span weight versions."""
+        now = time.time()
+        intervals, self.busy = sorted([*self.busy, *((a, now) for a in self.making.values())]), []
+        merged: list[list[float]] = []
+        for a, b in intervals:
+            if merged and a <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], b)
+            else:
+                merged.append([a, b])
+        return {"busy": [tuple(m) for m in merged], "samples": self.samples, "version": self.version,
+                "partial": self.partial, "in_flight": self.in_flight}
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+def _trimmed(batch):
+    """`batch` cut to its longest row (a group's rows were packed beside longer ones)."""
+    from xray.data import columns as C
+    from xray.data.batch import Batch
+
+    width = int(batch[C.ATTENTION_MASK].sum(1).max())
+    return Batch({k: v[:, :width] if v.dim() > 1 and v.shape[1] == batch[C.INPUT_IDS].shape[1] else
+                  v[:, :width - 1] if v.dim() > 1 else v for k, v in batch.tensors.items()},
+                 dict(batch.lists), dict(batch.meta))
