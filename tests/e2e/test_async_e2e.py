@@ -6,17 +6,26 @@ verified sync at every push (each arrives while the next step trains), staleness
 bound, busy shares within their measured windows, both makers feeding the trainers, changed
 weights, the graph obeyed; the step-3 checkpoint holds every prompt drawn (trained, buffered, or
 in the making). Each shape and each pair once (the two combinations not marked slow) also resumes
-from that checkpoint, which queues the prompts again and completes steps 4-6.
+from that checkpoint, which queues the prompts again and completes steps 4-6. The other two (one
+per pair) SIGKILL a rollout Workhorse once step 1 is logged: its maker is replaced while the
+trainer goes on (every step logged once, the step counter never goes back), the log names the
+replacement, and the step-3 checkpoint's accounting still holds every prompt exactly once.
 """
+import json
 import math
+import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
 
-from tests.e2e.test_ppo_e2e import FP32_PROBE, check_held, config, metrics, train
+from tests.e2e.test_ppo_e2e import FP32_PROBE, ROOT, check_held, config, metrics, train
 
 pytestmark = pytest.mark.e2e
 
@@ -48,7 +57,7 @@ def check(steps: dict[int, dict], expected: list[int], trainers: int, backend: s
         assert row["async/staleness"] <= 1  # the bound
         if step - 1 in steps:  # the previous step's push arrived, verified, while this one trained
             assert row["sync/version"] == step - 1 and row["sync/max_abs_logprob_diff"] <= FP32_PROBE, row
-            check_held(row, backend)  # both makers' engines, every tensor they hold
+            check_held(row, backend, int(row["sync/replicas_loaded"]))  # the makers' engines, every tensor they hold
         # busy shares from measured intervals (not clamped): a maker's time counted twice, or
         # outside the step, would pass 1; the trainer trains in every step
         assert 0.0 < row["async/trainer_busy"] and row["async/maker_busy"] <= 1.0 + 1e-9, row
@@ -62,6 +71,28 @@ def check(steps: dict[int, dict], expected: list[int], trainers: int, backend: s
     assert sum(row["async/maker_busy"] for row in steps.values()) > 0
     if trainers == 1 and len(steps) > 3:  # both makers' experience reached the one trainer
         assert all(sum(row[f"async/trainer0_from_maker{i}"] for row in steps.values()) > 0 for i in range(2)), steps
+
+
+def train_killing_rollout(*args: str) -> tuple[subprocess.CompletedProcess, int]:
+    """`train`, SIGKILLing one rollout Workhorse once the run has logged step 1; (the finished
+    run, the pid killed)."""
+    import psutil
+
+    run_dir = Path(args[args.index("--output-dir") + 1])
+    p = subprocess.Popen([sys.executable, "-m", "xray.train", "ppo", *args], cwd=ROOT, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    killed, deadline = 0, time.monotonic() + 600
+    while not killed and p.poll() is None and time.monotonic() < deadline:
+        if (run_dir / "metrics.jsonl").exists() and (run_dir / "metrics.jsonl").read_text().strip():
+            rollouts = [q for q in psutil.process_iter(["cmdline"])
+                        if (q.info["cmdline"] or [""])[0].startswith("ray::RolloutWorkhorse")]
+            if rollouts:
+                killed = rollouts[0].pid
+                os.kill(killed, signal.SIGKILL)
+        time.sleep(0.05)
+    out, err = p.communicate(timeout=900)
+    assert p.returncode == 0, err[-6000:]
+    return subprocess.CompletedProcess(p.args, p.returncode, out, err), killed
 
 
 def check_nothing_lost(checkpoint: Path, cfg: dict) -> int:
@@ -87,14 +118,22 @@ def test_two_makers_six_steps_and_resume(tmp_path, tiny_model, backend, trainers
     path = async_config(tmp_path, tiny_model, backend, trainers)
     cfg = yaml.safe_load(path.read_text())
     run_a = tmp_path / "a"
-    out = train("--backend", backend, "--config", str(path), "--output-dir", str(run_a))
+    slow = request.node.get_closest_marker("slow") is not None
+    if slow:  # a maker's rollout Workhorse lost during step 2 or 3
+        out, killed = train_killing_rollout("--backend", backend, "--config", str(path), "--output-dir", str(run_a))
+        assert killed and "experience maker" in out.stderr and "replaced in" in out.stderr, out.stderr[-4000:]
+        assert "the trainer and the other makers went on" in out.stderr
+        logged = [json.loads(line)["step"] for line in (run_a / "metrics.jsonl").read_text().splitlines()]
+        assert logged == [1, 2, 3, 4, 5, 6]  # no step run again: the counter never went back
+    else:
+        out = train("--backend", backend, "--config", str(path), "--output-dir", str(run_a))
     assert "eval_before=" in out.stdout and "eval_after=" in out.stdout
     check(metrics(run_a), [1, 2, 3, 4, 5, 6], trainers, backend)
     before = load_file(str(tiny_model / "model.safetensors"))
     after = load_file(str(run_a / "final/actor/model.safetensors"))
     assert max(float((before[k] - after[k]).abs().max()) for k in before) > 0
     entries = check_nothing_lost(run_a / "checkpoints/step-000003", cfg)
-    if request.node.get_closest_marker("slow"):
+    if slow:
         return  # the resume is pair- and shape-independent: the two combinations above check it
     run_b = tmp_path / "b"  # resume from the step-3 checkpoint: steps 4-6 run again
     (run_b / "checkpoints").mkdir(parents=True)

@@ -72,9 +72,19 @@ def trace_events(shards: Iterable[dict], start: float, end: float, step: int) ->
 
 
 async def drain(models) -> list[dict]:
-    """Every Workhorse's busy record since the last drain, from all the run's WholeModels at once."""
-    answers = await asyncio.gather(*[model.busy_time() for model in models.all()])
-    return [shard for answer in answers for shard in answer]
+    """Every Workhorse's busy record since the last drain, from all the run's WholeModels at once.
+    A model that fails to answer (a Workhorse just lost) is left out with a warning: the timeline
+    is a diagnostic, and the run's own calls meet the loss and recover from it."""
+    from xray.wholemodel.errors import WholeModelError
+
+    found = models.all()
+    answers = await asyncio.gather(*[model.busy_time() for model in found], return_exceptions=True)
+    for model, answer in zip(found, answers):
+        if isinstance(answer, WholeModelError):
+            log.warning("the timeline leaves out %s: %s", model.role, answer)
+        elif isinstance(answer, BaseException):
+            raise answer
+    return [shard for answer in answers if not isinstance(answer, BaseException) for shard in answer]
 
 
 class StepTimeline:
