@@ -1,20 +1,29 @@
-"""Asynchronous against synchronous PPO: the same model, task, devices and batch sizes, in one run.
+"""Asynchronous against synchronous PPO: the same model, task, devices and samples, in one run,
+in two settings.
 
     .venv/bin/python benchmarks/async_vs_sync.py [--steps 20] [--warmup 2] [--backend megatron-vllm]
-                                                 [--balanced] [--config FILE] [--a.b=VALUE ...]
+                                                 [--settings compute,latency] [--config FILE] [--a.b=VALUE ...]
 
-For each mode in turn (sync, then async) the default job is prepared as `python -m xray.train ppo`
-prepares it (the built-in warm-started tiny Llama; configs/ppo_tiny_cpu.yaml: makers on the rollout
-device, trainer on the training device; any key overridable), fresh WholeModels start, and
-`--warmup` + `--steps` PPO steps run (trainer steps in async mode: one experience batch each).
-Both modes run with `pin_cpu_devices=true` unless told otherwise: each CPU device is one core, so
-the two devices are two devices (unpinned, every Workhorse spreads over every core and the
-comparison is of schedulers, not of layouts).
-Throughput = samples trained in the timed steps / wall seconds from the end of the last warm-up
-step to the end of the last step. Then greedy accuracy on the held-out prompts (the same number of
-samples trained in both modes). The sync run's median seconds of generation and of scoring +
-training + sync are printed: overlap can at best hide the shorter of the two.
-Last line: `async_over_sync=<async samples/s / sync samples/s> eval_sync=<x> eval_async=<y>`.
+Settings:
+- `compute`: the default job as `python -m xray.train ppo` runs it (the built-in warm-started tiny
+  Llama, configs/ppo_tiny_cpu.yaml: the rollout on one device, actor, critic and reference on the
+  other; any key overridable), scored by its reward function;
+- `latency`: the same job scored by the built-in judge `xray.rewards.builtin:judged_answer`, which
+  answers each sample after a seeded log-normal latency (median 150 ms, sigma 1.0) without using
+  the CPU while it waits, as a remote verifier or sandbox would. The synchronous step scores its
+  batch's samples concurrently (the judge is awaited on the whole batch at once), so its wait per
+  step is the batch's slowest sample, not the sum.
+For each setting, each mode in turn (sync, then async) prepares the job, starts fresh
+WholeModels, and runs `--warmup` + `--steps` steps (trainer steps in async mode: one rollout
+batch each). Both modes run with `pin_cpu_devices=true` unless told otherwise: each CPU device is
+one core. Throughput = samples trained in the timed steps / wall seconds from the end of the last
+warm-up step to the end of the last step; the ratio is async throughput over sync throughput
+(numerator: async samples/s, denominator: sync samples/s), one number per setting from one run
+of each mode. Then greedy accuracy on the held-out prompts (the same samples trained in both
+modes): `eval_gap` is the largest eval_sync - eval_async over the settings. The sync run's median
+seconds per step of generation + scoring and of training + sync are printed: overlap can at best
+hide the shorter of the two.
+Last line: `async_over_sync_compute=<x> async_over_sync_latency=<y> eval_gap=<g>`.
 """
 from __future__ import annotations
 
@@ -32,16 +41,8 @@ from xray.config import DEFAULT_CONFIGS
 from xray.run.outputs import RunDir
 from xray.train import resolve
 
-
-BALANCED = ["--device_groups.train_group.workers=[actor, critic]",
-            "--device_groups.rollout_group.workers=[rollout, reference]",
-            "--ppo.ppo_epochs=1", "--ppo.mini_batch_size=128", "--actor.micro_batch_size=64",
-            "--critic.micro_batch_size=64", "--reference.micro_batch_size=128",
-            "--rollout.max_new_tokens=48", "--rollout.temperature=2.0"]
-"""`--balanced`: the reference placed with the makers (a maker is rollout + reference + reward),
-one PPO epoch of one mini-batch, and responses of up to 48 tokens sampled at temperature 2 (the
-warm-started model stops after 2-4 tokens at temperature 1), so the makers' device carries more
-of a step's work than in the default job."""
+SETTINGS = {"compute": [], "latency": ["--reward.function=xray.rewards.builtin:judged_answer"]}
+"""Each setting's overrides of the job."""
 
 
 async def run_mode(trainer: PPOTrainer, data, steps: int, warmup: int) -> tuple[list[float], list[dict], float]:
@@ -70,14 +71,11 @@ def measure(mode: str, args, overrides: list[str]) -> dict:
     out = {"samples_per_s": samples / (ends[-1] - ends[args.warmup - 1]), "eval": evaluated}
     timed = rows[args.warmup:]
     if mode == "sync":
-        for phase in ("generate", "score", "train", "sync"):
-            out[phase] = statistics.median(r[f"time/{phase}_s"] for r in timed)
-        out["score_train_sync_s"] = statistics.median(r["time/score_s"] + r["time/train_s"] + r["time/sync_s"]
-                                                      for r in timed)
+        out["generate_score_s"] = statistics.median(r["time/generate_s"] + r["time/score_s"] for r in timed)
+        out["train_sync_s"] = statistics.median(r["time/train_s"] + r["time/sync_s"] for r in timed)
     else:
-        out["staleness"] = statistics.mean(r["async/staleness"] for r in timed)
-        out["trainer_busy"] = statistics.median(r["async/trainer_busy"] for r in timed)
-        out["maker_busy"] = statistics.median(r["async/maker_busy"] for r in timed)
+        for key in ("staleness_token_mean", "trainer_busy", "maker_busy", "push_latency_s"):
+            out[key] = statistics.median(r[f"async/{key}"] for r in timed if f"async/{key}" in r)
     return out
 
 
@@ -87,24 +85,25 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (at least 1)")
     parser.add_argument("--backend", default="megatron-vllm", help="TRAIN-GENERATION backend pair")
     parser.add_argument("--config", default=str(DEFAULT_CONFIGS["ppo"]), help="the run's YAML config")
-    parser.add_argument("--balanced", action="store_true",
-                        help="the setting closest to balanced devices: " + " ".join(BALANCED))
+    parser.add_argument("--settings", default="compute,latency", help="comma-separated: compute, latency")
     args, overrides = parser.parse_known_args()
-    if args.balanced:
-        overrides = [*BALANCED, *overrides]
     if not any(o.startswith("--pin_cpu_devices") for o in overrides):
         overrides.insert(0, "--pin_cpu_devices=true")  # a CPU device is its core, in both modes
     args.warmup = max(1, args.warmup)
     logging.basicConfig(level=logging.WARNING)
-    sync = measure("sync", args, overrides)
-    asynchronous = measure("async", args, overrides)
-    print(f"sync:  {sync['samples_per_s']:.1f} samples/s; per step: generation {sync['generate']:.3f} s, "
-          f"scoring + training + sync {sync['score_train_sync_s']:.3f} s (score {sync['score']:.3f}, "
-          f"train {sync['train']:.3f}, sync {sync['sync']:.3f})")
-    print(f"async: {asynchronous['samples_per_s']:.1f} samples/s; mean staleness {asynchronous['staleness']:.2f}, "
-          f"trainer busy {asynchronous['trainer_busy']:.2f}, maker busy {asynchronous['maker_busy']:.2f}")
-    print(f"async_over_sync={asynchronous['samples_per_s'] / sync['samples_per_s']:.3f} "
-          f"eval_sync={sync['eval']:.4f} eval_async={asynchronous['eval']:.4f}")
+    ratios, gaps = {}, []
+    for setting in args.settings.split(","):
+        sync = measure("sync", args, [*overrides, *SETTINGS[setting]])
+        asynchronous = measure("async", args, [*overrides, *SETTINGS[setting]])
+        ratios[setting] = asynchronous["samples_per_s"] / sync["samples_per_s"]
+        gaps.append(sync["eval"] - asynchronous["eval"])
+        print(f"{setting}: sync  {sync['samples_per_s']:.1f} samples/s; median per step: generate+score "
+              f"{sync['generate_score_s']:.3f} s, train+sync {sync['train_sync_s']:.3f} s; eval {sync['eval']:.4f}")
+        print(f"{setting}: async {asynchronous['samples_per_s']:.1f} samples/s; median staleness per token "
+              f"{asynchronous['staleness_token_mean']:.2f}, trainer busy {asynchronous['trainer_busy']:.2f}, maker "
+              f"busy {asynchronous['maker_busy']:.2f}, push latency {asynchronous['push_latency_s']:.3f} s; "
+              f"eval {asynchronous['eval']:.4f}", flush=True)
+    print(" ".join(f"async_over_sync_{s}={r:.3f}" for s, r in ratios.items()) + f" eval_gap={max(gaps):.4f}")
 
 
 if __name__ == "__main__":

@@ -136,6 +136,7 @@ class AsyncTrainer:
                 **{f"async/trainer{d}_from_maker{i}": float(sum(g.maker == i for g in groups))
                    for d, groups in enumerate(taken) for i in range(len(self.makers))},
                 "async/trainer_busy": 1.0 - waited_s / (end - start), "async/publish_s": publish_s,
+                "async/experience_bytes": float(sum(b.nbytes() for b in parts)),
                 **(await self.maker_busy(start, end)), "samples_per_s": len(exp) / (end - start), **self.loaded(),
                 **(await self.buffer.stats.remote())}
 

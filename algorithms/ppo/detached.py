@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import time
 
 from xray.config.graph import build_graph
@@ -67,9 +68,11 @@ class Detached:
         from algorithms.ppo.maker import ExperienceMaker
 
         t, m = self.trainer, self.trainer.models
+        slow = os.environ.get("XRAY_MAKER_SLOWDOWN", "")  # a test hook: "<maker>:<factor>"
+        slowdown = float(slow.split(":")[1]) if slow and int(slow.split(":")[0]) == i else 1.0
         return ray.remote(ExperienceMaker).options(num_cpus=0, max_concurrency=1000).remote(
             i, m.rollout.replica(i), m.reference, t.score_fn, self.buffer, t.cfg, t.stop_ids, t.pad_id,
-            self.share, version)
+            self.share, version, slowdown)
 
     def start(self) -> None:
         """Start the makers' loops and the trainer (from the driver's trainer state)."""

@@ -19,8 +19,9 @@ tokens it has, as exact ids: nothing is re-tokenized.
 The experience stays between the engine, this actor, the object store and the trainer: nothing
 of it passes through the run's driver.
 
-Test hook: `XRAY_MAKER_SLOWDOWN="<maker>:<factor>"` holds that maker's engine `factor` times as
-long as each segment took (a slow replica, for the head-of-line test).
+Test hook: `slowdown` (`XRAY_MAKER_SLOWDOWN="<maker>:<factor>"` in the driver's environment,
+`algorithms.ppo.detached`) holds the engine `factor` times as long as each segment took: a slow
+replica, for the head-of-line and partial-rollout tests.
 """
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ class ExperienceMaker:
     """One maker's loop and its engine's weight loads (a Ray actor: `ray.remote(ExperienceMaker)`)."""
 
     def __init__(self, index: int, rollout, reference, score_fn, buffer, cfg, stop_ids: list[int],
-                 pad_id: int, share: int, version: int):
+                 pad_id: int, share: int, version: int, slowdown: float = 1.0):
         self.index, self.rollout, self.reference = index, rollout, reference
         self.score_fn, self.buffer, self.cfg = score_fn, buffer, cfg
         self.stop_ids, self.pad_id = stop_ids, pad_id
@@ -67,11 +68,10 @@ class ExperienceMaker:
         self.making: dict[int, float] = {}
         """Work under way (a serial) -> when it began."""
         self.works = 0
-        self.samples = self.segments = self.partial = 0
+        self.samples = self.segments = self.partial = self.bytes = 0
         self.error: BaseException | None = None
         self.task: asyncio.Future | None = None
-        slow = os.environ.get("XRAY_MAKER_SLOWDOWN", "")
-        self.slowdown = float(slow.split(":")[1]) if slow and int(slow.split(":")[0]) == index else 1.0
+        self.slowdown = slowdown
 
     def _lock(self) -> asyncio.Lock:
         if self.engine is None:
@@ -252,6 +252,7 @@ class ExperienceMaker:
             first += len(group)
             versions = [v for s in group for v in s.versions]
             self.partial += sum(len(set(s.versions)) > 1 for s in group)
+            self.bytes += part.nbytes()
             entries.append(Group([ray.put(part)], min(versions, default=self.version), self.index,
                                  int(part[C.LOSS_MASK].sum()), group[0].row, group[0].key))
         self.samples += sum(len(groups[i]) for i in which)
@@ -290,7 +291,8 @@ class ExperienceMaker:
             else:
                 merged.append([a, b])
         return {"busy": [tuple(m) for m in merged], "samples": self.samples, "version": self.version,
-                "partial": self.partial, "in_flight": self.in_flight}
+                "partial": self.partial, "in_flight": self.in_flight, "segments": self.segments,
+                "bytes": self.bytes}
 
     def pid(self) -> int:
         return os.getpid()

@@ -98,6 +98,11 @@ class VllmEngineConfig:
                       max_model_len=self.max_model_len, tensor_parallel_size=self.tp,
                       enforce_eager=self.device == "cpu", skip_tokenizer_init=True,
                       logprobs_mode="raw_logprobs", use_tqdm_on_load=False)  # no loading bar per replica
+        if self.device == "cpu":
+            # vLLM CPU 0.32 fails a seeded request whose prefill is chunked (`CPU Generator does not
+            # use offset`: it rewinds the request's generator, which a CPU generator cannot): whole
+            # prefills only, with a token budget of at least one full-length sequence
+            kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(4096, self.max_model_len))
         if self.tp > 1:
             kwargs["distributed_executor_backend"] = "external_launcher"
         if self.lora is not None:
