@@ -19,6 +19,9 @@ from __future__ import annotations
 import asyncio
 import time
 
+import torch
+
+from algorithms.ppo.buffer import fetch
 from algorithms.ppo.kl_estimators import kl_metrics
 from algorithms.ppo.trainer import PPOTrainer, ppo_targets
 from xray.data import columns as C
@@ -109,7 +112,7 @@ class AsyncTrainer:
         t, acfg = self.t, self.t.cfg.async_
         start = time.time()
         taken = await self.buffer.take.remote(t.state.step)
-        parts = [Batch.concat(await asyncio.gather(*[g.item[0] for g in groups]), pad_width=True) for groups in taken]
+        parts = [Batch.concat(await fetch(groups), pad_width=True) for groups in taken]
         exp = Batch.concat(parts, pad_width=True)
         waited_s = time.time() - start
         proximal, values = await asyncio.gather(t.models.actor.forward(exp), t.models.critic.forward(exp))
@@ -197,10 +200,11 @@ def staleness(exp: Batch, version: int) -> dict[str, float]:
     mask = exp[C.LOSS_MASK] > 0
     versions = exp[C.BEHAVIOUR_VERSIONS].long()
     behind = (version - versions)[mask].float()
-    spans = [(versions[i][mask[i]].unique().numel() > 1) for i in range(len(exp))]
+    big = torch.iinfo(torch.long).max
+    spans = (versions.masked_fill(~mask, -1).amax(1) > versions.masked_fill(~mask, big).amin(1)) & mask.any(1)
     return {"async/staleness": float(behind.max()) if behind.numel() else 0.0,
             "async/staleness_token_mean": float(behind.mean()) if behind.numel() else 0.0,
-            "async/partial_samples": float(sum(spans))}
+            "async/partial_samples": float(spans.sum())}
 
 
 async def _settled(ref):

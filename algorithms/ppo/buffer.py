@@ -41,7 +41,8 @@ class Group:
     """One prompt's scored samples in a queue."""
 
     item: Any
-    """What the maker put: a list holding the object reference of the group's Batch."""
+    """Where its rows are: [object reference of a Batch the maker put, first row, end row] (the
+    groups scored together share one Batch)."""
     version: int
     """The oldest weight version that sampled any of its tokens."""
     maker: int
@@ -258,7 +259,7 @@ class BufferActor:
         groups = [(d, g) for d, queue in enumerate(b.queues) for g in queue]
         state = {"sampler": self.sampler.state_dict(),
                  "rows": [b.leases[k].row for k in sorted(b.leases)] + list(b.rows) + list(b.drawn)}
-        batches = await asyncio.gather(*[g.item[0] for _, g in groups]) if groups else []
+        batches = await fetch([g for _, g in groups])
         state["entries"] = [{"trainer": d, "version": g.version, "maker": g.maker, "tokens": g.tokens,
                              "row": g.row, "batch": batch} for (d, g), batch in zip(groups, batches)]
         return state
@@ -273,5 +274,13 @@ class BufferActor:
         b.queues = [[] for _ in range(b.trainers)]
         b.accepted, b.running = [version * b.share] * b.trainers, [0] * b.trainers
         for e in state["entries"]:
-            b.queues[e["trainer"]].append(Group([ray.put(e["batch"])], e["version"], e["maker"], e["tokens"], e["row"]))
+            item = [ray.put(e["batch"]), 0, len(e["batch"])]
+            b.queues[e["trainer"]].append(Group(item, e["version"], e["maker"], e["tokens"], e["row"]))
             b.accepted[e["trainer"]] += 1
+
+
+async def fetch(groups: list[Group]) -> list:
+    """Each group's Batch: every Batch the groups' rows live in fetched once, then cut."""
+    refs = list({id(g.item[0]): g.item[0] for g in groups}.values())
+    fetched = dict(zip(map(id, refs), await asyncio.gather(*refs))) if refs else {}
+    return [fetched[id(g.item[0])].index(slice(g.item[1], g.item[2])) for g in groups]

@@ -31,7 +31,11 @@ import os
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 log = logging.getLogger(__name__)
+FLUSH_S = 0.005
+"""Groups whose rewards arrive within this many seconds of each other go into the buffer together."""
 
 
 @dataclass
@@ -61,10 +65,16 @@ class ExperienceMaker:
         self.max_in_flight = a.max_in_flight or share
         self.version = self.latest = version
         self.engine: asyncio.Lock | None = None
+        self.freed: asyncio.Event | None = None
+        self.ready: list = []
+        """Groups scored and not yet put (`_flush` puts them together)."""
+        self.flushing: asyncio.Future | None = None
+        """Set when a put frees slots of `max_in_flight`."""
         self.in_flight = 0
         """Prompts leased and not yet put (generating or being scored)."""
         self.busy: list[tuple[float, float]] = []
-        """(start, end) wall-clock seconds of each segment's generation and each group's scoring."""
+        """(start, end) wall-clock seconds of the engine's work: each segment's generation, each
+        weight load (a judge's wait is not the maker's work)."""
         self.making: dict[int, float] = {}
         """Work under way (a serial) -> when it began."""
         self.works = 0
@@ -72,6 +82,11 @@ class ExperienceMaker:
         self.error: BaseException | None = None
         self.task: asyncio.Future | None = None
         self.slowdown = slowdown
+
+    def _freed(self) -> asyncio.Event:
+        if self.freed is None:
+            self.freed = asyncio.Event()
+        return self.freed
 
     def _lock(self) -> asyncio.Lock:
         if self.engine is None:
@@ -113,12 +128,18 @@ class ExperienceMaker:
 
     async def _admit(self, active: list[Sample], scoring: set) -> None:
         """Lease prompts up to `max_in_flight`: at once while samples are generating (they go on
-        whatever the answer), else waiting until admission opens (or, with every slot taken by
-        groups being scored, until one of them is done)."""
+        whatever the answer), else waiting until admission opens. With nothing generating and
+        most slots held by groups being scored (a slow judge), wait until a quarter of the slots
+        are free: the engine then generates for many prompts at once, not one by one."""
         free = self.max_in_flight - self.in_flight
+        if not active and scoring and free < -(-self.max_in_flight // 4):
+            freed = self._freed()
+            freed.clear()
+            waiter = asyncio.ensure_future(freed.wait())  # a group put frees its slot
+            await asyncio.wait([waiter, *scoring], return_when=asyncio.FIRST_COMPLETED)
+            waiter.cancel()
+            return
         if free <= 0:
-            if not active:
-                await asyncio.wait(scoring, return_when=asyncio.FIRST_COMPLETED)
             return
         if active:
             leased = await self.buffer.lease.remote(self.index, free, self.version, wait=False)
@@ -173,7 +194,6 @@ class ExperienceMaker:
         and each group into the buffer as soon as its reward is in."""
         from xray.data.sequences import pack_sequences
 
-        work = self._begin()
         samples = [s for g in groups for s in g]
         batch = pack_sequences([s.row["prompt_ids"] for s in samples], [s.response for s in samples],
                                self.pad_id, [s.logprobs for s in samples], [s.versions for s in samples])
@@ -185,8 +205,9 @@ class ExperienceMaker:
             else:
                 scores, keep = await self._scores(samples, batch)
                 await self._put(batch, await ref, groups, scores, keep, range(len(groups)))
-        finally:
-            self._end(work)
+        except BaseException:
+            ref.cancel()
+            raise
 
     def _begin(self) -> int:
         self.works += 1
@@ -197,11 +218,29 @@ class ExperienceMaker:
         self.busy.append((self.making.pop(work), time.time()))
 
     async def _score_group(self, batch, ref, group: list[Sample], offset: int) -> None:
+        """One group's reward from an `async def` function, then into the buffer with the groups
+        whose rewards came in the same few milliseconds (one object and one call for them all)."""
         rows = list(range(offset, offset + len(group)))
         scores, keep = await self.score_fn.acall([s.row for s in group], [s.response for s in group])
-        logprobs = await ref
-        part = batch.index(rows)
-        await self._put(part, logprobs.index(rows) if logprobs is not None else None, [group], scores, keep, [0])
+        logprobs = (await ref).index(rows)
+        keep = torch.ones(len(group), dtype=torch.bool) if keep is None else keep
+        self.ready.append((batch.index(rows), logprobs, group, scores, keep))
+        if self.flushing is None or self.flushing.done():
+            self.flushing = asyncio.ensure_future(self._flush())
+        await asyncio.shield(self.flushing)
+
+    async def _flush(self) -> None:
+        from xray.data import columns as C
+        from xray.data.batch import Batch
+
+        await asyncio.sleep(FLUSH_S)
+        ready, self.ready = self.ready, []
+        batch = Batch.concat([r[0] for r in ready], pad_width=True)
+        logprobs = Batch.concat([r[1] for r in ready], pad_width=True)
+        width = batch[C.LOSS_MASK].shape[1]
+        logprobs = Batch({C.LOGPROBS: logprobs[C.LOGPROBS][:, :width]})
+        await self._put(batch, logprobs, [r[2] for r in ready], torch.cat([r[3] for r in ready]),
+                        torch.cat([r[4] for r in ready]), range(len(ready)))
 
     def _reference(self, batch):
         """A task of the reference's log-probs of `batch` (padded with copies of its first row to a
@@ -233,7 +272,8 @@ class ExperienceMaker:
         return await asyncio.to_thread(self.score_fn, rows, list(batch[C.RESPONSE_IDS]))
 
     async def _put(self, batch, ref, groups: list[list[Sample]], scores, keep, which) -> None:
-        """One Batch per group into the object store, and the groups into the buffer."""
+        """The groups' rows into the object store as one Batch (cut to its longest row), and the
+        groups into the buffer."""
         import ray
 
         from algorithms.ppo.buffer import Group
@@ -245,18 +285,19 @@ class ExperienceMaker:
                        C.BEHAVIOUR_LOGPROBS: batch[C.BEHAVIOUR_LOGPROBS],
                        C.BEHAVIOUR_VERSIONS: batch[C.BEHAVIOUR_VERSIONS], C.REF_LOGPROBS: ref[C.LOGPROBS],
                        C.SCORES: scores}, {C.PROMPT_IDS: batch[C.PROMPT_IDS], C.RESPONSE_IDS: batch[C.RESPONSE_IDS]})
-        entries, first = [], 0
+        ref, entries, first = ray.put(_trimmed(whole)), [], 0  # one object for the groups scored together
         for i in which:
             group = groups[i]
-            part = _trimmed(whole.index(list(range(first, first + len(group)))))
+            rows = (first, first + len(group))
             first += len(group)
             versions = [v for s in group for v in s.versions]
             self.partial += sum(len(set(s.versions)) > 1 for s in group)
-            self.bytes += part.nbytes()
-            entries.append(Group([ray.put(part)], min(versions, default=self.version), self.index,
-                                 int(part[C.LOSS_MASK].sum()), group[0].row, group[0].key))
-        self.samples += sum(len(groups[i]) for i in which)
+            entries.append(Group([ref, *rows], min(versions, default=self.version), self.index,
+                                 int(mask[rows[0]:rows[1]].sum()), group[0].row, group[0].key))
+        self.bytes += whole.nbytes()
+        self.samples += first
         self.in_flight -= len(entries)
+        self._freed().set()
         await self.buffer.put.remote(entries)
 
     async def load(self, staged) -> tuple | None:
@@ -270,8 +311,10 @@ class ExperienceMaker:
             async with self._lock():
                 if staged.version < self.latest or staged.version <= self.version:
                     return None
+                work = self._begin()
                 report = await deliver(staged, self.rollout, self.cfg.sync)
                 self.version = report.version
+                self._end(work)
         except BaseException as exc:
             self.error = exc
             self.stop()

@@ -50,14 +50,20 @@ def async_config(tmp_path: Path, model_dir: Path, backend: str, trainers: int) -
     return path
 
 
-def check(steps: dict[int, dict], expected: list[int], trainers: int, backend: str) -> None:
+def check(steps: dict[int, dict], expected: list[int], trainers: int, backend: str, killed: bool = False) -> None:
+    """`killed`: a maker was lost during the run; one step may then end before the push it was
+    sent during is answered by every maker (the next step reports the newer push)."""
     assert sorted(steps) == expected
+    unreported = [step for step, row in steps.items() if step - 1 in steps and "sync/version" not in row]
+    assert len(unreported) <= int(killed), unreported
     for step, row in steps.items():
         assert all(math.isfinite(v) for v in row.values() if isinstance(v, float)), row
         assert row["async/staleness"] <= 1  # the bound
-        if step - 1 in steps:  # the previous step's push arrived, verified, while this one trained
+        if step - 1 in steps and step not in unreported:  # the previous step's push arrived, verified
             assert row["sync/version"] == step - 1 and row["sync/max_abs_logprob_diff"] <= FP32_PROBE, row
-            check_held(row, backend, int(row["sync/replicas_loaded"]))  # the makers' engines, every tensor they hold
+            loaded = int(row["sync/replicas_loaded"])
+            assert loaded == 2 or killed, row
+            check_held(row, backend, loaded)  # the makers' engines, every tensor they hold
         # busy shares from measured intervals (not clamped): a maker's time counted twice, or
         # outside the step, would pass 1; the trainer trains in every step
         assert 0.0 < row["async/trainer_busy"] and row["async/maker_busy"] <= 1.0 + 1e-9, row
@@ -128,7 +134,7 @@ def test_two_makers_six_steps_and_resume(tmp_path, tiny_model, backend, trainers
     else:
         out = train("--backend", backend, "--config", str(path), "--output-dir", str(run_a))
     assert "eval_before=" in out.stdout and "eval_after=" in out.stdout
-    check(metrics(run_a), [1, 2, 3, 4, 5, 6], trainers, backend)
+    check(metrics(run_a), [1, 2, 3, 4, 5, 6], trainers, backend, killed=slow)
     before = load_file(str(tiny_model / "model.safetensors"))
     after = load_file(str(run_a / "final/actor/model.safetensors"))
     assert max(float((before[k] - after[k]).abs().max()) for k in before) > 0
