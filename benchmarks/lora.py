@@ -134,8 +134,8 @@ def report(times: dict, state: dict, reports: dict, args, floor_s: float) -> Non
         r = reports[name]
         verify_ms = (m[name]["sync"] - m[name]["transfer"]) * 1e3
         print(f"{name:<5} step {m[name]['step'] * 1e3:8.1f} ms   verified sync {m[name]['sync'] * 1e3:8.1f} ms "
-              f"(of which the probe {verify_ms:.1f}; {r.bytes / 1e6:.2f} MB sent, {r.held_checked} engine tensors "
-              f"bit-equal, probe diff {r.max_abs_logprob_diff:.1e})   trainable {state[name]['trainable'] / 1e6:.2f} MB "
+              f"(of which the probe {verify_ms:.1f}; {r.bytes / 1e6:.2f} MB sent, {r.held_exact} engine tensors "
+              f"bit-equal, {r.held_functional} by product, probe diff {r.max_abs_logprob_diff:.1e})   trainable {state[name]['trainable'] / 1e6:.2f} MB "
               f"+ optimizer {state[name]['optimizer'] / 1e6:.2f} MB")
     print(f"floor: one plain forward of the LoRA probe {floor_s * 1e3:.1f} ms (each side needs one) against "
           f"0.1 x the full sync = {m['full']['sync'] * 100:.1f} ms")

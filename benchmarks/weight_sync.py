@@ -9,18 +9,22 @@ on Megatron, tp=1) and a rollout WholeModel (RolloutWorkhorse on vLLM, one repli
 node, then times, round by round so that machine noise hits all alike:
   - `reload`:    the rollout engine's own in-place reload (`VllmEngine.reload`) of the same tensors
                  already in its memory (`RolloutWorkhorse.time_reload`, median of 3): the floor;
-  - `objstore`, `pg`, `shm`, `auto`: `xray.sync.sync_weights` with the probe off and
+  - `objstore`, `pg`, `shm`, `auto`: `xray.sync.sync_weights` verified as a run's sync between
+                 two probes is (`sync.verify` on, no probe: the complete and exact parts, checksums
+                 and every engine tensor checked, bit for bit or by its product) with
                  `sync.transport` forced to the object store, to the process group, to the actor's
                  shared-memory slots, or chosen automatically (the whole sync: export, transport,
-                 load, the exact checks, the version bump);
-  - `verified`:  the same with the probe on (`--probes` random sequences of `--probe-len` tokens,
-                 the second half scored by both sides), transport auto.
-The exact checks (byte checksums, the engine's tensors compared with what it was sent) run in
-every sync and count in its time; the verification share is the probe's. Figures are medians
-over `--repeats` rounds after one warm-up round. The last line is
-`sync_over_reload=<auto sync s / reload s> verify_share=<(verified - auto) s / verified s>
-pg_over_objstore=<pg s / objstore s> auto_over_best=<auto s / the faster of pg and objstore>`
-(on one CPU node `auto` takes the slots, `shm`, printed on their own line).
+                 load, the checks, the version bump);
+  - `unverified`: auto with `sync.verify` off (no checksum, no check of what the engine holds);
+  - `probed`:    auto with the probe too (`--probes` random sequences of `--probe-len` tokens, the
+                 second half scored by both sides), as a run's first, last and every
+                 `--probe-every`-th sync.
+A run's verified sync costs on average `verified` = auto + (probed - auto) / probe_every: the
+syncs between two probes are checked end to end by the next step's own log-probs, which the step
+computes anyway. Figures are medians over `--repeats` rounds after one warm-up round. The last
+line is `sync_over_reload=<auto s / reload s> verify_share=<(verified - unverified) s / verified s>
+pg_over_objstore=<pg s / objstore s> auto_over_best=<auto s / the fastest of pg, objstore and shm>
+unchecked=<engine tensors the last sync left unchecked>` (on one CPU node `auto` takes the slots).
 """
 from __future__ import annotations
 
@@ -70,17 +74,18 @@ def one_round(actor: WholeModel, rollout: WholeModel, version: int, bucket_mb: i
     """Seconds of the floor, of a sync by each transport and of a verified sync; their reports."""
     t = {"reload": rollout.call("time_reload", 3).get()[0]}
     reports = []
-    for name in ("objstore", "pg", "shm", "auto"):
+    for name in ("objstore", "pg", "shm", "auto", "unverified"):
         busy(actor), busy(rollout)
-        r = asyncio.run(sync_weights(actor, rollout, version, SyncConfig(verify=False, bucket_mb=bucket_mb,
-                                                                         transport=name)))
+        cfg = SyncConfig(verify=name != "unverified", bucket_mb=bucket_mb,
+                         transport="auto" if name == "unverified" else name)
+        r = asyncio.run(sync_weights(actor, rollout, version, cfg))
         version += 1
-        t[name] = r.sync_s
+        t[name] = r.sync_s + r.verify_s
         if name == "objstore":
             t["export"], t["load"] = covered_seconds(busy(actor)), covered_seconds(busy(rollout))
         reports.append(r)
     r = asyncio.run(sync_weights(actor, rollout, version, SyncConfig(bucket_mb=bucket_mb), probe, prompt_lens))
-    t["verified"] = r.sync_s + r.verify_s
+    t["probed"] = r.sync_s + r.verify_s
     return t, reports + [r]
 
 
@@ -93,12 +98,17 @@ def report(times: dict[str, list[float]], nbytes: int, params: int, reports: lis
           "overlapping)")
     print(f"pg sync         {m['pg']:8.1f}")
     print(f"shm sync        {m['shm']:8.1f}   (the actor's shared-memory slots)")
-    print(f"auto sync       {m['auto']:8.1f}   (chose {reports[3].transport})")
-    print(f"verified sync   {m['verified']:8.1f}   (probe diff {reports[-1].max_abs_logprob_diff:.2e}; "
-          f"{reports[-1].held_checked} engine tensors bit-equal, {reports[-1].held_unreadable} unreadable)")
-    best = min(m["pg"], m["objstore"])
-    print(f"sync_over_reload={m['auto'] / m['reload']:.3f} verify_share={(m['verified'] - m['auto']) / m['verified']:.3f} "
-          f"pg_over_objstore={m['pg'] / m['objstore']:.3f} auto_over_best={m['auto'] / best:.3f}")
+    auto = reports[3]
+    print(f"auto sync       {m['auto']:8.1f}   (chose {auto.transport}; {auto.held_exact} engine tensors bit-equal, "
+          f"{auto.held_functional} checked by their product, {auto.unchecked} unchecked)")
+    print(f"unverified      {m['unverified']:8.1f}   (auto, sync.verify off: no checksum, no check)")
+    print(f"probed sync     {m['probed']:8.1f}   (auto with the probe, probe diff {reports[-1].max_abs_logprob_diff:.2e})")
+    verified = m["auto"] + (m["probed"] - m["auto"]) / args.probe_every
+    print(f"verified sync   {verified:8.1f}   (a run's average: the probe at 1 sync in {args.probe_every})")
+    best = min(m["pg"], m["objstore"], m["shm"])
+    print(f"sync_over_reload={m['auto'] / m['reload']:.3f} verify_share={(verified - m['unverified']) / verified:.3f} "
+          f"pg_over_objstore={m['pg'] / m['objstore']:.3f} auto_over_best={m['auto'] / best:.3f} "
+          f"unchecked={auto.unchecked + reports[-1].unchecked}")
 
 
 def main() -> None:
@@ -108,6 +118,8 @@ def main() -> None:
     parser.add_argument("--bucket-mb", type=int, default=SyncConfig.bucket_mb, help="sync bucket size")
     parser.add_argument("--probes", type=int, default=4, help="probe sequences of the verification")
     parser.add_argument("--probe-len", type=int, default=16, help="tokens per probe; the second half is scored")
+    parser.add_argument("--probe-every", type=int, default=SyncConfig.probe_every,
+                        help="a run's syncs per probe (sync.probe_every)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(1)

@@ -59,6 +59,7 @@ class CriticFreeTrainer(PPOTrainer):
         self.algo, self.kl_in = algo, kl_placement(cfg, algo)
         self.on_policy = (self.kl_in == "none" and cfg.ppo.ppo_epochs == 1 and cfg.rollout.quantization == "none"
                           and self.batches().mini_batch_size == cfg.ppo.rollout_batch_size * cfg.rollout.n_samples)
+        self.checks_end_to_end = not self.on_policy  # on-policy: no actor log-probs to check against
         self.policy_loss = dataclasses.replace(
             policy_loss_of(cfg, cfg.ppo.kl_coef if self.kl_in == "loss" else 0.0, cfg.critic_free.kl_estimator),
             on_policy=self.on_policy)
@@ -109,8 +110,8 @@ class CriticFreeTrainer(PPOTrainer):
             columns[C.OLD_LOGPROBS] = logprobs
         if self.kl_in == "loss":
             columns[C.REF_LOGPROBS] = ref_logprobs
+        gap = {} if self.on_policy else self.check_end_to_end(logprobs, exp, mask)  # before training on it
         with t("train"):
             train = await self.train(Batch(columns), step, probe=self.early_probe(exp))
         kl = kl_metrics(logprobs, ref_logprobs, mask) if ref_logprobs is not None else {}
-        gap = {} if self.on_policy else self.gap(logprobs, exp, mask)
         return await self.finish_step(step, t, exp, scores, mask, kl, train, gap)

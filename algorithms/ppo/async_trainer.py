@@ -173,8 +173,9 @@ class AsyncTrainer:
                 continue
             out = {"sync/version": float(push["version"]),
                    "sync/max_abs_logprob_diff": max(r.max_abs_logprob_diff for r, _ in reports),
-                   "sync/held_checked": float(sum(r.held_checked for r, _ in reports)),
-                   "sync/held_unreadable": float(sum(r.held_unreadable for r, _ in reports)),
+                   "sync/held_exact": float(sum(r.held_exact for r, _ in reports)),
+                   "sync/held_functional": float(sum(r.held_functional for r, _ in reports)),
+                   "sync/unchecked": float(sum(r.unchecked for r, _ in reports)),
                    "sync/replicas_loaded": float(len(reports)),
                    "sync/verify_s": max(r.verify_s for r, _ in reports),
                    "async/push_latency_s": max(done for _, done in reports) - push["published"]}

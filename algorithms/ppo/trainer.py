@@ -44,7 +44,7 @@ from xray.data import columns as C
 from xray.data.batch import Batch
 from xray.run.models import Models, reference_forward
 from xray.sync import sync_weights
-from xray.sync.weights import pad_sequences
+from xray.sync.weights import WeightSyncError, pad_sequences, probe_tolerance
 
 # score_fn(prompt_rows, response_ids) -> (scores [B], keep mask [B] or None); or an object with
 # `async ascore(prompt_rows, generated)` that scores the rollout's answer by reference.
@@ -176,10 +176,11 @@ class PPOTrainer:
         train_batch = Batch({C.INPUT_IDS: exp[C.INPUT_IDS], C.ATTENTION_MASK: exp[C.ATTENTION_MASK],
                              C.LOSS_MASK: mask, C.OLD_LOGPROBS: old[C.LOGPROBS], C.OLD_VALUES: values[C.VALUES],
                              C.ADVANTAGES: advantages, C.RETURNS: returns, **self.behaviour(exp)})
+        gap = self.check_end_to_end(old[C.LOGPROBS], exp, mask)  # before the batch is trained on
         with t("train"):
             train = await self.train(train_batch, step, probe=self.early_probe(exp))
         return await self.finish_step(step, t, exp, scores, mask, kl_metrics(old[C.LOGPROBS], ref[C.LOGPROBS], mask),
-                                      train, self.gap(old[C.LOGPROBS], exp, mask))
+                                      train, gap)
 
     def behaviour(self, exp: Batch) -> dict[str, torch.Tensor]:
         """The rollout's log-probs of its samples as a train-batch column, where the policy loss
@@ -191,6 +192,41 @@ class PPOTrainer:
     def gap(old: torch.Tensor, exp: Batch, mask: torch.Tensor) -> dict[str, float]:
         """`rollout_logprob_gap_mean` / `_max` (`rollout_gap`) when the rollout gave its log-probs."""
         return rollout_gap(old, exp[C.BEHAVIOUR_LOGPROBS], mask) if C.BEHAVIOUR_LOGPROBS in exp else {}
+
+    def check_end_to_end(self, old: torch.Tensor, exp: Batch, mask: torch.Tensor) -> dict[str, float]:
+        """The end-to-end check of the last sync, for free: the rollout's log-probs of this step's
+        samples against the actor's recomputation of the same tokens (`old`, same weights in a
+        synchronous run), per token, within the probe's bound for the dtypes (`probe_tolerance`),
+        before the batch is trained on: a bad sync fails the run before it does harm. The gap
+        metrics; WeightSyncError beyond the bound."""
+        gap = self.gap(old, exp, mask)
+        if gap and self.cfg.sync.verify:
+            dtypes = [self.cfg.model.dtype, self.cfg.rollout.dtype or self.cfg.model.dtype]
+            bound = probe_tolerance(self.cfg.sync, dtypes, self.cfg.rollout.quantization != "none")
+            if not gap["rollout_logprob_gap_max"] <= bound:  # also NaN
+                raise WeightSyncError(
+                    f"weight version {self.state.step} failed the end-to-end check: the rollout's log-probs of "
+                    f"this step's samples differ from the actor's by up to {gap['rollout_logprob_gap_max']:.3e} "
+                    f"(mean {gap['rollout_logprob_gap_mean']:.3e}, bound {bound:g}); the engine computes "
+                    "otherwise than the actor (a wrong name mapping, or a tensor the exact checks cannot see). "
+                    "The batch was not trained on")
+        return gap
+
+    synced: bool = False
+    """Whether this process has synced the rollout once (its first sync probes)."""
+    checks_end_to_end: bool = True
+    """Whether each step recomputes the actor's log-probs of its samples (`check_end_to_end`);
+    a trainer that does not probes at every sync."""
+
+    def probes_at(self, version: int) -> bool:
+        """Whether the sync to `version` runs the separate log-prob probe: the first sync of this
+        process, every `sync.probe_every`, the run's last, and every sync where no step checks
+        end to end."""
+        every = self.cfg.sync.probe_every
+        if every < 1:
+            raise ValueError(f"sync.probe_every={every}; give 1 (probe every sync) or more")
+        return (not self.synced or not self.checks_end_to_end or version % every == 0
+                or version >= self.cfg.trainer.steps)
 
     async def finish_step(self, step: int, t: PhaseTimer, exp: Batch, scores: torch.Tensor, mask: torch.Tensor,
                           kl: dict[str, float], train: dict[str, float],
@@ -206,8 +242,11 @@ class PPOTrainer:
         tokens = int(exp[C.ATTENTION_MASK].sum())
         return {"reward/mean": float(scores.mean()), "reward/std": float(scores.std()) if len(scores) > 1 else 0.0,
                 **kl, "kl_coef": kl_coef, **train, **(gap or {}),
-                "response_length": float(mask.sum(1).mean()), "sync/max_abs_logprob_diff": report.max_abs_logprob_diff,
-                "sync/held_checked": float(report.held_checked), "sync/held_unreadable": float(report.held_unreadable),
+                "response_length": float(mask.sum(1).mean()),
+                **({"sync/max_abs_logprob_diff": report.max_abs_logprob_diff}  # the syncs that ran the probe
+                   if not math.isnan(report.max_abs_logprob_diff) else {}),
+                "sync/held_exact": float(report.held_exact), "sync/held_functional": float(report.held_functional),
+                "sync/unchecked": float(report.unchecked),
                 "sync/verify_s": report.verify_s, "sync/version": float(report.version), **t.seconds,
                 "tokens_per_s": tokens / max(1e-9, sum(t.seconds.values()))}
 
@@ -288,9 +327,17 @@ class PPOTrainer:
     def early_probe(self, exp: Batch) -> list[list[int]] | None:
         """The probe sequences `train` queues on the actor behind its last update when a sync
         verifies without overlap (actor and rollout share devices), else None."""
-        return self.probe(exp)[0] if self.cfg.sync.verify and not self.overlap_sync else None
+        probing = self.cfg.sync.verify and not self.overlap_sync
+        return self.probe(exp)[0] if probing and self.probes_at(self.state.step + 1) else None
 
-    async def sync(self, exp: Batch, version: int):
+    async def sync(self, exp: Batch, version: int, probe: bool | None = None):
+        """Sync the actor's weights to the rollout at `version`, the probe where `probes_at` says."""
+        probing = self.probes_at(version) if probe is None else probe
+        self.synced = True
+        if not probing:
+            self.queued_probe = None
+            return await sync_weights(self.models.actor, self.models.rollout, version, self.cfg.sync,
+                                      overlap=self.overlap_sync)
         sequences, prompt_lens = self.probe(exp)
         queued, self.queued_probe = self.queued_probe, None
         actor_probe = queued[1] if queued is not None and queued[0] == sequences else None  # else stale
@@ -302,7 +349,7 @@ class PPOTrainer:
         rows, self.queued_probe = rows[:self.probe_size()], None  # from a step that did not finish
         await self.wake_rollout()
         gen = await self.models.rollout.generate([r["prompt_ids"] for r in rows], self.sampling(0, greedy=True))
-        return await self.sync(gen, version)
+        return await self.sync(gen, version, probe=True)
 
     async def evaluate(self, rows: list[dict]) -> float:
         """Mean score of greedy responses on held-out `rows` (accuracy for a 0/1 reward)."""

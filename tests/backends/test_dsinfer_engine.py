@@ -116,6 +116,12 @@ def _tp_worker(rank, world_size, model_dir):
     engine.load_weights(new)
     after = engine.generate(prompts, {"temperature": 0.0, "max_new_tokens": NEW_TOKENS})
     result["after_load_equal"] = after[C.RESPONSE_IDS] == hf_greedy(hf, prompts, NEW_TOKENS)
+    result["held"] = engine.held_check()
+    name = "model.layers.0.self_attn.q_proj.weight"  # a wrong tp slice: the other rank's rows loaded
+    dim, start, length = engine.slices[name]
+    engine.slices[name] = (dim, length - start, length)
+    engine.load_weights([(name, dict(new)[name])])
+    result["wrong_slice"] = engine.held_check()
     return result
 
 
@@ -124,5 +130,8 @@ def test_tensor_parallel_2_matches_hf(model_dir):
     for r in ranks:
         assert r["q_rows"] == 64  # AutoTP really split q_proj (128 rows) over the 2 ranks
         assert r["greedy_equal"] and r["after_load_equal"]
+        assert r["held"]["exact"] == 21 and r["held"]["mismatched"] == [] and r["held"]["unchecked"] == 0, r["held"]
+        # the held check cuts the sent tensor by every rank's shard size, not by the load's slice map
+        assert r["wrong_slice"]["mismatched"] == ["model.layers.0.self_attn.q_proj.weight [held otherwise than sent]"]
         assert r["logprob_diff"] < LOGPROB_TOL
     assert ranks[0]["sampled"] == ranks[1]["sampled"]  # both shards sampled the same tokens

@@ -84,7 +84,7 @@ def test_adapter_syncs_in_place_and_matches_peft(engine, model_dir, tmp_path):
     for version, seed in enumerate((1, 2)):
         tensors = _adapter(model_dir, seed)
         held = _sync(engine, tensors)
-        assert held["mismatched"] == [] and held["checked"] == len(tensors), held
+        assert held["mismatched"] == [] and held["exact"] == len(tensors), held
         assert _max_logprob_diff(engine, _peft_model(model_dir, tensors, tmp_path / f"v{version}")) < TOL
 
 
@@ -97,7 +97,7 @@ def test_held_check_catches_a_wrong_adapter(engine, model_dir):
     held = HeldCheck()
     loras = engine.llm.collective_rpc(_registered_loras, args=(engine.adapter.ID,))[0]
     engine.adapter._check(loras, wrong, torch.float32, held)
-    assert held.mismatched == [name] and held.checked == len(tensors) - 1
+    assert held.mismatched == [f"{name} [held otherwise than sent]"] and held.exact == len(tensors) - 1
     engine.load_weights(list(tensors.items())[:-2])  # an adapter that lost a module on the way
     with pytest.raises(AdapterError, match="other tensors than the first"):
         engine.finish_load()

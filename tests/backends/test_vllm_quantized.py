@@ -63,7 +63,7 @@ def test_reload_holds_the_quantized_new_weights(engine, model_dir):
         held.append((engine.held_check(), time.perf_counter() - t0))
         assert engine.pending_weights() == []
     for report, _ in held:  # every tensor compared, the fp8 layers code for code
-        assert report == {"checked": HELD, "unreadable": 0, "mismatched": []}, report
+        assert report == {"exact": HELD, "functional": 0, "unchecked": 0, "mismatched": []}, report
     out = engine.generate(prompts, greedy)
     assert sum(a != b for a, b in zip(out["response_ids"], before["response_ids"])) >= 4  # the new weights act
     seqs, lens = sequences_of(out)
@@ -103,7 +103,7 @@ def test_held_check_catches_a_perturbed_tensor(engine, model_dir, monkeypatch, c
     _faulty(engine, monkeypatch, (lambda t: t + 1e-2) if change.startswith("whole") else _one_fp8_step)
     engine.load_weights(new)
     report = engine.held_check()
-    assert report["checked"] == HELD - 1 and len(report["mismatched"]) == 1, report
+    assert report["exact"] == HELD - 1 and len(report["mismatched"]) == 1, report
     assert report["mismatched"][0].startswith(f"{TARGET} [fp8: "), report
     if change.startswith("one"):
         assert report["mismatched"][0].startswith(f"{TARGET} [fp8: 1/32768 codes"), report

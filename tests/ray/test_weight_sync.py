@@ -56,8 +56,10 @@ def test_sync_then_greedy_equals_hf_and_corruption_is_caught(actor, engine):
         report = asyncio.run(sync_weights(actor_wm, rollout, 1, SyncConfig(), probe, [len(p) for p in prompts[:4]]))
         assert report.max_abs_logprob_diff <= 1e-4 and report.bytes > 0
         # every tensor compared bit for bit where the engine shows it; vLLM on CPU repacks its
-        # linear layers and drops their plain weights (embedding, 5 norms, lm_head stay readable)
-        assert report.held_checked == (2 * 21 if engine == "dsinfer" else 2 * 7), report
+        # linear layers and drops their plain weights (embedding, 5 norms, lm_head stay readable):
+        # its 8 fused linear layers are checked by their products; nothing is left unchecked
+        assert report.held_exact == (2 * 21 if engine == "dsinfer" else 2 * 7), report
+        assert report.held_functional == (0 if engine == "dsinfer" else 2 * 8) and report.unchecked == 0, report
         assert rollout.weight_version().get() == [1, 1]
 
         hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -82,6 +84,16 @@ def test_sync_then_greedy_equals_hf_and_corruption_is_caught(actor, engine):
         with pytest.raises(WeightSyncError, match="version 2 failed verification"):
             asyncio.run(sync_weights(actor_wm, rollout, 2, SyncConfig(), probe, [len(p) for p in prompts[:4]],
                                      corrupt="model.layers.1.mlp.down_proj.weight"))
+        # each way a real sync goes wrong, caught by its part (xray/sync/faults.py)
+        o_proj, down = "model.layers.{}.self_attn.o_proj.weight", "model.layers.1.mlp.down_proj.weight"
+        for fault, caught in ((f"swap:{o_proj.format(0)},{o_proj.format(1)}", "changed in transit"),
+                              (f"rows:{down}", "changed in transit"), (f"transpose:{o_proj.format(0)}", "changed in transit"),
+                              ("drop:model.norm.weight", "incomplete.*sent but never loaded .model.norm.weight"),
+                              ("unsent:model.norm.weight", "incomplete.*needs were not sent .model.norm.weight"),
+                              (f"rename:{o_proj.format(0)},{o_proj.format(1)}", "the rollout engine's log-probs differ")):
+            with pytest.raises(WeightSyncError, match=caught):  # a wrong mapping: only the probe can see it
+                asyncio.run(sync_weights(actor_wm, rollout, 2, SyncConfig(), probe, [len(p) for p in prompts[:4]],
+                                         corrupt=fault))
 
         # a bucket that does not load fails the finish_sync queued behind it: no version taken
         held_version = rollout.weight_version().get()[0]
@@ -116,6 +128,14 @@ def test_vllm_tp2_dp2_generates_and_syncs(actor):
         probe = [list(p) + [5, 6, 7] for p in prompts[:4]]
         report = asyncio.run(sync_weights(actor_wm, rollout, 1, SyncConfig(), probe, [len(p) for p in prompts[:4]]))
         assert report.max_abs_logprob_diff <= 1e-4 and rollout.weight_version().get() == [1, 1, 1, 1]
+        # each of the 4 shards checked its own part of the 15 tensors it holds: the vocabulary-parallel
+        # embedding and head and the norms bit for bit, its slices of the linear layers by their products
+        assert report.unchecked == 0 and report.held_exact + report.held_functional == 4 * 15, report
+        assert report.held_exact >= 4 * 7, report
+        with pytest.raises(WeightSyncError, match="changed in transit"):
+            asyncio.run(sync_weights(actor_wm, rollout, 2, SyncConfig(), probe, [len(p) for p in prompts[:4]],
+                                     corrupt="rows:model.layers.1.mlp.down_proj.weight"))
+        asyncio.run(sync_weights(actor_wm, rollout, 1, SyncConfig(), probe, [len(p) for p in prompts[:4]]))
         hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         hf.load_state_dict(actor_wm.state_dict().get())
         got = rollout.generate(prompts, GREEDY).get()
@@ -147,13 +167,13 @@ def test_bf16_sync_is_verified_exactly(local_ray, tmp_path_factory, actor):
         for rollout, holds, read_back in zip(rollouts, (15, 21), (7, 21)):  # tests/e2e/test_ppo_e2e.HOLDS
             report = asyncio.run(sync_weights(bf16_actor, rollout, 1, SyncConfig(), probe, lens))
             # the probe is coarse in bf16: the exact check is the proof
-            assert report.held_checked + report.held_unreadable == holds and report.held_checked >= read_back
+            assert report.held_exact + report.held_functional == holds and report.held_exact >= read_back, report
             with pytest.raises(WeightSyncError, match="changed in transit"):
                 asyncio.run(sync_weights(bf16_actor, rollout, 2, SyncConfig(), probe, lens,
                                          corrupt="model.layers.1.mlp.down_proj.weight"))
         fp32_actor = actor[0]
         report = asyncio.run(sync_weights(fp32_actor, rollouts[1], 3, SyncConfig(), probe, lens))
-        assert report.held_checked == 21
+        assert report.held_exact == 21
     finally:
         for m in (bf16_actor, *rollouts):
             m.shutdown()
@@ -175,7 +195,8 @@ def test_every_transport_syncs_exactly(actor, engine):
         lens = [len(p) for p in prompts[:4]]
         pg = asyncio.run(sync_weights(actor_wm, rollout, 1, SyncConfig(transport="pg"), probe, lens))
         assert pg.transport == "pg" and pg.max_abs_logprob_diff <= 1e-4
-        assert pg.held_checked == (2 * 21 if engine == "dsinfer" else 2 * 7)
+        assert pg.held_exact == (2 * 21 if engine == "dsinfer" else 2 * 7)
+        assert pg.held_functional == (0 if engine == "dsinfer" else 2 * 8)
         by_group = rollout.generate(prompts, GREEDY).get()[C.RESPONSE_IDS]
         for version, transport in ((2, "objstore"), (3, "auto"), (4, "shm")):
             actor_wm.busy_time().get()  # drained: what follows is this sync's
@@ -188,7 +209,7 @@ def test_every_transport_syncs_exactly(actor, engine):
                            min(start for start, _, name in busy if name == "push_weights")
                            for busy in ranks if any(name == "push_weights" for *_, name in busy)}
             assert probe_first == {version == 2}, ranks  # overlap=False: each rank's probe before its push
-            assert report.bytes == pg.bytes and report.held_checked == pg.held_checked
+            assert report.bytes == pg.bytes and (report.held_exact, report.held_functional) == (pg.held_exact, pg.held_functional)
             assert rollout.generate(prompts, GREEDY).get()[C.RESPONSE_IDS] == by_group
         for version, transport in ((5, "pg"), (6, "shm")):
             with pytest.raises(WeightSyncError, match=f"version {version} failed verification"):

@@ -191,16 +191,23 @@ def test_command_line_flags():
     assert stop.value.code == 2
 
 
-def test_a_bucket_reload_keeps_only_errors_of_vllms_layerwise_reloader(caplog):
+def test_a_bucket_reload_keeps_only_errors_of_vllms_layerwise_reloader_and_its_account_in_the_ledger(caplog):
     """vLLM warns about every layer a bucket's reload leaves untouched; during a reload only its
-    errors pass, before and after everything does (a filter, not a level change)."""
-    from xray.backends.vllm import _quiet_partial_reload
+    errors pass, before and after everything does (a filter, not a level change). Its account of
+    the parameters a reload did not write leaves the log for the ledger: over a sync's reloads, a
+    parameter is missed only if every reload missed it."""
+    from xray.backends.vllm_held import ReloadLedger
 
-    noisy = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
-    with caplog.at_level(logging.INFO, logger=noisy.name):
-        with _quiet_partial_reload():
+    ledger = ReloadLedger()
+    noisy, account = logging.getLogger(ledger.LAYERWISE), logging.getLogger(ledger.ACCOUNT)
+    with caplog.at_level(logging.INFO, logger=noisy.name), caplog.at_level(logging.INFO, logger=account.name):
+        with ledger.reloading():
             noisy.warning("layer not reloaded")
             noisy.error("reload failed")
+            account.warning("Following weights were not loaded from checkpoint: %s", {"a.weight", "b.weight"})
+        with ledger.reloading():
+            account.warning("Following weights were not loaded from checkpoint: %s", {"b.weight", "c.weight"})
         noisy.warning("after")
     assert [r.getMessage() for r in caplog.records] == ["reload failed", "after"]
+    assert ledger.take() == ["b.weight"] and ledger.take() == []
     assert noisy.filters == []

@@ -51,22 +51,26 @@ def test_held_check_compares_fp8_codes_laid_out_as_vllm_keeps_them():
     w = torch.randn(12, 20, generator=torch.Generator().manual_seed(2))
     codes, scale = fp8_per_channel(w, torch.bfloat16)
     check = HeldCheck()
-    check.compare_fp8("a.weight", codes.t(), scale, w, torch.bfloat16)  # held as [K, N], scales [N, 1]
-    check.compare_fp8("b.weight", codes.t(), scale, w + 0.05, torch.bfloat16)  # the engine holds something else
-    check.compare_fp8("c.weight", codes.t()[:, :6], scale[:6], w, torch.bfloat16)  # a tensor-parallel shard
-    check.compare_fp8("d.weight", codes.t(), None, w, torch.bfloat16)
+    assert check.compare_fp8("a.weight", codes.t(), scale, w, torch.bfloat16)  # held as [K, N], scales [N, 1]
+    assert check.compare_fp8("b.weight", codes.t(), scale, w + 0.05, torch.bfloat16)  # the engine holds something else
+    # another layout (a tensor-parallel shard), or no scale: left to the functional check
+    assert not check.compare_fp8("c.weight", codes.t()[:, :6], scale[:6], w, torch.bfloat16)
+    assert not check.compare_fp8("d.weight", codes.t(), None, w, torch.bfloat16)
     report = check.take()
-    assert report["checked"] == 1 and report["unreadable"] == 2, report
+    assert report["exact"] == 1 and report["functional"] == report["unchecked"] == 0, report
     assert len(report["mismatched"]) == 1 and report["mismatched"][0].startswith("b.weight [fp8: "), report
 
 
 def test_a_quantized_mismatch_fails_the_sync_naming_the_tensor():
-    replica = {"held": {"checked": 14, "unreadable": 0, "mismatched": ["x.down_proj.weight [fp8: 3/64 codes]"]},
+    replica = {"held": {"exact": 14, "unchecked": 0, "mismatched": ["x.down_proj.weight [fp8: 3/64 codes]"]},
                "dtype": "bfloat16", "quantization": "fp8"}
     with pytest.raises(WeightSyncError, match=r"version 4 failed verification.*x\.down_proj\.weight \[fp8"):
         check_exact(4, [replica])
     replica["held"]["mismatched"] = []
     assert check_exact(4, [replica])["quantized"] is True
+    replica["held"]["unchecked"] = 1  # a tensor neither read back nor checked functionally fails the sync
+    with pytest.raises(WeightSyncError, match="1 engine tensor.s. could be neither read back nor checked"):
+        check_exact(4, [replica])
     cfg = SyncConfig()
     assert probe_tolerance(cfg, ["bfloat16"], quantized=True) == 2.0
     assert probe_tolerance(cfg, ["bfloat16"]) == cfg.bf16_tolerance and probe_tolerance(cfg, ["float32"]) == 1e-3

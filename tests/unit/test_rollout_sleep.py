@@ -147,7 +147,7 @@ def test_ppo_step_sleeps_after_generating_and_wakes_before_the_sync(sleeps):
 
     async def sync(exp, version):
         log.append("sync")
-        return types.SimpleNamespace(max_abs_logprob_diff=0.0, held_checked=0, held_unreadable=0, verify_s=0.0,
+        return types.SimpleNamespace(max_abs_logprob_diff=0.0, held_exact=0, held_functional=0, unchecked=0, verify_s=0.0,
                                      version=version)
     trainer.sync = sync
     metrics = asyncio.run(trainer.step([{"prompt_ids": [1, 2]}] * 32))
@@ -177,7 +177,7 @@ def test_critic_free_step_sleeps_after_generating_and_wakes_before_the_sync():
 
     async def sync(exp, version):
         log.append("sync")
-        return types.SimpleNamespace(max_abs_logprob_diff=0.0, held_checked=0, held_unreadable=0, verify_s=0.0,
+        return types.SimpleNamespace(max_abs_logprob_diff=0.0, held_exact=0, held_functional=0, unchecked=0, verify_s=0.0,
                                      version=version)
     trainer.sync = sync
     asyncio.run(trainer.step([{"prompt_ids": [1, 2]}] * 8))

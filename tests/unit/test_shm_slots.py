@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from xray.sync import shm
-from xray.sync.weights import pack_bucket, perturbed
+from xray.sync.faults import in_transit
+from xray.sync.weights import pack_bucket
 
 pytestmark = [pytest.mark.unit, pytest.mark.skipif(not shm.SHM_DIR.is_dir(), reason="no /dev/shm")]
 
@@ -48,7 +49,7 @@ def test_a_larger_bucket_remakes_its_slot_and_a_change_is_caught():
         assert slot == 0 and path != first and not Path(first).exists()
         got, changed = reader.read(slot, path, layout)
         assert changed == [] and torch.equal(got[0][1], bucket(2, rows=400)[0][1])
-        slot, path, layout = ring.write(perturbed(pack_bucket(bucket(3)), "b.bias"))
+        slot, path, layout = ring.write(in_transit(pack_bucket(bucket(3)), "b.bias"))
         assert reader.read(slot, path, layout)[1] == ["b.bias"]
     finally:
         ring.close()

@@ -136,8 +136,9 @@ class GenerationEngine(ABC):
         "response_logprobs" (list of lists of float) and "finish_reason", n rows per prompt."""
 
     @abstractmethod
-    def load_weights(self, bucket: WeightBucket) -> None:
-        """Load full tensors with Hugging Face names in place."""
+    def load_weights(self, bucket: WeightBucket, check: bool = True) -> None:
+        """Load full tensors with Hugging Face names in place; with `check`, then check what the
+        engine holds against them (`held_check` reports it)."""
 
     @abstractmethod
     def logprobs(self, sequences: list[list[int]], prompt_lens: list[int]) -> list[list[float]]:
@@ -153,10 +154,31 @@ class GenerationEngine(ABC):
         adapter tensors, with `peft` names); default False: it takes merged full weights."""
         return False
 
+    def weight_names(self) -> dict | None:
+        """The Hugging Face names a full sync must write ("needs") and the names this engine can
+        take ("takes"), for the completeness check of `xray.sync.weights.check_complete`; None
+        where the engine takes an adapter alone or does not say."""
+        return None
+
+    def pending_weights(self) -> list[str]:
+        """Names loaded but not applied yet (vLLM: a fused layer still incomplete); default none."""
+        return []
+
+    def not_reloaded(self) -> list[str]:
+        """The engine's own account of the parameters no load since the last call wrote (vLLM);
+        default none."""
+        return []
+
+    def drop_pending(self) -> list[str]:
+        """`pending_weights`, forgotten: the end of a sync, which fails if any (the next one
+        starts clean)."""
+        return []
+
     def held_check(self) -> dict:
-        """Since the last call: how many loaded tensors the engine was seen to hold exactly,
-        could not show, or holds otherwise (`xray/backends/held.py`). Default: none checked."""
-        return {"checked": 0, "unreadable": 0, "mismatched": []}
+        """Since the last call: how many loaded tensors the engine was seen to hold exactly, was
+        seen to compute with functionally, could not check, or holds otherwise
+        (`xray/backends/held.py`). Default: none checked."""
+        return {"exact": 0, "functional": 0, "unchecked": 0, "mismatched": []}
 
     def sleep(self) -> bool:
         """Free the engine's device memory until `wake_up`, where the engine can (vLLM built with

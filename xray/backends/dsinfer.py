@@ -180,7 +180,8 @@ class DsInferEngine(GenerationEngine):
     def _shard_slices(self, full_shapes: dict[str, tuple], mpu: TensorParallelUnit | None
                       ) -> dict[str, tuple[int, int, int]]:
         """name -> (dim, start, length) of this rank's shard inside the full tensor (AutoTP
-        splits one dimension into contiguous pieces in rank order)."""
+        splits one dimension into contiguous pieces in rank order); also sets `tp_rank` and
+        `shard_sizes` (name -> (dim, every rank's length), what the held check cuts by)."""
         local = {}
         for name, param in self.params.items():
             full = full_shapes.get(name, tuple(param.shape))
@@ -189,11 +190,14 @@ class DsInferEngine(GenerationEngine):
                 raise DsInferError(f"{name}: shard {tuple(param.shape)} of {full} is not a 1-d split")
             if dims:
                 local[name] = (dims[0], param.shape[dims[0]])
+        self.tp_rank, self.shard_sizes = 0, {}
         if mpu is None:
             return {}
         everyone: list[dict] = [None] * mpu.tp  # type: ignore[list-item]
         dist.all_gather_object(everyone, local, group=mpu.group)
-        me = mpu.get_model_parallel_rank()
+        me = self.tp_rank = mpu.get_model_parallel_rank()
+        self.shard_sizes = {name: (dim, [everyone[r][name][1] for r in range(mpu.tp)])
+                            for name, (dim, _) in local.items()}
         return {name: (dim, sum(everyone[r][name][1] for r in range(me)), size)
                 for name, (dim, size) in local.items()}
 
@@ -262,7 +266,7 @@ class DsInferEngine(GenerationEngine):
         return rollout_batch(prompts, spec.n, responses, logprobs, reasons)
 
     @torch.no_grad()
-    def load_weights(self, bucket: WeightBucket) -> None:
+    def load_weights(self, bucket: WeightBucket, check: bool = True) -> None:
         """Copy full Hugging Face tensors into this shard's parameters, in place."""
         for name, tensor in bucket:
             param = self.params.get(name)
@@ -276,9 +280,28 @@ class DsInferEngine(GenerationEngine):
                 raise DsInferError(f"{name}: got shape {tuple(tensor.shape)}, the shard holds "
                                    f"{tuple(param.shape)}; send the full (unsharded) tensor")
             param.copy_(tensor.to(param.device))
-        held = dict(self.module.named_parameters(remove_duplicate=False))  # what the module computes with
+        if check:
+            self._check_held(bucket)
+
+    def _check_held(self, bucket: WeightBucket) -> None:
+        """Read back what the module computes with, by module path (the attribute its forward
+        reads, not the parameter table the load wrote through), and compare it bit for bit with
+        this rank's piece of each full tensor sent, cut anew from every rank's shard sizes
+        (`shard_sizes`), not with the slice map the load used."""
         for name, tensor in bucket:
-            self.held.compare(name, held.get(name), tensor.narrow(*self.slices[name]) if name in self.slices else tensor)
+            owner, _, attr = name.rpartition(".")
+            held = getattr(self.module.get_submodule(owner), attr, None)
+            if name in self.shard_sizes:
+                dim, sizes = self.shard_sizes[name]
+                tensor = tensor.split(sizes, dim)[self.tp_rank]
+            if not self.held.compare(name, held, tensor):
+                self.held.unchecked += 1
+
+    def weight_names(self) -> dict | None:
+        """A full sync writes every parameter of the model once (tied ones under their first
+        name) and may also send a tied parameter's other names."""
+        return {"needs": sorted(dict(self.module.named_parameters())),
+                "takes": sorted(self.params)}
 
     def held_check(self) -> dict:
         return self.held.take()

@@ -1,73 +1,132 @@
 """The exact half of a weight sync's verification: does the engine hold what it was sent?
 
-Used by the generation engines (`vllm.py`, `dsinfer.py`) right after they load a bucket, and
-reported by the rollout Workhorse at the end of a sync (`xray/sync/weights.py` judges it). Each
-engine tensor is compared bit for bit with the tensors it was sent, laid out as the engine lays
-them out (vLLM's fused q/k/v and gate/up, its vocabulary padding, a tensor-parallel shard) and
-cast to the engine's dtype the way its own load casts them (round to nearest). In bf16 this is
-the only tight check there is: two bf16 implementations of one model differ in their log-probs
-by as much as bf16 differs from fp32 (see FACTS.md), so the log-prob probe stays coarse there.
-
-What an engine cannot read back is counted as unreadable, not passed: vLLM on CPU repacks every
-linear layer's weight for oneDNN and drops the plain tensor from the module, so there only the
-embeddings, norms and output layer can be compared; on GPU, and in DeepSpeed-Inference, all.
+Used by the generation engines (`vllm_held.py` for vLLM, `dsinfer.py`) right after they load a
+bucket, and reported by the rollout Workhorse at the end of a sync (`xray/sync/weights.py` judges
+it). Each engine tensor is checked one of two ways, and none may be left unchecked:
+- exact (`compare`): read back and compared bit for bit with the tensors it was sent, laid out as
+  the engine lays them out (vLLM's fused q/k/v and gate/up, its vocabulary padding, a
+  tensor-parallel shard) and cast to the engine's dtype the way its own load casts them (round to
+  nearest). In bf16 this is the only tight check there is: two bf16 implementations of one model
+  differ in their log-probs by as much as bf16 differs from fp32 (FACTS.md);
+- functional (`compare_product`), where the engine keeps no readable copy (vLLM on CPU repacks
+  every linear layer's weight for oneDNN and drops the plain tensor): the engine's own layer
+  applied to a seeded random input, against the same product computed in float64 from the tensor
+  received, within `product_bound`, a bound derived from the engine's dtype and the layer's width
+  (the rounding of the output plus the accumulation error of a K-term dot product).
 
 A quantized engine (`rollout.quantization`) holds its linear layers as fp8 codes and scales:
 `compare_fp8` checks them against our own quantization of the tensors sent
 (`xray/backends/quantize.py`), code for code and scale for scale; a difference is a mismatch
-named with how much differs. vLLM on CPU keeps those codes readable, so every tensor is checked.
+named with how much differs.
 """
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass, field
 
 import torch
 
-from xray.backends.quantize import fp8_difference, fp8_per_channel
+from xray.backends.quantize import FP8, fp8_difference, fp8_per_channel
+
+PROBE_ROWS = 4
+"""Rows of the seeded random input of a functional check."""
+ACCUMULATION_EPS = 2.0 ** -24
+"""Unit roundoff of the accumulation of a matrix product (fp32 for fp32, bf16 and fp16 engines:
+oneDNN and cuBLAS accumulate bf16 products in fp32)."""
+UNIT_ROUNDOFF = {torch.float32: 2.0 ** -24, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11,
+                 FP8: 2.0 ** -4}
+"""Unit roundoff of each dtype an engine may hold or output."""
+SLACK = 2.0
+"""Safety factor on the worst-case bound."""
 
 
 @dataclass
 class HeldCheck:
-    """Counts of an engine's tensors compared with what it was sent since the last `take`."""
+    """Counts of an engine's tensors checked against what it was sent since the last `take`."""
 
-    checked: int = 0
+    exact: int = 0
     """Engine tensors found equal, bit for bit, to the expected values."""
-    unreadable: int = 0
-    """Engine tensors that could not be compared (dropped after repacking, or laid out otherwise)."""
+    functional: int = 0
+    """Engine layers whose product with a seeded input matched the received tensor's within bound."""
+    unchecked: int = 0
+    """Engine tensors neither read back nor checked functionally (fails the sync)."""
     mismatched: list[str] = field(default_factory=list)
-    """Engine tensors that differ from what was sent."""
+    """Engine tensors that differ from what was sent, each with how."""
 
-    def compare(self, name: str, held: torch.Tensor | None, expected: torch.Tensor) -> None:
-        """Compare the engine's tensor `name` with `expected` (the sent values, laid out as held)."""
+    def compare(self, name: str, held: torch.Tensor | None, expected: torch.Tensor) -> bool:
+        """Compare the engine's tensor `name` with `expected` (the sent values, laid out as held).
+        False when it cannot be read (the caller may then check it functionally)."""
         same = held_equals(held, expected)
         if same is None:
-            self.unreadable += 1
-        elif same:
-            self.checked += 1
+            return False
+        if same:
+            self.exact += 1
         else:
-            self.mismatched.append(name)
+            self.mismatched.append(f"{name} [held otherwise than sent]")
+        return True
+
+    def compare_product(self, name: str, apply, width: int, expected: torch.Tensor,
+                        dtype: torch.dtype, held_dtype: torch.dtype | None = None) -> None:
+        """The functional check of layer `name`: `apply(x)` (the engine's own layer, no bias, on
+        an input of `width` columns) against x @ expected.T in float64, `expected` being the
+        received weight laid out as the layer holds it `[N, width]`, cast to the engine's `dtype`
+        (`held_dtype`: what the layer keeps its weight in, fp8 for a quantized layer)."""
+        if expected.dim() != 2 or expected.shape[1] != width:
+            self.unchecked += 1
+            return
+        g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+        x = torch.randn(PROBE_ROWS, width, generator=g).to(dtype)
+        got = apply(x)
+        w = expected.to(dtype).to(torch.float64).cpu()
+        x64 = x.to(torch.float64)
+        want, scale = x64 @ w.t(), x64.abs() @ w.abs().t()
+        bound = product_bound(want, scale, width, dtype, held_dtype or dtype)
+        err = (got.detach().to(torch.float64).cpu() - want).abs()
+        if tuple(err.shape) != tuple(want.shape):
+            self.mismatched.append(f"{name} [its product has shape {tuple(got.shape)}, expected {tuple(want.shape)}]")
+        elif bool((err <= bound).all()):
+            self.functional += 1
+        else:
+            worst = int((err - bound).argmax())
+            self.mismatched.append(f"{name} [product off by {float(err.view(-1)[worst]):.3g}, bound "
+                                   f"{float(bound.view(-1)[worst]):.3g}: held otherwise than sent]")
 
     def compare_fp8(self, name: str, held: torch.Tensor | None, held_scale: torch.Tensor | None,
-                    expected: torch.Tensor, dtype: torch.dtype) -> None:
+                    expected: torch.Tensor, dtype: torch.dtype) -> bool:
         """Compare the engine's per-channel fp8 layer `name` (codes `held` laid out `[K, N]`, as vLLM
         keeps them, and `held_scale` `[N, 1]`) with the reference quantization of `expected`
-        `[N, K]` (the sent values, fused parts concatenated) cast to the engine's `dtype`."""
+        `[N, K]` (the sent values, fused parts concatenated) cast to the engine's `dtype`. False
+        when the layer is laid out otherwise (a tensor-parallel shard, a repacked kernel)."""
         if held is None or held_scale is None or held.dim() != 2 or \
                 tuple(held.shape) != tuple(expected.shape[::-1]) or held_scale.numel() != expected.shape[0]:
-            self.unreadable += 1  # missing, or another layout (a tensor-parallel shard, a repacked kernel)
-            return
+            return False
         codes, scale = fp8_per_channel(expected, dtype)
         diff = fp8_difference(codes, scale, held.detach().cpu().t(), held_scale.detach().cpu())
         if diff is None:
-            self.checked += 1
+            self.exact += 1
         else:
             self.mismatched.append(f"{name} [{diff}]")
+        return True
 
     def take(self) -> dict:
         """The counts so far as a dict (reset afterwards)."""
-        out = {"checked": self.checked, "unreadable": self.unreadable, "mismatched": list(self.mismatched)}
-        self.checked, self.unreadable, self.mismatched = 0, 0, []
+        out = {"exact": self.exact, "functional": self.functional, "unchecked": self.unchecked,
+               "mismatched": list(self.mismatched)}
+        self.exact, self.functional, self.unchecked, self.mismatched = 0, 0, 0, []
         return out
+
+
+def product_bound(want: torch.Tensor, scale: torch.Tensor, width: int, dtype: torch.dtype,
+                  held_dtype: torch.dtype) -> torch.Tensor:
+    """How far an engine's `[rows, N]` product may lie from the exact one `want` (float64) when it
+    holds the right weights: its output rounded to `dtype` (u |y|) plus a `width`-term dot
+    product accumulated in fp32 (width x 2^-24 x sum |x||w|, `scale`), times `SLACK`; a layer kept
+    in fp8 adds the rounding of its weights and of its input to fp8 (2 x 2^-4 x sum |x||w|)."""
+    u_out = UNIT_ROUNDOFF.get(dtype, 2.0 ** -8)
+    terms = u_out * want.abs() + width * ACCUMULATION_EPS * scale
+    if held_dtype == FP8:
+        terms = terms + 2 * UNIT_ROUNDOFF[FP8] * scale
+    return SLACK * terms + 1e-30
 
 
 def held_equals(held: torch.Tensor | None, expected: torch.Tensor) -> bool | None:

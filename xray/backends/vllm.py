@@ -36,22 +36,15 @@ import torch
 
 from xray.backends.base import GenerationEngine, WeightBucket
 from xray.backends.held import HeldCheck
-from xray.backends.quantize import CHECKED_SCHEMES, FP8, QUANT_DTYPES, vllm_scheme
+from xray.backends.quantize import QUANT_DTYPES, vllm_scheme
 from xray.backends.sampling import SamplingSpec, call_seed, rollout_batch
 from xray.backends.vllm_adapter import AdapterSlot
 from xray.backends.vllm_adapter import engine_kwargs as adapter_engine_kwargs
+from xray.backends.vllm_held import ReloadLedger, check_model, fused_layer_of
 from xray.config.lora import LoraConfig
 from xray.data.batch import Batch
 
 logger = logging.getLogger(__name__)
-
-# Hugging Face projections that vLLM fuses into one layer: a fused layer may only be reloaded once
-# all its parts are at hand (a partial reload leaves the missing parts uninitialised).
-FUSED_PARTS = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
-               "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
-# the order of the parts inside a fused tensor (rows, at tp=1)
-FUSED_ORDER = {"q_proj": 0, "k_proj": 1, "v_proj": 2, "gate_proj": 0, "up_proj": 1}
-
 
 class VllmEngineError(RuntimeError):
     """The vLLM engine was asked for something it cannot do; the text says the fix."""
@@ -200,15 +193,6 @@ def checkpoint_names(model_dir: str | Path) -> list[str]:
     return names
 
 
-def fused_layer_of(name: str) -> str:
-    """The vLLM layer a Hugging Face tensor lands in: `...q_proj.weight` -> `...qkv_proj`."""
-    parts = name.split(".")
-    for i, part in enumerate(parts):
-        if part in FUSED_PARTS:
-            return ".".join(parts[:i] + [FUSED_PARTS[part]])
-    return name.rsplit(".", 1)[0]
-
-
 class FusedLayerStager:
     """Holds back the parts of a fused layer until the whole layer has arrived.
 
@@ -247,23 +231,6 @@ class FusedLayerStager:
 
 
 @contextlib.contextmanager
-def _quiet_partial_reload() -> Iterator[None]:
-    """vLLM warns once per layer that a reload did not touch; with buckets that is every layer
-    outside the bucket, by design. Keep those warnings out of the log during a bucket reload (by a
-    filter: changing the logger's level clears every logger's level cache, ~2 ms a reload)."""
-    noisy = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
-    noisy.addFilter(_errors_only)
-    try:
-        yield
-    finally:
-        noisy.removeFilter(_errors_only)
-
-
-def _errors_only(record: logging.LogRecord) -> bool:
-    return record.levelno >= logging.ERROR
-
-
-@contextlib.contextmanager
 def _caller_state_kept() -> Iterator[None]:
     """Undo what building a vLLM engine does to the process it runs in: it seeds Python's,
     NumPy's and torch's global RNGs, and its CPU worker replaces `torch.set_num_threads` with a
@@ -294,8 +261,10 @@ class VllmEngine(GenerationEngine):
         self._vllm = vllm
         with _caller_state_kept():
             self.llm = vllm.LLM(**config.llm_kwargs())
-        self.stager = FusedLayerStager(checkpoint_names(config.model_dir))
+        self.names = sorted(checkpoint_names(config.model_dir))
+        self.stager = FusedLayerStager(self.names)
         self.held = HeldCheck()
+        self.ledger = ReloadLedger()
         self.adapter = AdapterSlot(config.lora, config.model_dir) if config.lora is not None else None
         self._calls = 0
         self.asleep = False
@@ -337,7 +306,7 @@ class VllmEngine(GenerationEngine):
                 reasons.append("length" if completion.finish_reason == "length" else "stop")
         return rollout_batch(prompts, spec.n, responses, logprobs, reasons)
 
-    def load_weights(self, bucket: WeightBucket) -> None:
+    def load_weights(self, bucket: WeightBucket, check: bool = True) -> None:
         """Reload these Hugging Face tensors in place (vLLM's layerwise `reload_weights`).
 
         The parts of a fused layer (q/k/v, gate/up) are held back until all have arrived, so
@@ -348,41 +317,30 @@ class VllmEngine(GenerationEngine):
         if not ready:
             return
         self.reload(ready)
-        self._check_held(ready)
+        if check:
+            self._check_held(ready)
         logger.debug("reloaded %d tensors; %d waiting for their fused layer", len(ready),
                      len(self.stager.waiting()))
 
     def reload(self, tensors: WeightBucket) -> None:
         """vLLM's own in-place reload of whole Hugging Face tensors (fused layers complete), then
         the prefix cache dropped: the floor of every weight sync into this engine."""
-        with _quiet_partial_reload():
+        with self.ledger.reloading():
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": tensors})
         if self.adapter is not None:  # vLLM dropped the adapter: it comes back from memory
             self.adapter.restore(self.llm)
         self.llm.reset_prefix_cache()
 
     def _check_held(self, ready: WeightBucket) -> None:
-        """Compare the engine's tensors with what was just reloaded (`xray/backends/held.py`):
-        each fused tensor against its parts concatenated in vLLM's order; a quantized layer's fp8
-        codes and scales against our quantization of them (`HeldCheck.compare_fp8`)."""
-        params = self.llm.apply_model(lambda model: dict(model.named_parameters()))[0]
-        fused: dict[str, list[tuple[str, torch.Tensor]]] = {}
-        for name, tensor in ready:
-            fused.setdefault(f"{fused_layer_of(name)}.{name.rsplit('.', 1)[1]}", []).append((name, tensor))
-        for target, parts in fused.items():
-            held = params.get(target)
-            if held is None or held.numel() == 0:  # repacked and dropped (CPU linear layers)
-                self.held.unreadable += 1
-                continue
-            parts.sort(key=lambda part: FUSED_ORDER.get(part[0].split(".")[-2], 0))
-            expected = parts[0][1] if len(parts) == 1 else torch.cat([t for _, t in parts])
-            if held.dtype != FP8:
-                self.held.compare(target, held, expected)
-            elif self.config.scheme in CHECKED_SCHEMES:
-                scale = params.get(f"{target.rsplit('.', 1)[0]}.weight_scale")
-                self.held.compare_fp8(target, held, scale, expected, getattr(torch, self.config.dtype))
-            else:  # a scheme we hold no reference of (per-tensor fp8 on GPU)
-                self.held.unreadable += 1
+        """Check what the engine holds of the tensors just reloaded (`xray/backends/vllm_held.py`:
+        bit for bit where readable, else its own layers' products; a quantized layer's fp8 codes
+        and scales against our quantization of them)."""
+        dtype, scheme = getattr(torch, self.config.dtype), self.config.scheme
+        counts = self.llm.apply_model(lambda model: check_model(model, ready, dtype, scheme))[0]
+        self.held.exact += counts["exact"]
+        self.held.functional += counts["functional"]
+        self.held.unchecked += counts["unchecked"]
+        self.held.mismatched += counts["mismatched"]
 
     def held_check(self) -> dict:
         return self.held.take()
@@ -399,9 +357,23 @@ class VllmEngine(GenerationEngine):
     def _lora(self):
         return self.adapter.request if self.adapter is not None else None
 
+    def weight_names(self) -> dict | None:
+        """A full sync writes every tensor of the model directory's checkpoint (None when the
+        engine takes the actor's adapter alone)."""
+        return None if self.adapter is not None else {"needs": self.names, "takes": self.names}
+
     def pending_weights(self) -> list[str]:
         """Names loaded but not yet applied because their fused layer is incomplete."""
         return self.stager.waiting()
+
+    def drop_pending(self) -> list[str]:
+        waiting = self.stager.waiting()
+        self.stager.pending.clear()
+        return waiting
+
+    def not_reloaded(self) -> list[str]:
+        """The engine's parameters no reload since the last call wrote (vLLM's own account)."""
+        return self.ledger.take()
 
     def logprobs(self, sequences: list[list[int]], prompt_lens: list[int]) -> list[list[float]]:
         """vLLM's log-probs of each sequence's tokens after its prompt (its prompt log-probs)."""

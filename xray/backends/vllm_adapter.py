@@ -125,7 +125,7 @@ class AdapterSlot:
     def _check(self, loras: dict | None, sent: dict[str, torch.Tensor], dtype: torch.dtype,
                held: HeldCheck) -> None:
         if loras is None:
-            held.unreadable += len(sent)
+            held.unchecked += len(sent)
             return
         for module, (a_list, b_list) in loras.items():
             parts = PACKED.get(module.rsplit(".", 1)[-1])
@@ -134,8 +134,10 @@ class AdapterSlot:
                 a_name, b_name = (f"{PEFT_PREFIX}{name}.lora_{x}.weight" for x in "AB")
                 if a_name not in sent:
                     continue
-                held.compare(a_name, a, sent[a_name].to(dtype))
-                held.compare(b_name, b, sent[b_name].to(dtype) * self.lora.scaling)
+                for n, got, want in ((a_name, a, sent[a_name].to(dtype)),
+                                     (b_name, b, sent[b_name].to(dtype) * self.lora.scaling)):
+                    if not held.compare(n, got, want):
+                        held.unchecked += 1
 
     def close(self) -> None:
         shutil.rmtree(self.directory, ignore_errors=True)

@@ -184,8 +184,15 @@ class SyncConfig:
     """Weight sync from the actor to the rollout engine."""
 
     verify: bool = True
-    """Check after every sync that the engine holds exactly the tensors sent (checksums in transit,
-    the engine's tensors compared bit for bit) and that both sides give the same log-probs."""
+    """Check every sync: complete (every tensor the engine needs sent and loaded once), exact
+    (order-sensitive checksums in transit; every engine tensor read back bit for bit, or checked
+    by its own layer's product where it cannot be read), and end to end: the next step's rollout
+    log-probs against the actor's recomputed ones before that step trains, and a probe forward on
+    both sides at the first sync, every `probe_every` and the last."""
+    probe_every: int = 10
+    """Run the separate log-prob probe at every this many syncs (also the first and the last); the
+    syncs between are checked end to end by the next step's own log-probs for free. 1: probe every
+    sync. A step that recomputes no actor log-probs (on-policy critic-free) probes every sync."""
     tolerance: float = 1e-3
     """Largest allowed absolute log-prob difference in the check when both sides are fp32."""
     bf16_tolerance: float = 0.25

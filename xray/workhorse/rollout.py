@@ -18,7 +18,7 @@ from xray.backends.base import GenerationEngine, ShardInfo, layout_of
 from xray.data import columns as C
 from xray.data.batch import Batch
 from xray.data.sequences import pack_sequences
-from xray.sync.weights import changed_in_transit, unpack_bucket
+from xray.sync.weights import changed_in_transit, unpack_bucket, verified
 from xray.wholemodel.protocol import fanout
 from xray.workhorse.base import Workhorse
 
@@ -34,6 +34,7 @@ class RolloutWorkhorse(Workhorse):
         self._sync_started = 0.0
         self._received = 0
         self._changed: list[str] = []
+        self._loaded: list[str] = []  # names loaded in the sync under way, in order (duplicates kept)
         self._failed = ""  # why a bucket of the sync under way did not load
         self._slots = None  # the actor's shared-memory slots, once mapped (`xray/sync/shm.py`)
 
@@ -162,7 +163,8 @@ class RolloutWorkhorse(Workhorse):
         bucket = unpack_bucket(wire)
         with self.busy("load_bucket"), self._noting_failure():
             self._changed += changed_in_transit(wire)
-            self.engine.load_weights(bucket)
+            self.engine.load_weights(bucket, check=verified(wire))
+            self._loaded += [name for name, _ in bucket]
         self._received += sum(t.numel() * t.element_size() for _, t in bucket)
         return len(bucket)
 
@@ -192,7 +194,8 @@ class RolloutWorkhorse(Workhorse):
         with self.busy("receive_bucket"), self._noting_failure():
             bucket, changed = group.receive(self._sync_group, layout, "cuda" if self.device == "gpu" else "cpu")
             self._changed += changed
-            self.engine.load_weights(bucket)
+            self.engine.load_weights(bucket, check=verified(layout))
+            self._loaded += [name for name, _ in bucket]
         self._received += sum(n for _, _, _, n, _ in layout)
         return len(bucket)
 
@@ -208,7 +211,8 @@ class RolloutWorkhorse(Workhorse):
         with self.busy("load_slot"), self._noting_failure():
             bucket, changed = self._slots.read(slot, path, layout)
             self._changed += changed
-            self.engine.load_weights(bucket)
+            self.engine.load_weights(bucket, check=verified(layout))
+            self._loaded += [name for name, _ in bucket]
         self._received += sum(n for _, _, _, _, n, _ in layout)
         return len(bucket)
 
@@ -226,6 +230,7 @@ class RolloutWorkhorse(Workhorse):
             bucket, changed = ipc.views(ipc.open_handle(handle), layout)
             self._changed += changed
             self.engine.load_weights(bucket)
+            self._loaded += [name for name, _ in bucket]
             torch.cuda.synchronize()
         self._received += sum(n for _, _, _, _, n, _ in layout)
         return len(bucket)
@@ -260,10 +265,13 @@ class RolloutWorkhorse(Workhorse):
     def finish_sync(self, version: int) -> dict:
         """Mark the sync complete at `version`; returns what this replica received and its exact
         checks (`xray.sync.weights.check_exact` judges them): tensors whose bytes changed in
-        transit, and what the engine was seen to hold (`xray/backends/held.py`; a quantized
-        engine's fp8 layers against our quantization of the tensors received)."""
+        transit, what the engine was seen to hold (`xray/backends/held.py`; a quantized engine's
+        fp8 layers against our quantization of the tensors received), and for the completeness
+        check the names loaded (in order), the names the engine needs and takes, and those it
+        still holds back (a fused layer incomplete)."""
         if self._failed:
             why, self._failed, self._received, self._sync_started, self._changed = self._failed, "", 0, 0.0, []
+            self._loaded = []
             raise RuntimeError(f"weight sync to version {version} failed on rollout replica {self.rank}: a bucket "
                                f"did not load ({why}). The replica keeps version {self.version} with its weights "
                                "partly updated: sync again before generating")
@@ -273,15 +281,17 @@ class RolloutWorkhorse(Workhorse):
                   "load_s": time.perf_counter() - self._sync_started if self._sync_started else 0.0,
                   "dtype": self.config.get("dtype", "float32"), "changed_in_transit": self._changed,
                   "quantization": self.config.get("quantization", "none"),
-                  "held": self.engine.held_check()}
-        self.version, self._received, self._sync_started, self._changed = version, 0, 0.0, []
+                  "held": self.engine.held_check(), "loaded": self._loaded,
+                  "names": self.engine.weight_names(), "waiting": self.engine.drop_pending(),
+                  "not_reloaded": self.engine.not_reloaded()}
+        self.version, self._received, self._sync_started, self._changed, self._loaded = version, 0, 0.0, [], []
         return report
 
     def abort_sync(self) -> None:
         """Forget the sync under way (what was received, changed in transit or failed to load):
         the actor's push stopped before queueing `finish_sync`. The replica keeps its version, its
         weights partly updated, until the next sync."""
-        self._received, self._sync_started, self._changed, self._failed = 0, 0.0, [], ""
+        self._received, self._sync_started, self._changed, self._failed, self._loaded = 0, 0.0, [], "", []
 
     # -- sleep mode (`rollout.sleep`): the engine's GPU memory freed while training roles use it --
     @fanout(dispatch="all", collect=lambda layout, results: results)

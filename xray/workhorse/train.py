@@ -18,7 +18,9 @@ from xray.config.optim import OptimConfig
 from xray.data import columns as C
 from xray.data.batch import Batch
 from xray.sync import group, ipc, shm
-from xray.sync.weights import pack_bucket, perturbed, unpack_bucket
+from xray.sync.manifest import manifest_of
+from xray.sync import faults
+from xray.sync.weights import pack_bucket, unpack_bucket
 from xray.wholemodel.protocol import fanout
 from xray.workhorse.base import Workhorse, train_step_columns
 
@@ -166,7 +168,8 @@ class TrainWorkhorse(Workhorse):
 
     @fanout(dispatch="all", collect=_exported, deadline_s=1800.0)
     def push_weights(self, targets: list, version: int, bucket_bytes: int = 64 << 20,
-                     corrupt: str | None = None, replica: int = 0, transport: str = "auto") -> dict | None:
+                     corrupt: str | None = None, replica: int = 0, transport: str = "auto",
+                     verify: bool = True) -> dict | None:
         """Stream the full weights, bucket by bucket, to rollout Workhorses (Ray actor handles).
 
         Every shard takes part in the export (its gathers are collective); the exporting shard
@@ -186,8 +189,8 @@ class TrainWorkhorse(Workhorse):
         the push fails), and the answer comes once the last bucket is sent, with the references of
         the targets' last loads and of their `finish_sync` reports (`loads`, `finishes`): the
         caller awaits those while this shard is free for its next call (the actor's side of the
-        probe runs while the rollout still loads). `corrupt` names a tensor to perturb on the way:
-        a fault-injection knob for testing the verification, never set in a run.
+        probe runs while the rollout still loads). `corrupt` breaks the sync on purpose
+        (`xray/sync/faults.py`): a fault-injection knob for testing the verification, never set in a run.
         """
         import ray
 
@@ -195,6 +198,7 @@ class TrainWorkhorse(Workhorse):
         dtype = None
         t0 = time.perf_counter()
         in_flight: list[list] = []
+        manifest: list = []
         exports = self.engine.exports(replica)
         if exports:
             transport = self._transport(targets, transport, bucket_bytes)
@@ -203,10 +207,12 @@ class TrainWorkhorse(Workhorse):
             for bucket in self.timed(self._buckets(bucket_bytes, replica, adapter)):
                 if not exports or not bucket:
                     continue
+                bucket = faults.on_export(bucket, corrupt)
                 dtype = dtype or str(bucket[0][1].dtype).removeprefix("torch.")
                 if len(in_flight) == 2:  # at most two buckets on their way: the oldest must land first
                     ray.get(in_flight.pop(0))
-                in_flight.append(self._send(bucket, targets, transport, corrupt, bucket_bytes))
+                in_flight.append(self._send(bucket, targets, transport, corrupt, verify))
+                manifest += manifest_of(bucket)
                 sent += sum(t.numel() * t.element_size() for _, t in bucket)
                 count += len(bucket)
         except BaseException:
@@ -221,7 +227,7 @@ class TrainWorkhorse(Workhorse):
         finishes = [t.finish_sync.remote(version) for t in targets]
         return {"version": version, "bytes": sent, "tensors": count, "replicas": len(targets),
                 "push_s": time.perf_counter() - t0, "dtype": dtype, "transport": transport, "adapter": adapter,
-                "loads": [ref for loads in in_flight for ref in loads], "finishes": finishes}
+                "manifest": manifest, "loads": [ref for loads in in_flight for ref in loads], "finishes": finishes}
 
     def _transport(self, targets: list, transport: str, bucket_bytes: int) -> str:
         """The transport a push to `targets` takes (see `push_weights`, `choose_transport`)."""
@@ -244,8 +250,9 @@ class TrainWorkhorse(Workhorse):
                                  [uuid is not None and (n, u) == (node, uuid) for n, u in places])
         return self._places[key]
 
-    def _send(self, bucket, targets: list, transport: str, corrupt: str | None, bucket_bytes: int) -> list:
-        """Send one bucket to every target by `transport`; their pending loads."""
+    def _send(self, bucket, targets: list, transport: str, corrupt: str | None, verify: bool) -> list:
+        """Send one bucket to every target by `transport`, with checksums when `verify` (the
+        targets then check it: `xray.sync.weights.verified`); their pending loads."""
         import ray
 
         key = tuple(t._actor_id.hex() for t in targets)
@@ -258,9 +265,8 @@ class TrainWorkhorse(Workhorse):
             slot, handle, layout = ring.write(bucket, corrupt)
             ring.loads[slot] = [t.load_ipc.remote(handle, layout) for t in targets]
             return ring.loads[slot]
-        wire = pack_bucket(bucket)  # the bytes and their checksums
-        if corrupt is not None:
-            wire = perturbed(wire, corrupt)
+        wire = pack_bucket(bucket, checksums=verify)  # the bytes and their checksums
+        wire = faults.in_transit(wire, corrupt)
         if transport == "objstore":
             ref = ray.put(wire)
             return [t.load_bucket.remote(ref) for t in targets]
@@ -312,7 +318,7 @@ class TrainWorkhorse(Workhorse):
         The object store holds the whole model until the references are dropped."""
         import ray
 
-        refs, sent, dtype = [], 0, None
+        refs, sent, dtype, manifest = [], 0, None, []
         exports = self.engine.exports(replica)
         if self.engine.lora is not None:
             raise ValueError("staged weight syncs (trainer.mode=async) do not carry LoRA adapters yet; "
@@ -320,9 +326,10 @@ class TrainWorkhorse(Workhorse):
         for bucket in self.engine.export_weights(bucket_bytes, replica):
             if exports and bucket:
                 refs.append(ray.put(pack_bucket(bucket)))
+                manifest += manifest_of(bucket)
                 sent += sum(t.numel() * t.element_size() for _, t in bucket)
                 dtype = dtype or str(bucket[0][1].dtype).removeprefix("torch.")
-        return {"buckets": refs, "bytes": sent, "dtype": dtype} if exports else None
+        return {"buckets": refs, "bytes": sent, "dtype": dtype, "manifest": manifest} if exports else None
 
     @fanout(dispatch="all", collect=lambda layout, results: max(results))
     def snapshot(self, directory: str) -> float:

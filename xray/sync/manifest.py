@@ -1,0 +1,73 @@
+"""The complete part of a weight sync's verification: was every tensor sent, loaded once, and
+written where the engine needs it?
+
+The actor's exporting shard lists every tensor it sends (`manifest_of`: name, dtype, shape, byte
+count) and returns that manifest with its push (`TrainWorkhorse.push_weights`, `stage_weights`).
+Each rollout replica reports, at `finish_sync`, the names it loaded in order, the names its engine
+needs written by a full sync and can take (`GenerationEngine.weight_names`), and what it still
+holds back (vLLM: a fused layer whose parts did not all arrive). `check_complete` compares them
+and fails the sync naming what is missing, extra, loaded twice or not reloaded. Used by
+`xray/sync/weights.py` before the exact checks.
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+from xray.backends.base import WeightBucket
+
+Manifest = list[tuple[str, str, tuple[int, ...], int]]
+"""One entry per tensor sent: (Hugging Face name, torch dtype name, shape, byte count)."""
+
+
+def manifest_of(bucket: WeightBucket) -> Manifest:
+    """The manifest entries of one bucket."""
+    return [(name, str(t.dtype).removeprefix("torch."), tuple(t.shape), t.numel() * t.element_size())
+            for name, t in bucket]
+
+
+def _named(what: str, names) -> str:
+    names = sorted(names)
+    return f"{len(names)} {what} ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})"
+
+
+def incomplete(manifest: Manifest | None, replica: dict, adapter: bool = False) -> list[str]:
+    """What one replica's report (`RolloutWorkhorse.finish_sync`) shows missing against the
+    `manifest` and its engine's needs, each as a phrase; empty when the sync is complete. An
+    adapter sync (`adapter`) is compared with its manifest only (the engine's base weights stay)."""
+    loaded = Counter(replica.get("loaded", []))
+    problems = []
+    twice = [n for n, k in loaded.items() if k > 1]
+    if twice:
+        problems.append(_named("tensor(s) loaded more than once", twice))
+    if manifest is not None:
+        sent = {name for name, *_ in manifest}
+        if sent - loaded.keys():
+            problems.append(_named("tensor(s) sent but never loaded", sent - loaded.keys()))
+        if loaded.keys() - sent:
+            problems.append(_named("tensor(s) loaded but not in the manifest", loaded.keys() - sent))
+    names = None if adapter else replica.get("names")
+    if names is not None:
+        if set(names["needs"]) - loaded.keys():
+            problems.append(_named("tensor(s) the engine needs were not sent", set(names["needs"]) - loaded.keys()))
+        if loaded.keys() - set(names["takes"]):
+            problems.append(_named("tensor(s) the engine has no place for", loaded.keys() - set(names["takes"])))
+    if replica.get("not_reloaded") and not adapter:
+        problems.append(_named("engine parameter(s) no reload of this sync wrote (vLLM's own account)",
+                               replica["not_reloaded"]))
+    if replica.get("waiting"):
+        problems.append(_named("tensor(s) held back, never reloaded (their fused layer is incomplete)",
+                               replica["waiting"]))
+    return problems
+
+
+def check_complete(version: int, manifest: Manifest | None, replicas: list[dict], adapter: bool = False) -> None:
+    """Raise `WeightSyncError` naming the first replica whose sync to `version` is incomplete."""
+    from xray.sync.weights import WeightSyncError
+
+    for replica in replicas:
+        problems = incomplete(manifest, replica, adapter)
+        if problems:
+            raise WeightSyncError(
+                f"weight sync to version {version} is incomplete on rollout replica {replica.get('rank', '?')}: "
+                f"{'; '.join(problems)}. The actor's export and the engine disagree on the model's tensors "
+                "(a name mapping, a tied or untied head, a filter on the export): fix the mapping")
