@@ -10,9 +10,11 @@ it). Each engine tensor is checked one of two ways, and none may be left uncheck
   differ in their log-probs by as much as bf16 differs from fp32 (FACTS.md);
 - functional (`compare_product`), where the engine keeps no readable copy (vLLM on CPU repacks
   every linear layer's weight for oneDNN and drops the plain tensor): the engine's own layer
-  applied to a seeded random input, against the same product computed in float64 from the tensor
+  applied to a seeded random input, against the same product computed in fp32 from the tensor
   received, within `product_bound`, a bound derived from the engine's dtype and the layer's width
-  (the rounding of the output plus the accumulation error of a K-term dot product).
+  (the rounding of the output plus the accumulation error of two K-term dot products, the
+  engine's and ours). One pass over the weight, no copy of it in fp32: about as cheap as reading
+  it back.
 
 A quantized engine (`rollout.quantization`) holds its linear layers as fp8 codes and scales:
 `compare_fp8` checks them against our own quantization of the tensors sent
@@ -65,23 +67,32 @@ class HeldCheck:
             self.mismatched.append(f"{name} [held otherwise than sent]")
         return True
 
-    def compare_product(self, name: str, apply, width: int, expected: torch.Tensor,
+    def compare_product(self, name: str, apply, width: int, expected: torch.Tensor | list[torch.Tensor],
                         dtype: torch.dtype, held_dtype: torch.dtype | None = None) -> None:
         """The functional check of layer `name`: `apply(x)` (the engine's own layer, no bias, on
-        an input of `width` columns) against x @ expected.T in float64, `expected` being the
-        received weight laid out as the layer holds it `[N, width]`, cast to the engine's `dtype`
-        (`held_dtype`: what the layer keeps its weight in, fp8 for a quantized layer)."""
-        if expected.dim() != 2 or expected.shape[1] != width:
+        an input of `width` columns) against x @ expected.T in fp32, `expected` being the
+        received weight laid out as the layer holds it `[N, width]` (or its row blocks in order, a
+        fused layer's parts: never concatenated), cast to the engine's `dtype` (`held_dtype`:
+        what the layer keeps its weight in, fp8 for a quantized layer)."""
+        blocks = expected if isinstance(expected, list) else [expected]
+        if any(w.dim() != 2 or w.shape[1] != width for w in blocks):
             self.unchecked += 1
             return
         g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
         x = torch.randn(PROBE_ROWS, width, generator=g).to(dtype)
         got = apply(x)
-        w = expected.to(dtype).to(torch.float64).cpu()
-        x64 = x.to(torch.float64)
-        want, scale = x64 @ w.t(), x64.abs() @ w.abs().t()
-        bound = product_bound(want, scale, width, dtype, held_dtype or dtype)
-        err = (got.detach().to(torch.float64).cpu() - want).abs()
+        x32 = x.float()
+        wants, norms = [], []
+        for w in blocks:
+            w = w.to(dtype).cpu()
+            w = w if w.dtype == torch.float32 else w.float()
+            wants.append(x32 @ w.t())
+            norms.append(torch.linalg.vector_norm(w, dim=1))
+        want = wants[0] if len(wants) == 1 else torch.cat(wants, dim=1)
+        # sum_k |x_k w_jk| <= |x| |w_j| (Cauchy-Schwarz): the row norms, no |w| copy
+        scale = torch.linalg.vector_norm(x32, dim=1)[:, None] * torch.cat(norms)[None, :]
+        bound = product_bound(want.double(), scale.double(), 2 * width, dtype, held_dtype or dtype)
+        err = (got.detach().double().cpu() - want.double()).abs()
         if tuple(err.shape) != tuple(want.shape):
             self.mismatched.append(f"{name} [its product has shape {tuple(got.shape)}, expected {tuple(want.shape)}]")
         elif bool((err <= bound).all()):
@@ -118,10 +129,11 @@ class HeldCheck:
 
 def product_bound(want: torch.Tensor, scale: torch.Tensor, width: int, dtype: torch.dtype,
                   held_dtype: torch.dtype) -> torch.Tensor:
-    """How far an engine's `[rows, N]` product may lie from the exact one `want` (float64) when it
-    holds the right weights: its output rounded to `dtype` (u |y|) plus a `width`-term dot
-    product accumulated in fp32 (width x 2^-24 x sum |x||w|, `scale`), times `SLACK`; a layer kept
-    in fp8 adds the rounding of its weights and of its input to fp8 (2 x 2^-4 x sum |x||w|)."""
+    """How far an engine's `[rows, N]` product may lie from our fp32 one `want` when both hold the
+    right weights: its output rounded to `dtype` (u |y|) plus the accumulation error of the dot
+    products in fp32 (`width` terms in all, x 2^-24 x `scale`, a bound of sum |x||w|), times
+    `SLACK`; a layer kept in fp8 adds the rounding of its weights and of its input to fp8
+    (2 x 2^-4 x `scale`)."""
     u_out = UNIT_ROUNDOFF.get(dtype, 2.0 ** -8)
     terms = u_out * want.abs() + width * ACCUMULATION_EPS * scale
     if held_dtype == FP8:

@@ -55,20 +55,24 @@ def check_model(model: torch.nn.Module, ready: WeightBucket, dtype: torch.dtype,
         layer, kind = target.rsplit(".", 1)
         module = modules.get(layer)
         parts.sort(key=lambda part: FUSED_ORDER.get(part[0].split(".")[-2], 0))
-        expected = local_shard(module, parts, kind)
+        pieces = local_shard(module, parts, kind)
         param = getattr(module, kind, None) if module is not None else None
-        if expected is None or not isinstance(param, torch.Tensor):
+        if pieces is None or not isinstance(param, torch.Tensor):
             held.unchecked += 1
             continue
-        check_layer(held, target, module, param, kind, expected, dtype, scheme)
+        check_layer(held, target, module, param, kind, pieces, dtype, scheme)
     return held.take()
 
 
-def check_layer(held: HeldCheck, target: str, module, param: torch.Tensor, kind: str, expected: torch.Tensor,
+def check_layer(held: HeldCheck, target: str, module, param: torch.Tensor, kind: str, pieces: list[torch.Tensor],
                 dtype: torch.dtype, scheme: str | None) -> None:
-    """Check one held tensor: exactly where it can be read, else functionally (a linear layer's
-    weight), else count it unchecked."""
-    if param.dtype == FP8:
+    """Check one held tensor (`pieces`: the sent values it should hold, in row order): exactly
+    where it can be read, else functionally (a linear layer's weight), else count it unchecked."""
+    readable = param.numel() > 0
+    expected = pieces[0] if len(pieces) == 1 or not readable else torch.cat(pieces)
+    if not readable:  # repacked and dropped (vLLM's CPU linear layers): to the functional check
+        pass
+    elif param.dtype == FP8:
         scale = getattr(module, "weight_scale", None)
         if scheme in CHECKED_SCHEMES and held.compare_fp8(target, param, scale, expected, dtype):
             return
@@ -78,8 +82,8 @@ def check_layer(held: HeldCheck, target: str, module, param: torch.Tensor, kind:
     width = getattr(module, "input_size_per_partition", None)
     if kind == "weight" and method is not None and hasattr(method, "apply") and width is not None \
             and not hasattr(module, "shard_indices"):
-        held.compare_product(target, lambda x: method.apply(module, x.to(_device_of(module))), width, expected,
-                             dtype, param.dtype if param.numel() else dtype)
+        held.compare_product(target, lambda x: method.apply(module, x.to(_device_of(module))), width, pieces,
+                             dtype, param.dtype if readable else dtype)
     else:
         held.unchecked += 1
 
@@ -90,22 +94,22 @@ def _device_of(module: torch.nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def local_shard(module, parts: list[tuple[str, torch.Tensor]], kind: str) -> torch.Tensor | None:
+def local_shard(module, parts: list[tuple[str, torch.Tensor]], kind: str) -> list[torch.Tensor] | None:
     """The sent tensors of one layer (its fused parts in order) laid out as this rank's `module`
-    holds them; None for a layer kind we do not know at tp > 1."""
+    holds them, as row blocks (views: no copy); None for a layer kind we do not know at tp > 1."""
     tensors = [t for _, t in parts]
     tp, rank = getattr(module, "tp_size", 1), getattr(module, "tp_rank", 0)
     if module is None or tp == 1 or getattr(module, "disable_tp", False):
-        return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+        return tensors
     kind_of_layer = type(module).__name__
     if hasattr(module, "shard_indices"):  # VocabParallelEmbedding, ParallelLMHead
         s = module.shard_indices
-        return tensors[0][s.org_vocab_start_index:s.org_vocab_end_index]
+        return [tensors[0][s.org_vocab_start_index:s.org_vocab_end_index]]
     if kind_of_layer == "RowParallelLinear":
         if kind != "weight":
-            return tensors[0]  # the bias is whole on every rank
+            return tensors[:1]  # the bias is whole on every rank
         n = module.input_size_per_partition
-        return tensors[0][:, rank * n:(rank + 1) * n]
+        return [tensors[0][:, rank * n:(rank + 1) * n]]
     if kind_of_layer == "QKVParallelLinear":
         pieces = []
         for (name, t) in parts:
@@ -116,11 +120,11 @@ def local_shard(module, parts: list[tuple[str, torch.Tensor]], kind: str) -> tor
                 n = module.num_kv_heads * (module.head_size if part == "k_proj" else module.v_head_size)
                 i = rank // module.num_kv_head_replicas
             pieces.append(t[i * n:(i + 1) * n])
-        return torch.cat(pieces)
+        return pieces
     if kind_of_layer in ("MergedColumnParallelLinear", "ColumnParallelLinear"):
-        return torch.cat([t[rank * (t.shape[0] // tp):(rank + 1) * (t.shape[0] // tp)] for t in tensors])
+        return [t[rank * (t.shape[0] // tp):(rank + 1) * (t.shape[0] // tp)] for t in tensors]
     if kind_of_layer == "ReplicatedLinear":
-        return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+        return tensors
     return None
 
 
