@@ -10,13 +10,18 @@ a vLLM RolloutWorkhorse (one replica, fp32): `full` trains every weight and sync
 target_modules: all-linear}`) and syncs the adapters alone into vLLM's LoRA slot. Each round, for
 each pair in turn (so machine noise hits both alike): one train step on the same random batch
 (`--batch` rows of `--seq` tokens, `xray.check.reference.policy_loss`, one micro-batch per 4 rows),
-then one verified weight sync (`xray.sync.sync_weights` with the run's defaults: exact checks and
-the log-prob probe: 4 random sequences of 16 tokens for `full`, the first of them for `lora`, as
-a run probes a LoRA engine, which scores one sequence per call). Figures are medians over `--rounds` rounds after one warm-up round.
+then the weight sync verified as a run verifies it, at the same level for both: every sync
+complete and exact (`xray.sync.sync_weights` with the run's defaults: manifest, checksums, every
+engine tensor checked), and the log-prob probe at one sync in `sync.probe_every`, the same probe
+for both (one random sequence of 16 tokens: a LoRA engine scores one sequence per call): each
+round times one sync without the probe and one with it, and counts
+without + (with - without) / probe_every. Figures are medians over `--rounds` rounds after one
+warm-up round.
 
-The line before the last gives the least a verified LoRA sync costs on this host: one plain
-forward of the LoRA probe through the base model (`transformers`, one thread, median of 15, with
-the pairs stopped), which the probe needs on each side, against 0.1 x the full sync.
+The line before the last gives what the probe costs a verified LoRA sync at least on this host:
+one plain forward of the probe through the base model (`transformers`, one thread, median of 15,
+with the pairs stopped) on each side, at one sync in `sync.probe_every`, against 0.1 x the full
+sync.
 
 Last line `lora_sync_over_full=<x> lora_step_over_full=<y> lora_state_over_full=<z>`:
   x = LoRA's verified sync seconds / full fine-tuning's (export, transport, load, verification);
@@ -63,13 +68,17 @@ def start_pair(model_dir: str, backend: str, lora: LoraConfig | None) -> tuple[W
 
 
 def one_round(pair, batch, version: int, probe, lens) -> tuple[float, float, object]:
-    """(train step s, verified sync s, the sync's report) of one pair."""
+    """(train step s, a run's verified sync s on average, the probed sync's report) of one pair:
+    the sync after the step without the probe, then once more with it (versions `version` and
+    `version` + 1)."""
     actor, rollout = pair
     t0 = time.perf_counter()
     actor.train_step(batch, policy_loss, 4).get()
     step_s = time.perf_counter() - t0
-    report = asyncio.run(sync_weights(actor, rollout, version, SyncConfig(), probe, lens))
-    return step_s, report.sync_s + report.verify_s, report
+    plain = asyncio.run(sync_weights(actor, rollout, version, SyncConfig()))
+    probed = asyncio.run(sync_weights(actor, rollout, version + 1, SyncConfig(), probe, lens))
+    without, with_probe = plain.sync_s + plain.verify_s, probed.sync_s + probed.verify_s
+    return step_s, without + (with_probe - without) / SyncConfig.probe_every, probed
 
 
 def main() -> None:
@@ -88,19 +97,19 @@ def main() -> None:
     times: dict[str, dict[str, list[float]]] = {"full": {}, "lora": {}}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = str(build_tiny_model(f"{tmp}/bench{args.model}", spec, seed=0))
-        probe, lens = random_probe(model_dir, 1, 1, seed=0)  # full: 4 sequences scored in one call
-        # LoRA: one (a LoRA engine scores one sequence per call; a run probes it so: PPOTrainer.probe_size)
-        probes = {"full": (probe, lens), "lora": (probe[:1], lens[:1])}
+        probe, lens = random_probe(model_dir, 1, 1, seed=0)
+        # one sequence for both (a LoRA engine scores one sequence per call; a run probes it so:
+        # PPOTrainer.probe_size): the same verification level
+        probes = {"full": (probe[:1], lens[:1]), "lora": (probe[:1], lens[:1])}
         pairs = {"full": start_pair(model_dir, args.backend, None), "lora": start_pair(model_dir, args.backend, lora)}
         try:
             reports = {}
             for i in range(args.rounds + 1):
                 for name, pair in pairs.items():
-                    step_s, sync_s, reports[name] = one_round(pair, batch, i + 1, *probes[name])
+                    step_s, sync_s, reports[name] = one_round(pair, batch, 2 * i + 1, *probes[name])
                     if i:  # the first round warms up
                         times[name].setdefault("step", []).append(step_s)
                         times[name].setdefault("sync", []).append(sync_s)
-                        times[name].setdefault("transfer", []).append(reports[name].sync_s)
             state = {name: pair[0].state_bytes().get()[0] for name, pair in pairs.items()}
         finally:
             for actor, rollout in pairs.values():
@@ -132,12 +141,13 @@ def report(times: dict, state: dict, reports: dict, args, floor_s: float) -> Non
           f"{args.seq}; medians over {args.rounds} rounds")
     for name in ("full", "lora"):
         r = reports[name]
-        verify_ms = (m[name]["sync"] - m[name]["transfer"]) * 1e3
         print(f"{name:<5} step {m[name]['step'] * 1e3:8.1f} ms   verified sync {m[name]['sync'] * 1e3:8.1f} ms "
-              f"(of which the probe {verify_ms:.1f}; {r.bytes / 1e6:.2f} MB sent, {r.held_exact} engine tensors "
-              f"bit-equal, {r.held_functional} by product, probe diff {r.max_abs_logprob_diff:.1e})   trainable {state[name]['trainable'] / 1e6:.2f} MB "
+              f"(a run's average, the probe at 1 sync in {SyncConfig.probe_every}; {r.bytes / 1e6:.2f} MB sent, "
+              f"{r.held_exact} engine tensors bit-equal, {r.held_functional} by product, probe diff "
+              f"{r.max_abs_logprob_diff:.1e})   trainable {state[name]['trainable'] / 1e6:.2f} MB "
               f"+ optimizer {state[name]['optimizer'] / 1e6:.2f} MB")
-    print(f"floor: one plain forward of the LoRA probe {floor_s * 1e3:.1f} ms (each side needs one) against "
+    print(f"floor: one plain forward of the probe {floor_s * 1e3:.1f} ms, each side needs one at 1 sync in "
+          f"{SyncConfig.probe_every}: {2 * floor_s / SyncConfig.probe_every * 1e3:.1f} ms a sync on average, against "
           f"0.1 x the full sync = {m['full']['sync'] * 100:.1f} ms")
     print(f"lora_sync_over_full={m['lora']['sync'] / m['full']['sync']:.3f} "
           f"lora_step_over_full={m['lora']['step'] / m['full']['step']:.3f} "

@@ -30,7 +30,8 @@ an untrained model ends a response at a random length (at the big size about 55 
 average, one in six at the 128-token limit, by TRL's log). Seconds per step: median over `--steps`
 steps after `--warmup`, per trainer. Eval: greedy accuracy of the trained weights on 200 held-out
 prompts, both scored by the same `transformers` generation here (untrained, both stay at 0).
-Last line: `small_xray_over_trl=<xray s/step / TRL s/step> big_xray_over_trl=<same, big>
+xray's phases are printed (medians, s) with the sync's share of the step (median sync s / median
+step s). Last line: `small_xray_over_trl=<xray s/step / TRL s/step> big_xray_over_trl=<same, big>
 eval_xray=<after, big> eval_trl=<after, big>`.
 """
 from __future__ import annotations
@@ -157,8 +158,11 @@ def run_xray(model_dir: Path, length: int, completions: int, micro: int, steps: 
             seconds.append(time.perf_counter() - t0)
             phases.append({k: v for k, v in metrics.items() if k.startswith("time/")})
         save_hf_model(trainer.models.actor.state_dict().get(), model_dir, out / "final")
-    print("xray phases (median s): " + " ".join(f"{k[5:-2]}={statistics.median(p[k] for p in phases[1:] or phases):.2f}"
+    timed = phases[1:] or phases
+    print("xray phases (median s): " + " ".join(f"{k[5:-2]}={statistics.median(p[k] for p in timed):.3f}"
                                                for k in phases[0]), flush=True)
+    sync_s, step_s = statistics.median(p["time/sync_s"] for p in timed), statistics.median(seconds[1:] or seconds)
+    print(f"xray sync share of the step: {sync_s / step_s:.3f} (median sync s / median step s)", flush=True)
     return seconds
 
 

@@ -59,10 +59,11 @@ class CriticFreeTrainer(PPOTrainer):
         self.algo, self.kl_in = algo, kl_placement(cfg, algo)
         self.on_policy = (self.kl_in == "none" and cfg.ppo.ppo_epochs == 1 and cfg.rollout.quantization == "none"
                           and self.batches().mini_batch_size == cfg.ppo.rollout_batch_size * cfg.rollout.n_samples)
-        self.checks_end_to_end = not self.on_policy  # on-policy: no actor log-probs to check against
         self.policy_loss = dataclasses.replace(
             policy_loss_of(cfg, cfg.ppo.kl_coef if self.kl_in == "loss" else 0.0, cfg.critic_free.kl_estimator),
             on_policy=self.on_policy)
+        if self.on_policy and cfg.sync.verify:  # no separate actor forward: the check rides on the training one
+            self.policy_loss = dataclasses.replace(self.policy_loss, end_to_end_bound=self.end_to_end_bound())
 
     def losses(self) -> dict[str, Any]:
         return {"actor": self.policy_loss}
@@ -113,5 +114,10 @@ class CriticFreeTrainer(PPOTrainer):
         gap = {} if self.on_policy else self.check_end_to_end(logprobs, exp, mask)  # before training on it
         with t("train"):
             train = await self.train(Batch(columns), step, probe=self.early_probe(exp))
+        if "actor/rollout_gap_max" in train:  # on-policy: checked in the training forward, the update left out
+            gap = {"rollout_logprob_gap_mean": train.pop("actor/rollout_gap_mean"),
+                   "rollout_logprob_gap_max": train.pop("actor/rollout_gap_max")}
+            if train.pop("actor/abort_update"):
+                self.end_to_end_failed(gap["rollout_logprob_gap_max"], gap["rollout_logprob_gap_mean"])
         kl = kl_metrics(logprobs, ref_logprobs, mask) if ref_logprobs is not None else {}
         return await self.finish_step(step, t, exp, scores, mask, kl, train, gap)

@@ -148,13 +148,21 @@ class PolicyLoss:
     """The batch was sampled with the weights being trained and this is their only update (one
     epoch, one mini-batch): the old log-probs are this forward's own, detached (ratio 1, the
     gradient of `A log p`), so OLD_LOGPROBS is not read and no separate forward makes it."""
+    end_to_end_bound: Optional[float] = None
+    """Where no separate forward recomputes the actor's log-probs (`on_policy`), the end-to-end
+    check of the last weight sync rides on this forward, before the update: the largest
+    |log-prob - the rollout's (BEHAVIOUR_LOGPROBS)| over the response tokens must stay within it,
+    else the micro-batch asks the engine to leave the whole update out (`abort_update` 1, every
+    replica agreeing) and the trainer fails the run. Reports `rollout_gap_mean` and
+    `rollout_gap_max` (their means over micro-batches). None: no check."""
 
     @property
     def reads(self) -> tuple[str, ...]:
         base = (C.LOSS_MASK, C.ADVANTAGES) if self.on_policy else (C.LOSS_MASK, C.OLD_LOGPROBS, C.ADVANTAGES)
         if self.kl_coef:
             base = (*base, C.REF_LOGPROBS)
-        return base if self.behaviour_weight_cap is None else (*base, C.BEHAVIOUR_LOGPROBS)
+        weighs = self.behaviour_weight_cap is not None or self.end_to_end_bound is not None
+        return (*base, C.BEHAVIOUR_LOGPROBS) if weighs else base
 
     def __call__(self, outputs: dict[str, torch.Tensor], batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
         logprobs = outputs[C.LOGPROBS]
@@ -182,6 +190,12 @@ class PolicyLoss:
             metrics["behaviour_weight"] = float(masked_mean(weight, mask))
         if C.ENTROPY in outputs:
             metrics["entropy"] = float(masked_mean(outputs[C.ENTROPY].detach(), mask))
+        if self.end_to_end_bound is not None:
+            gap = rollout_gap(logprobs.detach(), batch[C.BEHAVIOUR_LOGPROBS], mask)
+            failed = not gap["rollout_logprob_gap_max"] <= self.end_to_end_bound  # also NaN
+            metrics.update(rollout_gap_mean=gap["rollout_logprob_gap_mean"],
+                           rollout_gap_max=gap["rollout_logprob_gap_max"], abort_update=float(failed))
+            loss = loss * 0.0 if failed else loss
         return loss, metrics
 
 

@@ -185,8 +185,8 @@ class PPOTrainer:
     def behaviour(self, exp: Batch) -> dict[str, torch.Tensor]:
         """The rollout's log-probs of its samples as a train-batch column, where the policy loss
         weights by them (a quantized rollout); else nothing."""
-        weighted = self.policy_loss.behaviour_weight_cap is not None
-        return {C.BEHAVIOUR_LOGPROBS: exp[C.BEHAVIOUR_LOGPROBS]} if weighted else {}
+        reads = C.BEHAVIOUR_LOGPROBS in self.policy_loss.reads
+        return {C.BEHAVIOUR_LOGPROBS: exp[C.BEHAVIOUR_LOGPROBS]} if reads else {}
 
     @staticmethod
     def gap(old: torch.Tensor, exp: Batch, mask: torch.Tensor) -> dict[str, float]:
@@ -200,23 +200,31 @@ class PPOTrainer:
         before the batch is trained on: a bad sync fails the run before it does harm. The gap
         metrics; WeightSyncError beyond the bound."""
         gap = self.gap(old, exp, mask)
-        if gap and self.cfg.sync.verify:
-            dtypes = [self.cfg.model.dtype, self.cfg.rollout.dtype or self.cfg.model.dtype]
-            bound = probe_tolerance(self.cfg.sync, dtypes, self.cfg.rollout.quantization != "none")
-            if not gap["rollout_logprob_gap_max"] <= bound:  # also NaN
-                raise WeightSyncError(
-                    f"weight version {self.state.step} failed the end-to-end check: the rollout's log-probs of "
-                    f"this step's samples differ from the actor's by up to {gap['rollout_logprob_gap_max']:.3e} "
-                    f"(mean {gap['rollout_logprob_gap_mean']:.3e}, bound {bound:g}); the engine computes "
-                    "otherwise than the actor (a wrong name mapping, or a tensor the exact checks cannot see). "
-                    "The batch was not trained on")
+        if gap and self.cfg.sync.verify and not gap["rollout_logprob_gap_max"] <= self.end_to_end_bound():  # or NaN
+            self.end_to_end_failed(gap["rollout_logprob_gap_max"], gap["rollout_logprob_gap_mean"])
         return gap
+
+    def end_to_end_bound(self) -> float:
+        """The end-to-end check's bound on |rollout - actor| per token: the probe's for the dtypes."""
+        dtypes = [self.cfg.model.dtype, self.cfg.rollout.dtype or self.cfg.model.dtype]
+        return probe_tolerance(self.cfg.sync, dtypes, self.cfg.rollout.quantization != "none")
+
+    def end_to_end_failed(self, worst: float, mean: float) -> None:
+        raise WeightSyncError(
+            f"weight version {self.state.step} failed the end-to-end check: the rollout's log-probs of this "
+            f"step's samples differ from the actor's by up to {worst:.3e} (mean {mean:.3e}, bound "
+            f"{self.end_to_end_bound():g}); the engine computes otherwise than the actor (a wrong name mapping, "
+            "or a tensor the exact checks cannot see). The batch was not trained on")
 
     synced: bool = False
     """Whether this process has synced the rollout once (its first sync probes)."""
-    checks_end_to_end: bool = True
-    """Whether each step recomputes the actor's log-probs of its samples (`check_end_to_end`);
-    a trainer that does not probes at every sync."""
+    @property
+    def checks_end_to_end(self) -> bool:
+        """Whether each step checks the last sync end to end: it recomputes the actor's log-probs
+        of its samples (`check_end_to_end`), or its policy loss compares the training forward's
+        (`PolicyLoss.end_to_end_bound`); a trainer that does neither probes at every sync."""
+        loss = self.policy_loss
+        return not getattr(loss, "on_policy", False) or getattr(loss, "end_to_end_bound", None) is not None
 
     def probes_at(self, version: int) -> bool:
         """Whether the sync to `version` runs the separate log-prob probe: the first sync of this

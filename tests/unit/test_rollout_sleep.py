@@ -117,7 +117,8 @@ def fake_models(log, cfg, plan, rows):
 
     b, t = rows, 5
     exp = Batch({C.INPUT_IDS: torch.ones(b, t, dtype=torch.long), C.ATTENTION_MASK: torch.ones(b, t, dtype=torch.long),
-                 C.LOSS_MASK: torch.ones(b, t - 1)}, {C.PROMPT_IDS: [[1, 2]] * b, C.RESPONSE_IDS: [[3]] * b})
+                 C.LOSS_MASK: torch.ones(b, t - 1), C.BEHAVIOUR_LOGPROBS: torch.zeros(b, t - 1)},
+                {C.PROMPT_IDS: [[1, 2]] * b, C.RESPONSE_IDS: [[3]] * b})
 
     def answers(name, args):
         if name == "generate":
@@ -147,8 +148,8 @@ def test_ppo_step_sleeps_after_generating_and_wakes_before_the_sync(sleeps):
 
     async def sync(exp, version):
         log.append("sync")
-        return types.SimpleNamespace(max_abs_logprob_diff=0.0, held_exact=0, held_functional=0, unchecked=0, verify_s=0.0,
-                                     version=version)
+        return types.SimpleNamespace(max_abs_logprob_diff=0.0, held_exact=0, held_functional=0, unchecked=0,
+                                     verify_s=0.0, version=version)
     trainer.sync = sync
     metrics = asyncio.run(trainer.step([{"prompt_ids": [1, 2]}] * 32))
     trained = [e for e in log if e.endswith("train_step")]
@@ -177,8 +178,8 @@ def test_critic_free_step_sleeps_after_generating_and_wakes_before_the_sync():
 
     async def sync(exp, version):
         log.append("sync")
-        return types.SimpleNamespace(max_abs_logprob_diff=0.0, held_exact=0, held_functional=0, unchecked=0, verify_s=0.0,
-                                     version=version)
+        return types.SimpleNamespace(max_abs_logprob_diff=0.0, held_exact=0, held_functional=0, unchecked=0,
+                                     verify_s=0.0, version=version)
     trainer.sync = sync
     asyncio.run(trainer.step([{"prompt_ids": [1, 2]}] * 8))
     assert log.index("rollout.generate") < log.index("rollout.sleep") < log.index("actor.train_step")

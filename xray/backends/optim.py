@@ -34,10 +34,16 @@ SKIPPED = "skipped"
 """A loss function's metric: 1 for a micro-batch that gave no gradient on purpose (a guard)."""
 
 
-def skips_update(mean_skipped: float | None) -> bool:
+ABORT = "abort_update"
+"""A loss function's metric: above 0 on any micro-batch of any replica, the whole update is left
+out (a check that failed before the update, such as the end-to-end check of a weight sync)."""
+
+
+def skips_update(mean_skipped: float | None, mean_abort: float | None = None) -> bool:
     """True when every micro-batch of an update, on every replica, was skipped (the mean of the
-    loss function's `skipped` metric is 1): the engine then leaves the weights as they are."""
-    return mean_skipped is not None and mean_skipped >= 1.0 - 1e-9
+    loss function's `skipped` metric is 1), or any asked to abort it (`ABORT`): the engine then
+    leaves the weights as they are."""
+    return (mean_skipped is not None and mean_skipped >= 1.0 - 1e-9) or bool(mean_abort)
 
 
 @contextmanager

@@ -30,7 +30,7 @@ from xray.backends.deepspeed.export import adapter_tensors, iter_weight_buckets
 from xray.backends.deepspeed.lora import adapters_off
 from xray.backends.deepspeed.model import load_model, role_outputs
 from xray.backends.deepspeed.reshard import ensure_universal, load_universal, saved_dp
-from xray.backends.optim import SKIPPED, build_optimizer, build_scheduler, frozen_lr, skips_update
+from xray.backends.optim import ABORT, SKIPPED, build_optimizer, build_scheduler, frozen_lr, skips_update
 from xray.backends.optim import state_bytes as optim_state_bytes
 from xray.backends.snapshot import Snapshot, capture_engine, read, replay_engine
 from xray.config.lora import LoraConfig
@@ -113,8 +113,9 @@ class DeepSpeedEngine(TrainEngine):
             self.engine.backward(loss)
             for k, v in {"loss": float(loss.detach()), **metrics}.items():
                 sums[k] = sums.get(k, 0.0) + float(v) / len(micro)
-            if last and SKIPPED in sums:  # the optimizer steps at this boundary: all ranks agree first
-                skipped = skips_update(_mean_over_ranks({SKIPPED: sums[SKIPPED]})[SKIPPED])
+            if last and (SKIPPED in sums or ABORT in sums):  # the optimizer steps here: all ranks agree first
+                agreed = _mean_over_ranks({k: sums[k] for k in (SKIPPED, ABORT) if k in sums})
+                skipped = skips_update(agreed.get(SKIPPED), agreed.get(ABORT))
             with frozen_lr(self.optimizer, skipped):
                 self.engine.step()
         self.step_count += 1

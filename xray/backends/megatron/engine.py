@@ -31,7 +31,7 @@ from xray.backends.megatron.lora import (MergedParameters, attach, checkpoint_he
 from xray.backends.megatron.mixed import Mixed, torch_dtype, wrap
 from xray.backends.megatron.model import ATTENTIONS, ROLES, build_and_load
 from xray.backends.megatron.spec import ModelSpec, check_layout
-from xray.backends.optim import SKIPPED, build_optimizer, build_scheduler, frozen_lr, skips_update
+from xray.backends.optim import ABORT, SKIPPED, build_optimizer, build_scheduler, frozen_lr, skips_update
 from xray.backends.optim import state_bytes as optim_state_bytes
 from xray.backends.snapshot import Snapshot, host_copy
 from xray.config.lora import LoraConfig
@@ -164,7 +164,7 @@ class MegatronEngine(TrainEngine):
             norm = self._finish_grads()
         lr = self.optimizer.param_groups[0]["lr"]
         metrics = self._reduce_metrics(stored)
-        skipped = skips_update(metrics.get(SKIPPED))  # the same on every rank: reduced over all
+        skipped = skips_update(metrics.get(SKIPPED), metrics.get(ABORT))  # the same on every rank: reduced over all
         with frozen_lr(self.optimizer, skipped), self._compat():
             stepped = self.mixed.step() if self.mixed is not None else None
             if stepped is None:

@@ -1,0 +1,96 @@
+"""The end-to-end check of a weight sync, for free: a step's rollout log-probs against the actor's
+own before the step trains on them. Off-policy (PPO, critic-free with KL or epochs) the trainer
+compares them with its recomputed old log-probs; on-policy the policy loss compares them with the
+training forward's and, beyond the bound, asks the engine to leave the whole update out (every
+replica agreeing); the sync's probe then runs only at the first sync, every `sync.probe_every` and
+the last."""
+import types
+
+import pytest
+import torch
+
+from algorithms.ppo.losses import PolicyLoss
+from xray.backends.optim import skips_update
+from xray.data import columns as C
+from xray.data.batch import Batch
+from xray.sync import WeightSyncError
+
+pytestmark = pytest.mark.unit
+NO_REF = "--device_groups.train_group.workers=[actor]"  # kl_in=none starts no reference
+
+
+def batch(gap: float) -> tuple[dict, Batch]:
+    g = torch.Generator().manual_seed(0)
+    logprobs = -torch.rand(4, 6, generator=g)
+    behaviour = logprobs.clone()
+    behaviour[2, 3] += gap
+    mask = torch.ones(4, 6)
+    mask[:, :2] = 0  # prompt positions: never compared
+    behaviour[0, 0] += 5.0
+    b = Batch({C.LOSS_MASK: mask, C.ADVANTAGES: torch.randn(4, 6, generator=g), C.BEHAVIOUR_LOGPROBS: behaviour})
+    return {C.LOGPROBS: logprobs.requires_grad_()}, b
+
+
+def test_on_policy_loss_leaves_the_update_out_beyond_the_bound():
+    loss_fn = PolicyLoss(on_policy=True, end_to_end_bound=1e-3)
+    assert C.BEHAVIOUR_LOGPROBS in loss_fn.reads
+    outputs, b = batch(gap=1e-4)
+    loss, metrics = loss_fn(outputs, b)
+    assert metrics["abort_update"] == 0.0 and metrics["rollout_gap_max"] == pytest.approx(1e-4, rel=1e-3)
+    assert float(loss.detach()) != 0.0
+    outputs, b = batch(gap=0.05)  # one token of one sample off: a bad sync
+    loss, metrics = loss_fn(outputs, b)
+    assert metrics["abort_update"] == 1.0 and float(loss.detach()) == 0.0
+    outputs, b = batch(gap=float("nan"))
+    assert loss_fn(outputs, b)[1]["abort_update"] == 1.0
+    assert C.BEHAVIOUR_LOGPROBS not in PolicyLoss(on_policy=True).reads
+
+
+def test_any_abort_leaves_the_whole_update_out():
+    assert skips_update(0.0, 0.25) and skips_update(None, 1.0) and skips_update(1.0, 0.0)
+    assert not skips_update(0.5, 0.0) and not skips_update(None, None)
+
+
+def trainer(algo: str, *argv: str):
+    from algorithms.critic_free.trainer import CriticFreeTrainer
+    from algorithms.ppo.trainer import PPOTrainer
+    from tests.unit.test_rollout_sleep import ROOT, fake_models
+    from xray.train import resolve
+
+    from xray.config import DEFAULT_CONFIGS
+
+    config = ROOT / "configs" / "ppo_tiny_cpu.yaml" if algo == "ppo" else DEFAULT_CONFIGS[algo]
+    _, cfg, plan, _, _ = resolve([algo, "--config", str(config), "--data.eval_size=8", "--trainer.steps=25", *argv])
+    models = fake_models([], cfg, plan, rows=8)
+    if algo == "ppo":
+        return PPOTrainer(cfg, models, lambda rows, r: (torch.ones(len(r)), None), pad_id=0, stop_ids=[1])
+    return CriticFreeTrainer(cfg, models, lambda rows, r: (torch.ones(len(r)), None), pad_id=0, stop_ids=[1], algo=algo)
+
+
+def test_the_trainer_fails_a_bad_sync_before_training_and_probes_first_every_and_last():
+    t = trainer("ppo")
+    outputs, b = batch(gap=1e-5)
+    exp = Batch({C.BEHAVIOUR_LOGPROBS: b[C.BEHAVIOUR_LOGPROBS]})
+    gap = t.check_end_to_end(outputs[C.LOGPROBS].detach(), exp, b[C.LOSS_MASK])
+    assert gap["rollout_logprob_gap_max"] == pytest.approx(1e-5, rel=1e-2)
+    outputs, b = batch(gap=0.01)  # fp32 on both sides: sync.tolerance 1e-3
+    with pytest.raises(WeightSyncError, match="failed the end-to-end check.*not trained on"):
+        t.check_end_to_end(outputs[C.LOGPROBS].detach(), Batch({C.BEHAVIOUR_LOGPROBS: b[C.BEHAVIOUR_LOGPROBS]}),
+                           b[C.LOSS_MASK])
+    assert t.checks_end_to_end
+    probed = []
+    for version in range(1, 26):
+        probed += [version] if t.probes_at(version) else []
+        t.synced = True
+    assert probed == [1, 10, 20, 25]  # first, every sync.probe_every=10, last (trainer.steps=25)
+    with pytest.raises(ValueError, match="probe_every=0"):
+        trainer("ppo", "--sync.probe_every=0").probes_at(3)
+
+
+def test_on_policy_critic_free_checks_in_its_training_forward():
+    t = trainer("grpo", "--ppo.ppo_epochs=1", "--critic_free.kl_in=none", "--ppo.rollout_batch_size=8", NO_REF,
+                "--ppo.mini_batch_size=32")
+    assert t.on_policy and t.policy_loss.end_to_end_bound == t.cfg.sync.tolerance and t.checks_end_to_end
+    unverified = trainer("grpo", "--ppo.ppo_epochs=1", "--critic_free.kl_in=none", "--ppo.rollout_batch_size=8", NO_REF,
+                         "--ppo.mini_batch_size=32", "--sync.verify=false")
+    assert unverified.policy_loss.end_to_end_bound is None and not unverified.checks_end_to_end
