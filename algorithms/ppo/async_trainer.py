@@ -17,6 +17,7 @@ and this actor.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 
 import torch
@@ -105,7 +106,8 @@ class AsyncTrainer:
         actor, cfg = self.t.models.actor, self.t.cfg.sync
         probe, lens = random_probe(self.model_dir, actor.parallel.dp, 1, seed=self.t.state.step) if cfg.verify \
             else (None, None)
-        self.staged = {d: stage(actor, self.t.state.step, cfg, probe, lens, replica=d) for d in sorted(set(self.pusher))}
+        self.staged = {d: stage(actor, self.t.state.step, cfg, probe, lens, replica=d)
+                       for d in sorted(set(self.pusher))}
 
     async def step(self, step: int) -> dict[str, float]:
         """One trainer step: take, recompute, train, publish every `push_every` steps."""
@@ -117,6 +119,7 @@ class AsyncTrainer:
         waited_s = time.time() - start
         proximal, values = await asyncio.gather(t.models.actor.forward(exp), t.models.critic.forward(exp))
         mask = exp[C.LOSS_MASK]
+        fresh = self.check_fresh(proximal[C.LOGPROBS], exp, mask)  # before the batch is trained on
         advantages, returns = ppo_targets(proximal[C.LOGPROBS], exp[C.REF_LOGPROBS], values[C.VALUES], mask,
                                           exp[C.SCORES], t.cfg, t.kl.value)
         train = await t.train(Batch({
@@ -134,7 +137,7 @@ class AsyncTrainer:
         end = time.time()
         scores = exp[C.SCORES]
         return {"reward/mean": float(scores.mean()), "reward/std": float(scores.std()) if len(scores) > 1 else 0.0,
-                **kl, "kl_coef": kl_coef, **train, **t.gap(proximal[C.LOGPROBS], exp, mask),
+                **kl, "kl_coef": kl_coef, **train, **t.gap(proximal[C.LOGPROBS], exp, mask), **fresh,
                 "response_length": float(mask.sum(1).mean()), **staleness(exp, step - 1),
                 **{f"async/trainer{d}_from_maker{i}": float(sum(g.maker == i for g in groups))
                    for d, groups in enumerate(taken) for i in range(len(self.makers))},
@@ -150,6 +153,23 @@ class AsyncTrainer:
         busy = sum(max(0.0, min(b, end) - max(a, start)) for s in live for a, b in s["busy"])
         return {"async/maker_busy": busy / ((end - start) * max(1, len(live)))}
 
+    def check_fresh(self, proximal: torch.Tensor, exp: Batch, mask: torch.Tensor) -> dict[str, float]:
+        """The end-to-end check of the makers' syncs, for free: the tokens sampled with the weights
+        this trainer holds now (BEHAVIOUR_VERSIONS equal to its version), the makers' log-probs of
+        them against the actor's `proximal` ones, within the probe's bound
+        (`PPOTrainer.end_to_end_bound`), before the batch is trained on; WeightSyncError beyond it.
+        `sync/fresh_gap_mean`, `_max` and `sync/fresh_tokens` (0: nothing fresh this step)."""
+        t = self.t
+        fresh = mask * (exp[C.BEHAVIOUR_VERSIONS].long() == t.state.step).to(mask.dtype)
+        gap = t.gap(proximal, exp, fresh) if fresh.sum() > 0 else {}
+        out = {"sync/fresh_tokens": float(fresh.sum())}
+        if gap:
+            out.update({"sync/fresh_gap_mean": gap["rollout_logprob_gap_mean"],
+                        "sync/fresh_gap_max": gap["rollout_logprob_gap_max"]})
+            if t.cfg.sync.verify and not gap["rollout_logprob_gap_max"] <= t.end_to_end_bound():  # or NaN
+                t.end_to_end_failed(gap["rollout_logprob_gap_max"], gap["rollout_logprob_gap_mean"])
+        return out
+
     def push(self, sequences: list[list[int]], prompt_lens: list[int]) -> None:
         """Publish the weights at the trainer's version: stage one export per pushing trainer
         (queued on the actor before the next step's calls) and ask every maker to load its copy;
@@ -157,7 +177,11 @@ class AsyncTrainer:
         from xray.sync import stage
 
         version, cfg, actor = self.t.state.step, self.t.cfg.sync, self.t.models.actor
-        self.staged = {d: stage(actor, version, cfg, sequences, prompt_lens, replica=d) for d in sorted(set(self.pusher))}
+        if not self.t.probes_at(version):  # the makers' fresh samples check it end to end (`step`)
+            sequences, prompt_lens = None, None
+        self.t.synced = True
+        self.staged = {d: stage(actor, version, cfg, sequences, prompt_lens, replica=d)
+                       for d in sorted(set(self.pusher))}
         loads = [asyncio.ensure_future(_settled(m.load.remote(self.staged[self.pusher[i]])))
                  for i, m in enumerate(self.makers)]
         self.pushes.append({"version": version, "published": time.time(), "loads": loads})
@@ -171,8 +195,9 @@ class AsyncTrainer:
             reports = [r for r in (task.result() for task in push["loads"]) if r is not None]
             if not reports:
                 continue
+            probed = [r.max_abs_logprob_diff for r, _ in reports if not math.isnan(r.max_abs_logprob_diff)]
             out = {"sync/version": float(push["version"]),
-                   "sync/max_abs_logprob_diff": max(r.max_abs_logprob_diff for r, _ in reports),
+                   **({"sync/max_abs_logprob_diff": max(probed)} if probed else {}),
                    "sync/held_exact": float(sum(r.held_exact for r, _ in reports)),
                    "sync/held_functional": float(sum(r.held_functional for r, _ in reports)),
                    "sync/unchecked": float(sum(r.unchecked for r, _ in reports)),

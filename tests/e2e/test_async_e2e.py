@@ -60,7 +60,7 @@ def check(steps: dict[int, dict], expected: list[int], trainers: int, backend: s
         assert all(math.isfinite(v) for v in row.values() if isinstance(v, float)), row
         assert row["async/staleness"] <= 1  # the bound
         if step - 1 in steps and step not in unreported:  # the previous step's push arrived, verified
-            assert row["sync/version"] == step - 1 and row["sync/max_abs_logprob_diff"] <= FP32_PROBE, row
+            assert row["sync/version"] == step - 1 and row.get("sync/max_abs_logprob_diff", 0.0) <= FP32_PROBE, row
             loaded = int(row["sync/replicas_loaded"])
             assert loaded == 2 or killed, row
             check_held(row, backend, loaded)  # the makers' engines, every tensor they hold
@@ -74,7 +74,12 @@ def check(steps: dict[int, dict], expected: list[int], trainers: int, backend: s
             assert sum(made) == share, row
             if trainers == 2:  # the graph: maker d feeds trainer d alone
                 assert made[1 - d] == 0, row
+        # the end-to-end check of the makers' syncs, on the tokens sampled with the trainer's weights
+        assert row.get("sync/fresh_gap_max", 0.0) <= FP32_PROBE, row
     assert sum(row["async/maker_busy"] for row in steps.values()) > 0
+    assert sum(row["sync/fresh_tokens"] for row in steps.values()) > 0  # some checked end to end for free
+    probed = [s for s, row in steps.items() if "sync/max_abs_logprob_diff" in row]
+    assert probed and len(probed) < len(steps), probed  # the probe at the first and last pushes only
     if trainers == 1 and len(steps) > 3:  # both makers' experience reached the one trainer
         assert all(sum(row[f"async/trainer0_from_maker{i}"] for row in steps.values()) > 0 for i in range(2)), steps
 

@@ -14,14 +14,20 @@ as a flat NumPy byte view, which Ray moves out of band, so putting a bucket cost
 the object store and reading it on the same node costs none (a pickled torch tensor is copied
 in band on both sides, several times slower).
 
-Verification, unless the config turns it off, has an exact part and a coarse one:
+Verification, unless the config turns it off (`sync.verify`), has three parts:
+- complete (`xray/sync/manifest.py`): the sender's manifest of every tensor against what each
+  replica loaded, what its engine needs and takes, and what it never reloaded;
 - exact: each tensor travels with an order-sensitive checksum of its bytes (`checksum`),
-  recomputed on arrival (a tensor changed, reordered or shifted in transit), and each engine compares the tensors it holds, bit for bit, with
-  what it was sent, in its own dtype (`xray/backends/held.py`): any difference fails the sync;
-- coarse: a few probe sequences are scored by both sides, concurrently, the actor's per-token
+  recomputed on arrival (a tensor changed, reordered or shifted in transit), and each engine
+  checks every tensor it holds against what it was sent, in its own dtype
+  (`xray/backends/held.py`): bit for bit where it can be read back, else by its own layer's
+  product on a seeded input; any difference, and any tensor left unchecked, fails the sync;
+- end to end: a few probe sequences are scored by both sides, concurrently, the actor's per-token
   log-probabilities against the engine's own, within `sync.tolerance` when both sides are fp32
   and `sync.bf16_tolerance` when either is bf16 (two bf16 implementations of one model differ by
-  far more than a missed update: the probe there only catches a model that computes wrongly).
+  far more than a missed update: there the exact part carries the proof). A run probes at its
+  first sync, every `sync.probe_every` and its last; the next step's own rollout log-probs check
+  the others before it trains (`algorithms/ppo/trainer.py`).
 With a quantized rollout (`rollout.quantization`), the exact part compares the engine's fp8 codes
 and scales with our own quantization of the tensors it received (`xray/backends/quantize.py`),
 code for code; the probe is kept as a loose sanity bound only (`QUANTIZED_PROBE_FACTOR` x
@@ -335,7 +341,8 @@ class Staged:
     export: object
     """Pending answer of `stage_weights`: {"buckets": [ref, ...], "bytes": n, "dtype": name}."""
     actor_probe: object | None
-    """Pending actor forward over the probe (None when verification is off)."""
+    """Pending actor forward over the probe (None when verification is off or this version runs
+    no probe: `deliver` then checks it completely and exactly only)."""
     probe: list[list[int]] | None
     prompt_lens: list[int] | None
     started: float
@@ -347,10 +354,8 @@ def stage(actor, version: int, cfg: SyncConfig, probe: list[list[int]] | None = 
     the object store and the probe forward that will verify them, and return at once. Whatever
     the caller queues on the actor afterwards (the next training step) runs after both, so they
     see exactly this version, while the rollout replicas take it whenever they are free."""
-    if cfg.verify and not probe:
-        raise ValueError("verification needs probe sequences; pass probe= and prompt_lens=")
     export = actor.stage_weights(cfg.bucket_mb << 20, replica)
-    actor_probe = actor.forward(pad_sequences(probe)) if cfg.verify else None
+    actor_probe = actor.forward(pad_sequences(probe)) if cfg.verify and probe else None
     return Staged(version, export, actor_probe, probe, prompt_lens, time.perf_counter())
 
 
@@ -371,7 +376,8 @@ async def on_every_shard(role: str, method: str, refs: list) -> list:
 
 async def deliver(staged: Staged, rollout, cfg: SyncConfig) -> SyncReport:
     """Load a staged version into every replica of `rollout`, then verify it as `sync_weights`
-    does (the engine's probe log-probs against the actor's of the same instant)."""
+    does (complete and exact; the engine's probe log-probs against the actor's of the same
+    instant where the version was staged with a probe)."""
     t0 = time.perf_counter()
     export = await staged.export
     targets = rollout.shard_handles()
@@ -383,6 +389,7 @@ async def deliver(staged: Staged, rollout, cfg: SyncConfig) -> SyncReport:
     diff, verify_s = float("nan"), 0.0
     if cfg.verify:
         exact = check_exact(staged.version, list(replicas), export.get("manifest"))
+    if cfg.verify and staged.actor_probe is not None:
         engine_logp = await rollout.call("logprobs", staged.probe, staged.prompt_lens)
         actor_out = await staged.actor_probe
         diff = check_logprobs(actor_out[C.LOGPROBS], engine_logp, staged.probe, staged.prompt_lens,
