@@ -192,6 +192,47 @@ def test_gpu_1x_and_2nodes_configs_pass_dry_run_with_their_layouts():
     assert plan.role("rollout").resources == (("xray_rollout_node", 1.0),)
 
 
+def test_a_1024_gpu_plan_reads_in_a_dozen_lines_and_an_elastic_one_shows_its_batch_rule(tmp_path):
+    """configs/ppo_gpu_128nodes.yaml (1,024 GPUs: the trained roles tp8 pp4 dp16 on 512, the rollout
+    tp8 dp64 on 512): ranks and nodes print as ranges, the config's ranks as `list(range(a, b))`
+    (read back to the same plan), and the plan stays under 40 lines; made elastic, each size the
+    group may take prints with its batch (DeepSpeed's rule: dp x micro x accumulation = global)."""
+    from xray.train import resolve
+
+    p, _ = run("ppo", "--dry-run", "--config", "configs/ppo_gpu_128nodes.yaml")
+    assert p.returncode == 0, p.stderr
+    config, plan = p.stdout.split("placement plan")
+    assert len(("placement plan" + plan).strip().splitlines()) < 40, plan
+    assert "actor     megatron  group=train_group    GPU ranks=0-511 nodes=0-63 workhorses=512 tp=8 pp=4 dp=16" in plan
+    assert "rollout   vllm      group=rollout_group  GPU ranks=512-1023 nodes=64-127 workhorses=512 tp=8 pp=1 dp=64" \
+        in plan
+    assert "train_group    512 GPU in 64 packs of 8" in plan
+    printed = yaml.safe_load(config)
+    assert printed["device_groups"]["train_group"]["ranks"] == "list(range(0, 512))"
+    again = tmp_path / "printed.yaml"
+    again.write_text(config.split("\n", 1)[1])
+    _, _, replan, _, _ = resolve(["ppo", "--config", str(again)])
+    _, _, plan_of, _, _ = resolve(["ppo", "--config", str(ROOT / "configs/ppo_gpu_128nodes.yaml")])
+    assert replan == plan_of
+
+    printed["trainer"]["mode"] = "sync"
+    printed["ppo"].update(rollout_batch_size=192, mini_batch_size=48)
+    block = {"ignore_non_elastic_batch_info": True, "enabled": True, "max_train_batch_size": 48,
+             "micro_batch_sizes": [4], "min_gpus": 128, "max_gpus": 512}
+    for role in ("actor", "critic", "reference"):
+        printed[role].update(tp=8, pp=16, dp=4, micro_batch_size=4)
+    for role in ("actor", "critic"):
+        printed[role]["elasticity"] = block
+    elastic = tmp_path / "elastic.yaml"
+    elastic.write_text(yaml.safe_dump(printed, sort_keys=False))
+    p, _ = run("ppo", "--dry-run", "--config", str(elastic))
+    assert p.returncode == 0, p.stderr
+    plan = p.stdout.split("placement plan")[1]
+    assert len(plan.strip().splitlines()) < 40, plan
+    assert "elastic train_group (actor, critic, reference): 4 sizes in 128-512 devices" in plan, plan
+    assert "128: 1 x 4 x 12 = 48 | 256: 2 x 4 x 6 = 48 | 384: 3 x 4 x 4 = 48 | 512: 4 x 4 x 3 = 48" in plan, plan
+
+
 MS_SWIFT_GROUPS = ('{"nproc_per_node": 4, "sample_group": {"device": "CPU", "ranks": [0, 1], "workers": ["sampler"]}, '
                    '"rm_group": {"device": "CPU", "ranks": [2, 3], "workers": ["prm", "orm"]}}')
 

@@ -88,3 +88,15 @@ def describe_packs(packs: Packs) -> str:
     for k in packs:
         sizes[len(k)] = sizes.get(len(k), 0) + 1
     return " and ".join(f"{n} pack{'s' if n > 1 else ''} of {size}" for size, n in sorted(sizes.items(), reverse=True))
+
+
+def spans(values) -> str:
+    """Integers as ranges, in words: `0-511`, `0-3, 8-11`, `5`."""
+    values = sorted(set(values))
+    runs: list[list[int]] = []
+    for v in values:
+        if runs and v == runs[-1][1] + 1:
+            runs[-1][1] = v
+        else:
+            runs.append([v, v])
+    return ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in runs)

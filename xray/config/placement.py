@@ -128,10 +128,18 @@ class DeviceGroups:
     def to_plain(self) -> dict:
         out: dict[str, Any] = {"nproc_per_node": self.nproc_per_node, "nnodes": self.nnodes}
         for g in self.groups:
-            out[g.name] = {"device": g.device, "ranks": list(g.ranks), "workers": list(g.workers)}
+            out[g.name] = {"device": g.device, "ranks": plain_ranks(g.ranks), "workers": list(g.workers)}
             if g.resources:
                 out[g.name]["resources"] = dict(g.resources)
         return out
+
+
+def plain_ranks(ranks: tuple[int, ...]) -> list[int] | str:
+    """Ranks as a config writes them: consecutive ones as `list(range(a, b))` (what `parse_ranks`
+    reads back), so that a 512-device group prints in one line; others as the list."""
+    if len(ranks) > 2 and list(ranks) == list(range(ranks[0], ranks[-1] + 1)):
+        return f"list(range({ranks[0]}, {ranks[-1] + 1}))"
+    return list(ranks)
 
 
 def _positive_int(value: Any, path: str) -> int:

@@ -16,7 +16,7 @@ from xray.backends.elastic import ElasticityError
 from xray.backends.quantize import QUANT_DTYPES, vllm_scheme
 from xray.config.batches import elastic_ranges, train_batches
 from xray.config.graph import build_graph
-from xray.config.packing import Packs, describe_packs, node_packs, whole_replicas
+from xray.config.packing import Packs, describe_packs, node_packs, spans, whole_replicas
 from xray.config.parallel import LayoutError, ParallelDims
 from xray.config.schema import RunConfig
 from xray.config.typed import ConfigError
@@ -55,6 +55,28 @@ class RolePlan:
 
 
 @dataclass(frozen=True)
+class ElasticPlan:
+    """An elastic device group: the device counts it may take and the actor's batch at each
+    (DeepSpeed's rule: global batch = micro-batch x accumulation x data-parallel replicas)."""
+
+    group: str
+    roles: tuple[str, ...]
+    sizes: tuple[tuple[int, int, int, int, int], ...]
+    """(devices, dp, micro-batch, accumulation steps, global batch) per valid device count."""
+
+    PER_LINE = 4
+
+    def describe(self) -> list[str]:
+        counts = [s[0] for s in self.sizes]
+        lines = [f"elastic {self.group} ({', '.join(self.roles)}): {len(counts)} sizes in {counts[0]}-{counts[-1]} "
+                 "devices; the actor's batch at each, devices: dp x micro x accumulation = global"]
+        cells = [f"{n}: {dp} x {micro} x {accum} = {total}" for n, dp, micro, accum, total in self.sizes]
+        for i in range(0, len(cells), self.PER_LINE):
+            lines.append("    " + " | ".join(cells[i:i + self.PER_LINE]))
+        return lines
+
+
+@dataclass(frozen=True)
 class Plan:
     """The placement of every role of a run."""
 
@@ -66,6 +88,9 @@ class Plan:
     """The rollout engine sleeps (frees its GPU memory) while the training roles train (`rollout.sleep`)."""
     rollout_quantization: str | None = None
     """vLLM's quantization scheme of the rollout (`rollout.quantization`); None: unquantized."""
+
+    elastic: tuple["ElasticPlan", ...] = ()
+    """The elastic device groups: the sizes each may take and the batch at each."""
 
     lora_sync: str | None = None
     """With `actor.lora` in an RL run: what a weight sync sends the rollout, "adapters" (vLLM
@@ -87,8 +112,8 @@ class Plan:
         for r in self.roles:
             p = r.parallel
             lines.append(
-                f"  {r.role:<9} {r.backend:<9} group={r.group:<14} {r.device} ranks={list(r.ranks)} "
-                f"nodes={sorted(set(r.nodes))} workhorses={r.num_workhorses} tp={p.tp} pp={p.pp} dp={p.dp}")
+                f"  {r.role:<9} {r.backend:<9} group={r.group:<14} {r.device} ranks={spans(r.ranks)} "
+                f"nodes={spans(r.nodes)} workhorses={r.num_workhorses} tp={p.tp} pp={p.pp} dp={p.dp}")
         lines.append("device groups, each reserved as packs of devices that Ray keeps on one node (STRICT_PACK):")
         for group in dict.fromkeys(r.group for r in self.roles):
             roles = [r for r in self.roles if r.group == group]
@@ -97,6 +122,7 @@ class Plan:
                          f"each {'replica' if whole else 'tensor-parallel group'} of "
                          f"{', '.join(r.role for r in roles)} inside one pack"
                          f"{'' if whole else ' (pipeline stages may sit on other nodes)'}")
+        lines += [line for e in self.elastic for line in e.describe()]
         if "rollout" in {r.role for r in self.roles}:
             lines.append("rollout sleep: on (vLLM frees its GPU memory while the training roles train)"
                          if self.rollout_sleep else "rollout sleep: off")
@@ -363,6 +389,26 @@ def _lora_sync(cfg: RunConfig, algo: str, gen_backend: str) -> str | None:
     return "adapters" if gen_backend == "vllm" else "merged"
 
 
+def _elastic_plans(cfg: RunConfig, algo: str) -> tuple[ElasticPlan, ...]:
+    """Each elastic group's sizes and the actor's batch at each (`xray/config/batches.py`)."""
+    if algo != "ppo":
+        return ()
+    out = []
+    for er in elastic_ranges(cfg, cfg.device_groups):
+        rows = []
+        for n in er.sizes:
+            rc = cfg.actor if "actor" in er.roles else getattr(cfg, er.roles[0])
+            dp = n // (rc.tp * rc.pp)
+            try:
+                b = train_batches(cfg, {r: n for r in er.roles})
+            except ElasticityError:
+                continue  # the batch checks name the size that fails
+            micro = b.micro_of("actor" if "actor" in er.roles else er.roles[0])
+            rows.append((n, dp, micro, b.mini_batch_size // max(1, micro * dp), b.mini_batch_size))
+        out.append(ElasticPlan(er.group, er.roles, tuple(rows)))
+    return tuple(out)
+
+
 def plan_run(cfg: RunConfig, backend: str, algo: str = "ppo") -> Plan:
     """Check `cfg` for a run of `algo` with `backend` (e.g. `megatron-vllm`); return its placement."""
     train_backend, gen_backend = split_pair(backend)
@@ -404,7 +450,7 @@ def plan_run(cfg: RunConfig, backend: str, algo: str = "ppo") -> Plan:
                 nproc_per_node=groups.nproc_per_node, nnodes=groups.nnodes,
                 rollout_sleep="rollout" in needed and rollout_sleeps(cfg, gen_backend),
                 rollout_quantization=_quantization_of(cfg, roles, gen_backend),
-                lora_sync=_lora_sync(cfg, algo, gen_backend))
+                lora_sync=_lora_sync(cfg, algo, gen_backend), elastic=_elastic_plans(cfg, algo))
     checks = {**{a: _check_sft_batches for a in SUPERVISED}, "rm": _check_rm_batches,
               "sample": lambda c, p: _check_sampling(c, p, "sampler")}
     checks.get(algo, _check_batches)(cfg, plan)
