@@ -9,8 +9,9 @@ sizes its bounds allow. Two events move it:
   largest allowed size). Its models then restore from the latest checkpoint, resharded to the new
   layout, and the steps since run again.
 - **grow**: at a step boundary, a group below its largest size sees free devices that fit it (a
-  node joined). The step just finished is checkpointed and persisted, the group is placed on the
-  larger size, and its models restore from that checkpoint: no step is lost.
+  node joined) and has kept its size for `elasticity.min_time` minutes. The step just finished is
+  checkpointed and persisted, the group is placed on the larger size, and its models restore from
+  that checkpoint: no step is lost.
 After either, the mini-batch is micro-batch x accumulation x data-parallel size for the new size
 (`PPOTrainer.batches`); the change is logged, and each step's metrics carry the group's device
 count (`elastic/<group>_devices`), the mini-batch and the resizes so far.
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from xray.config.batches import elastic_ranges
 from xray.wholemodel.placement import PlacementError, free_devices
@@ -37,6 +39,8 @@ class Elastic:
         self.trainer = trainer
         self.ranges = {er.group: er for er in elastic_ranges(trainer.cfg, trainer.cfg.device_groups)}
         self.resizes = 0
+        self.sized_at = {group: time.monotonic() for group in self.ranges}
+        """When each group took its current size (its `min_time` counts from there)."""
 
     def size(self, group: str) -> int:
         return next(r.num_workhorses for r in self.trainer.models.plan.roles if r.group == group)
@@ -76,6 +80,7 @@ class Elastic:
                 log.warning("elastic: %s: %d devices not granted; trying fewer", group, n)
                 continue
             self.resizes += n != before
+            self.sized_at[group] = time.monotonic() if n != before else self.sized_at[group]
             b = self.trainer.batches()
             log.warning("elastic: %s: %d -> %d devices (%s); actor dp %d, mini-batch %d, actor micro-batch %d",
                         group, before, n, why, models.actor.parallel.dp, b.mini_batch_size, b.micro_of("actor"))
@@ -94,6 +99,8 @@ class Elastic:
         out = {}
         for group, er in self.ranges.items():
             size = self.size(group)
+            if time.monotonic() - self.sized_at[group] < 60.0 * er.min_time:
+                continue  # elasticity.min_time: not yet
             if size < er.largest and (n := er.fit(size + self._free(group))) is not None and n > size:
                 out[group] = n
         return out

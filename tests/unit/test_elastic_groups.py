@@ -62,3 +62,38 @@ def test_the_plan_checks_every_size_and_placement():
     bad = dict(GROUPS, train_group=dict(GROUPS["train_group"], resources={"CPU": 1}))
     with pytest.raises(ConfigError, match="custom resource names"):
         elastic_cfg(groups=bad)
+
+
+SEED_BLOCK = {"ignore_non_elastic_batch_info": True, "enabled": True, "max_train_batch_size": 32,
+              "micro_batch_sizes": [16], "min_gpus": 1, "max_gpus": 2, "min_time": 20, "version": 0.1}
+"""The seed's DeepSpeed `elasticity` block as its users write it (every key of its example; the
+batch numbers fitted to this tiny job)."""
+
+
+def test_the_seeds_elasticity_block_runs_as_written_and_each_key_means_something():
+    import types
+
+    from algorithms.ppo.elastic import Elastic
+
+    cfg = elastic_cfg(SEED_BLOCK)
+    assert cfg.actor.elasticity.min_time == 20 and cfg.actor.elasticity.version == 0.1
+    er, = elastic_ranges(cfg, cfg.device_groups)
+    assert er.sizes == (1, 2) and er.min_time == 20
+    plan_run(cfg, "megatron-vllm")
+    # enabled: false keeps the roles fixed, as if the block were absent
+    off = elastic_cfg(dict(SEED_BLOCK, enabled=False))
+    assert off.actor.elasticity is None and elastic_ranges(off, off.device_groups) == []
+    # prefer_larger_batch: the batch closest to max_train_batch_size, or the smallest
+    larger = ElasticityConfig(max_train_batch_size=10, micro_batch_sizes=(2, 4), max_gpus=4)
+    smaller = ElasticityConfig(max_train_batch_size=10, micro_batch_sizes=(2, 4), max_gpus=4, prefer_larger_batch=False)
+    assert device_batch(larger, 1).train_batch_size == 10 and device_batch(smaller, 1).train_batch_size == 8
+    with pytest.raises(ConfigError, match="elasticity.version=0.3"):
+        elastic_cfg(dict(SEED_BLOCK, version=0.3))
+    # min_time: a group grows only once it has kept its size that long (a lost device shrinks it at once)
+    trainer = types.SimpleNamespace(cfg=cfg, models=types.SimpleNamespace(plan=types.SimpleNamespace(roles=[
+        types.SimpleNamespace(role="actor", group="train_group", num_workhorses=1)])))
+    elastic = Elastic(trainer)
+    elastic._free = lambda group: 1  # a node joined: one more device
+    assert elastic.growth() == {}  # kept its size for less than 20 minutes
+    elastic.sized_at["train_group"] -= 20 * 60
+    assert elastic.growth() == {"train_group": 2}

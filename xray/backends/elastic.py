@@ -12,7 +12,7 @@ DeepSpeed version accepts. Pure Python: no torch, no DeepSpeed.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any, Mapping
 
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
@@ -38,7 +38,16 @@ class ElasticityConfig:
     """If False, a config that also sets the plain batch keys is an error (they would be
     overridden silently); if True, the elastic values replace them."""
     enabled: bool = True
-    """False leaves a config's plain batch keys untouched."""
+    """False leaves a config's plain batch keys untouched (in a run config: the role is not
+    elastic, as if the block were absent)."""
+    prefer_larger_batch: bool = True
+    """Among the batches a world size allows, take the one closest to `max_train_batch_size`
+    (True), or the smallest (False: fewer sequences per optimizer step)."""
+    min_time: float = 0
+    """Minutes an elastic group keeps a size before it grows again (DeepSpeed's hint to the
+    scheduler; 0: grow as soon as devices appear). A lost device shrinks the group at once."""
+    version: float = 0.1
+    """The block's format (DeepSpeed's 0.1 or 0.2: the keys read here are the same)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "micro_batch_sizes", tuple(self.micro_batch_sizes))
@@ -51,6 +60,10 @@ class ElasticityConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ElasticityError(f"elasticity.{name} must be a positive integer, got {value!r}")
+        if self.version not in (0.1, 0.2):
+            raise ElasticityError(f"elasticity.version={self.version!r}; the block's formats are 0.1 and 0.2")
+        if not isinstance(self.min_time, (int, float)) or isinstance(self.min_time, bool) or self.min_time < 0:
+            raise ElasticityError(f"elasticity.min_time={self.min_time!r}; give minutes >= 0")
         if self.min_gpus > self.max_gpus:
             raise ElasticityError(f"elasticity.min_gpus={self.min_gpus} exceeds max_gpus={self.max_gpus}; "
                                   "set min_gpus <= max_gpus")
@@ -60,7 +73,7 @@ class ElasticityConfig:
         """Build from a config block; an unknown key is an error that names it."""
         known = {f.name for f in fields(cls)}
         # DeepSpeed's block also carried these; they have no meaning for the arithmetic here.
-        passive = {"version", "prefer_larger_batch", "model_parallel_size", "num_gpus_per_node"}
+        passive = {"model_parallel_size", "num_gpus_per_node"}
         unknown = sorted(set(block) - known - passive)
         if unknown:
             raise ElasticityError(f"unknown elasticity keys {unknown}; valid keys are {sorted(known)}")
@@ -93,8 +106,9 @@ def elastic_batch(cfg: ElasticityConfig, world_size: int) -> ElasticBatch:
     """The largest train batch <= cfg.max_train_batch_size that is micro x accumulation x world_size.
 
     Among micro-batch sizes reaching that largest batch, the largest micro-batch wins (fewer
-    accumulation steps, same arithmetic). Raises ElasticityError when the world size is outside
-    [min_gpus, max_gpus] or when no micro-batch size fits even once per replica.
+    accumulation steps, same arithmetic). With `prefer_larger_batch` false, the smallest of the
+    micro-batch sizes' largest batches instead. Raises ElasticityError when the world size is
+    outside [min_gpus, max_gpus] or when no micro-batch size fits even once per replica.
     """
     if not cfg.min_gpus <= world_size <= cfg.max_gpus:
         raise ElasticityError(
@@ -106,7 +120,11 @@ def elastic_batch(cfg: ElasticityConfig, world_size: int) -> ElasticBatch:
         if accumulation < 1:
             continue
         candidate = ElasticBatch(world_size, micro, accumulation)
-        if best is None or candidate.train_batch_size >= best.train_batch_size:
+        if cfg.prefer_larger_batch:
+            better = best is None or candidate.train_batch_size >= best.train_batch_size
+        else:
+            better = best is None or candidate.train_batch_size < best.train_batch_size
+        if better:
             best = candidate
     if best is None:
         smallest = min(cfg.micro_batch_sizes)
@@ -150,4 +168,4 @@ def device_batch(cfg: ElasticityConfig, devices: int, model_parallel: int = 1) -
         raise ElasticityError(f"{devices} devices do not hold whole replicas of a model split {model_parallel} "
                               f"ways (tp x pp); use a multiple of {model_parallel}")
     dp = devices // model_parallel
-    return elastic_batch(ElasticityConfig(cfg.max_train_batch_size, cfg.micro_batch_sizes, 1, max(dp, 1)), dp)
+    return elastic_batch(replace(cfg, min_gpus=1, max_gpus=max(dp, 1)), dp)

@@ -41,6 +41,8 @@ class ElasticRange:
     """The trained roles placed in the group; they resize together."""
     sizes: tuple[int, ...]
     """Valid device counts, ascending (within every role's bounds, whole replicas for each)."""
+    min_time: float = 0
+    """Minutes the group keeps a size before it grows again (the roles' largest `min_time`)."""
 
     @property
     def smallest(self) -> int:
@@ -109,5 +111,6 @@ def elastic_ranges(cfg: RunConfig, groups) -> list[ElasticRange]:
             raise ConfigError(f"{elastic[0]}.elasticity: device group {g.name!r} has {g.size} ranks, not a size its "
                               f"elasticity allows (min_gpus {lo}, max_gpus {hi}, whole tp x pp replicas); change "
                               "the ranks or the bounds")
-        out.append(ElasticRange(g.name, tuple(trained), sizes))
+        out.append(ElasticRange(g.name, tuple(trained), sizes,
+                                max(getattr(cfg, r).elasticity.min_time for r in elastic)))
     return out

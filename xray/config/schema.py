@@ -57,7 +57,13 @@ class RoleConfig:
     """DeepSpeed's `elasticity` block (either training backend): the role's device group becomes
     elastic (its size follows the cluster within [min_gpus, max_gpus], synchronous runs), and the
     role's batch is micro-batch x gradient accumulation x dp for its current size; the actor's is
-    the PPO mini-batch (it replaces `ppo.mini_batch_size` and the role's `micro_batch_size`)."""
+    the PPO mini-batch (it replaces `ppo.mini_batch_size` and the role's `micro_batch_size`).
+    DeepSpeed's block is read as written (`version`, `min_time`, `prefer_larger_batch` included);
+    `enabled: false` leaves the role fixed, as if the block were absent."""
+
+    def __post_init__(self) -> None:
+        if self.elasticity is not None and not self.elasticity.enabled:
+            object.__setattr__(self, "elasticity", None)  # disabled: not elastic
 
 
 @dataclass(frozen=True)
