@@ -94,3 +94,25 @@ def test_on_policy_critic_free_checks_in_its_training_forward():
     unverified = trainer("grpo", "--ppo.ppo_epochs=1", "--critic_free.kl_in=none", "--ppo.rollout_batch_size=8", NO_REF,
                          "--ppo.mini_batch_size=32", "--sync.verify=false")
     assert unverified.policy_loss.end_to_end_bound is None and not unverified.checks_end_to_end
+
+
+def test_an_asynchronous_trainer_checks_the_tokens_sampled_with_its_own_weights():
+    import types
+
+    from algorithms.ppo.async_trainer import AsyncTrainer
+
+    t = trainer("ppo")
+    t.state.step = 7  # the trainer holds weight version 7
+    outputs, b = batch(gap=0.05)  # token (2, 3) off by 0.05: a bad sync of version 7 ...
+    versions = torch.full((4, 6), 6)
+    exp = Batch({C.BEHAVIOUR_LOGPROBS: b[C.BEHAVIOUR_LOGPROBS], C.BEHAVIOUR_VERSIONS: versions})
+    owner = types.SimpleNamespace(t=t)
+    proximal = outputs[C.LOGPROBS].detach()
+    out = AsyncTrainer.check_fresh(owner, proximal, exp, b[C.LOSS_MASK])
+    assert out == {"sync/fresh_tokens": 0.0}  # ... unseen while every token is of version 6 (stale by design)
+    versions[2] = 7  # row 2 sampled with version 7: compared
+    with pytest.raises(WeightSyncError, match="failed the end-to-end check"):
+        AsyncTrainer.check_fresh(owner, proximal, exp, b[C.LOSS_MASK])
+    versions[2], versions[1] = 6, 7  # a fresh row that is right
+    out = AsyncTrainer.check_fresh(owner, proximal, exp, b[C.LOSS_MASK])
+    assert out["sync/fresh_tokens"] == 4.0 and out["sync/fresh_gap_max"] == 0.0
