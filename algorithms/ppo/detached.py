@@ -128,8 +128,10 @@ class Detached:
 
     async def segment(self, first: int, until: int, on_step, stop) -> None:
         """The trainer's steps `first..until` on its own; each step's metrics to `on_step` as it
-        ends (the last after the trainer stopped: its checkpoint sees it at rest). Makers that
-        fail meanwhile are replaced; a failure of the trainer is raised."""
+        ends (the last after the trainer stopped: its checkpoint sees it at rest). A signal stops
+        the trainer after the step under way, whose metrics are still passed on: every step it
+        trained is logged before the run's last checkpoint. Makers that fail meanwhile are
+        replaced; a failure of the trainer is raised."""
         running = asyncio.ensure_future(self.learner.run.remote(until))
         self.trainer_runs += 1
         try:
@@ -138,12 +140,10 @@ class Detached:
                 if metrics is None:
                     break  # the trainer stopped before this step: a signal, or its error (raised below)
                 self.trainer.state.step = step
-                if step == until or (stop is not None and stop.requested):
+                if step == until:
                     await _unwrapped(running)
                     await self.pull_state()
                 await on_step(step, metrics)
-                if stop is not None and stop.requested:
-                    break
             await _unwrapped(running)
         finally:
             if not running.done():

@@ -5,8 +5,10 @@ own maker and trainer 1 pushing to both makers), on both backend pairs. Each: fi
 verified sync at every push (each arrives while the next step trains), staleness never above the
 bound, busy shares within their measured windows, both makers feeding the trainers, changed
 weights, the graph obeyed; the step-3 checkpoint holds every prompt drawn (trained, buffered, or
-in the making). Each shape and each pair once (the two combinations not marked slow) also resumes
-from that checkpoint, which queues the prompts again and completes steps 4-6. The other two (one
+in the making). Each shape and each pair once (the two combinations not marked slow) also resumes:
+2 makers x 2 trainers from that checkpoint, which queues the prompts again and completes steps
+4-6; 2 makers x 1 trainer after a SIGTERM to its driver once step 2 is logged (exit 0 within 15 s,
+the last checkpoint holding every prompt drawn, every step logged once after `--resume`). The other two (one
 per pair) SIGKILL a rollout Workhorse once step 1 is logged: its maker is replaced while the
 trainer goes on (every step logged once, the step counter never goes back), the log names the
 replacement, and the step-3 checkpoint's accounting still holds every prompt exactly once.
@@ -115,8 +117,36 @@ def check_nothing_lost(checkpoint: Path, cfg: dict) -> int:
     drawn = sampler["epoch"] * per_epoch + sampler["position"]
     saved = torch.load(checkpoint / "async.pt", weights_only=False)
     buffered = sum(len(e["batch"]) for e in saved["entries"]) // cfg["rollout"]["n_samples"]
-    assert drawn == 3 * cfg["ppo"]["rollout_batch_size"] + buffered + len(saved["rows"]), (drawn, buffered, saved["rows"])
+    step = int(checkpoint.name.split("-")[1])
+    assert drawn == step * cfg["ppo"]["rollout_batch_size"] + buffered + len(saved["rows"]), \
+        (drawn, buffered, saved["rows"])
     return len(saved["entries"])
+
+
+def check_sigterm_then_resume(run: Path, path: Path, cfg: dict, backend: str) -> None:
+    """SIGTERM to the driver once step 2 is logged: it exits 0 within 15 s with the resume command,
+    its last checkpoint holds every prompt drawn, and `--resume` completes the run with every step
+    logged once."""
+    command = [sys.executable, "-m", "xray.train", "ppo", "--backend", backend, "--config", str(path),
+               "--output-dir", str(run)]
+    p = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline, log = time.monotonic() + 600, run / "metrics.jsonl"
+    while not (log.is_file() and len(log.read_text().splitlines()) >= 2):
+        assert p.poll() is None and time.monotonic() < deadline, "the run ended before step 2 was logged"
+        time.sleep(0.05)
+    t0 = time.monotonic()
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=120)
+    took = time.monotonic() - t0
+    assert p.returncode == 0 and took < 15, (p.returncode, took, err[-4000:])
+    assert "--resume" in out and "SIGTERM received" in err, out
+    stopped_at = sorted(metrics(run))
+    latest = sorted((run / "checkpoints").glob("step-*"))[-1]
+    assert int(latest.name.split("-")[1]) == stopped_at[-1] < 6, (latest, stopped_at)
+    check_nothing_lost(latest, cfg)
+    train("--backend", backend, "--config", str(path), "--resume", str(run))
+    logged = [json.loads(line)["step"] for line in log.read_text().splitlines()]
+    assert logged == [1, 2, 3, 4, 5, 6], logged  # nothing run twice, nothing skipped
 
 
 @pytest.mark.parametrize("trainers, backend", [  # each shape and each pair once with a resume
@@ -146,6 +176,8 @@ def test_two_makers_six_steps_and_resume(tmp_path, tiny_model, backend, trainers
     entries = check_nothing_lost(run_a / "checkpoints/step-000003", cfg)
     if slow:
         return  # the resume is pair- and shape-independent: the two combinations above check it
+    if (trainers, backend) == (1, "megatron-vllm"):  # the resume after a SIGTERM to the driver
+        return check_sigterm_then_resume(tmp_path / "c", path, cfg, backend)
     run_b = tmp_path / "b"  # resume from the step-3 checkpoint: steps 4-6 run again
     (run_b / "checkpoints").mkdir(parents=True)
     shutil.copytree(run_a / "checkpoints/step-000003", run_b / "checkpoints/step-000003")
