@@ -27,7 +27,7 @@ import pytest
 import torch
 import yaml
 
-from tests.e2e.test_ppo_e2e import FP32_PROBE, ROOT, check_held, config, metrics, train
+from tests.e2e.test_ppo_e2e import FP32_PROBE, ROOT, check_held, config, metrics, sigterm_once_logged, train
 
 pytestmark = pytest.mark.e2e
 
@@ -127,25 +127,13 @@ def check_sigterm_then_resume(run: Path, path: Path, cfg: dict, backend: str) ->
     """SIGTERM to the driver once step 2 is logged: it exits 0 within 15 s with the resume command,
     its last checkpoint holds every prompt drawn, and `--resume` completes the run with every step
     logged once."""
-    command = [sys.executable, "-m", "xray.train", "ppo", "--backend", backend, "--config", str(path),
-               "--output-dir", str(run)]
-    p = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline, log = time.monotonic() + 600, run / "metrics.jsonl"
-    while not (log.is_file() and len(log.read_text().splitlines()) >= 2):
-        assert p.poll() is None and time.monotonic() < deadline, "the run ended before step 2 was logged"
-        time.sleep(0.05)
-    t0 = time.monotonic()
-    p.send_signal(signal.SIGTERM)
-    out, err = p.communicate(timeout=120)
-    took = time.monotonic() - t0
-    assert p.returncode == 0 and took < 15, (p.returncode, took, err[-4000:])
-    assert "--resume" in out and "SIGTERM received" in err, out
+    sigterm_once_logged(run, backend, path, 2)
     stopped_at = sorted(metrics(run))
     latest = sorted((run / "checkpoints").glob("step-*"))[-1]
     assert int(latest.name.split("-")[1]) == stopped_at[-1] < 6, (latest, stopped_at)
     check_nothing_lost(latest, cfg)
     train("--backend", backend, "--config", str(path), "--resume", str(run))
-    logged = [json.loads(line)["step"] for line in log.read_text().splitlines()]
+    logged = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert logged == [1, 2, 3, 4, 5, 6], logged  # nothing run twice, nothing skipped
 
 

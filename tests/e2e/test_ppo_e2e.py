@@ -128,21 +128,26 @@ def test_three_steps_then_exact_resume(tmp_path, tiny_model, backend):
     assert stable(resumed[3]) == stable(steps[3])
 
 
-def check_sigterm_then_resume(run: Path, backend: str, cfg: Path, uninterrupted: dict[int, dict]) -> None:
-    command = [sys.executable, "-m", "xray.train", "ppo", "--backend", backend, "--config", str(cfg)]
-    p = subprocess.Popen([*command, "--output-dir", str(run)], cwd=ROOT, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 600
-    while not ((run / "metrics.jsonl").is_file() and (run / "metrics.jsonl").read_text().strip()):
-        assert p.poll() is None and time.monotonic() < deadline, "the run ended before its first step was logged"
+def sigterm_once_logged(run: Path, backend: str, cfg: Path, steps: int) -> None:
+    """Start a run into `run`, SIGTERM its driver once `steps` steps are logged: it must exit 0
+    within 15 s, printing the `--resume` command."""
+    command = [sys.executable, "-m", "xray.train", "ppo", "--backend", backend, "--config", str(cfg),
+               "--output-dir", str(run)]
+    p = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline, log = time.monotonic() + 600, run / "metrics.jsonl"
+    while not (log.is_file() and len(log.read_text().splitlines()) >= steps):
+        assert p.poll() is None and time.monotonic() < deadline, f"the run ended before step {steps} was logged"
         time.sleep(0.05)
     t0 = time.monotonic()
     p.send_signal(signal.SIGTERM)
     out, err = p.communicate(timeout=120)
     took = time.monotonic() - t0
-    assert p.returncode == 0, err[-6000:]
-    assert took < 15, took
+    assert p.returncode == 0 and took < 15, (p.returncode, took, err[-6000:])
     assert "--resume" in out and "SIGTERM received" in err, out
+
+
+def check_sigterm_then_resume(run: Path, backend: str, cfg: Path, uninterrupted: dict[int, dict]) -> None:
+    sigterm_once_logged(run, backend, cfg, 1)
     stopped_at = sorted(metrics(run))
     train("--backend", backend, "--config", str(cfg), "--resume", str(run))
     steps = metrics(run)
