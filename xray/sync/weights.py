@@ -381,6 +381,8 @@ async def deliver(staged: Staged, rollout, cfg: SyncConfig) -> SyncReport:
     t0 = time.perf_counter()
     export = await staged.export
     targets = rollout.shard_handles()
+    for t in targets:  # ahead of the loads (this caller's calls run in order): a sync left unfinished
+        t.abort_sync.remote()  # (a delivery cancelled between its loads and finish_sync) is forgotten
     for ref in export["buckets"]:  # in order; each target loads one bucket after the other
         await on_every_shard(rollout.role, "load_bucket", [t.load_bucket.remote(ref) for t in targets])
     replicas = await on_every_shard(rollout.role, "finish_sync",

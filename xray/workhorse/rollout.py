@@ -288,10 +288,16 @@ class RolloutWorkhorse(Workhorse):
         return report
 
     def abort_sync(self) -> None:
-        """Forget the sync under way (what was received, changed in transit or failed to load):
-        the actor's push stopped before queueing `finish_sync`. The replica keeps its version, its
-        weights partly updated, until the next sync."""
+        """Forget the sync under way (what was received, loaded, changed in transit or failed to
+        load, and what the engine holds back or counted): the actor's push stopped before queueing
+        `finish_sync`. Every sender also queues it ahead of a sync's first bucket, so that one left
+        unfinished (a sender that died or was cancelled between its loads and `finish_sync`)
+        cannot count in the next. The replica keeps its version, its weights partly updated,
+        until the next sync."""
         self._received, self._sync_started, self._changed, self._failed, self._loaded = 0, 0.0, [], "", []
+        self.engine.drop_pending()
+        self.engine.not_reloaded()
+        self.engine.held_check()
 
     # -- sleep mode (`rollout.sleep`): the engine's GPU memory freed while training roles use it --
     @fanout(dispatch="all", collect=lambda layout, results: results)

@@ -202,6 +202,8 @@ class TrainWorkhorse(Workhorse):
         exports = self.engine.exports(replica)
         if exports:
             transport = self._transport(targets, transport, bucket_bytes)
+            for t in targets:  # ahead of the first bucket (one caller: in order): whatever an earlier,
+                t.abort_sync.remote()  # unfinished sync left is forgotten
         adapter = self._takes_adapter(targets)
         try:
             for bucket in self.timed(self._buckets(bucket_bytes, replica, adapter)):
