@@ -119,6 +119,13 @@ class HeldCheck:
             self.mismatched.append(f"{name} [{diff}]")
         return True
 
+    def merge(self, counts: dict) -> None:
+        """Add the counts another check took (`take`), e.g. one run inside the engine's model."""
+        self.exact += counts["exact"]
+        self.functional += counts["functional"]
+        self.unchecked += counts["unchecked"]
+        self.mismatched += counts["mismatched"]
+
     def take(self) -> dict:
         """The counts so far as a dict (reset afterwards)."""
         out = {"exact": self.exact, "functional": self.functional, "unchecked": self.unchecked,

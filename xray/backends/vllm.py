@@ -336,11 +336,7 @@ class VllmEngine(GenerationEngine):
         bit for bit where readable, else its own layers' products; a quantized layer's fp8 codes
         and scales against our quantization of them)."""
         dtype, scheme = getattr(torch, self.config.dtype), self.config.scheme
-        counts = self.llm.apply_model(lambda model: check_model(model, ready, dtype, scheme))[0]
-        self.held.exact += counts["exact"]
-        self.held.functional += counts["functional"]
-        self.held.unchecked += counts["unchecked"]
-        self.held.mismatched += counts["mismatched"]
+        self.held.merge(self.llm.apply_model(lambda model: check_model(model, ready, dtype, scheme))[0])
 
     def held_check(self) -> dict:
         return self.held.take()
