@@ -187,24 +187,29 @@ class AsyncTrainer:
         self.pushes.append({"version": version, "published": time.time(), "loads": loads})
 
     def loaded(self) -> dict[str, float]:
-        """The verification of the latest push that every maker has answered by now (loaded, or
-        skipped for a newer version; a lost maker's answer is None: the driver replaces it)."""
-        out: dict[str, float] = {}
+        """The verification of every push that every maker has answered since the last step
+        (loaded, or skipped for a newer version; a lost maker's answer is None: the driver
+        replaces it). A push answered after its step ended is reported with the next one:
+        `sync/version` is the newest, `sync/pushes_verified` how many, the held counts summed."""
+        answered: list[tuple[dict, list]] = []
         while self.pushes and all(task.done() for task in self.pushes[0]["loads"]):
             push = self.pushes.pop(0)
             reports = [r for r in (task.result() for task in push["loads"]) if r is not None]
-            if not reports:
-                continue
-            probed = [r.max_abs_logprob_diff for r, _ in reports if not math.isnan(r.max_abs_logprob_diff)]
-            out = {"sync/version": float(push["version"]),
-                   **({"sync/max_abs_logprob_diff": max(probed)} if probed else {}),
-                   "sync/held_exact": float(sum(r.held_exact for r, _ in reports)),
-                   "sync/held_functional": float(sum(r.held_functional for r, _ in reports)),
-                   "sync/unchecked": float(sum(r.unchecked for r, _ in reports)),
-                   "sync/replicas_loaded": float(len(reports)),
-                   "sync/verify_s": max(r.verify_s for r, _ in reports),
-                   "async/push_latency_s": max(done for _, done in reports) - push["published"]}
-        return out
+            if reports:
+                answered.append((push, reports))
+        if not answered:
+            return {}
+        every = [r for _, reports in answered for r in reports]
+        probed = [r.max_abs_logprob_diff for r, _ in every if not math.isnan(r.max_abs_logprob_diff)]
+        push = answered[-1][0]
+        return {"sync/version": float(push["version"]), "sync/pushes_verified": float(len(answered)),
+                **({"sync/max_abs_logprob_diff": max(probed)} if probed else {}),
+                "sync/held_exact": float(sum(r.held_exact for r, _ in every)),
+                "sync/held_functional": float(sum(r.held_functional for r, _ in every)),
+                "sync/unchecked": float(sum(r.unchecked for r, _ in every)),
+                "sync/replicas_loaded": float(len(every)),  # loads answered: replicas x pushes
+                "sync/verify_s": max(r.verify_s for r, _ in every),
+                "async/push_latency_s": max(done - p["published"] for p, rs in answered for _, done in rs)}
 
     async def finish(self) -> None:
         """Bring every maker to the trainer's last weights (for the evaluation after the run)."""

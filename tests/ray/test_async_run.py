@@ -205,7 +205,10 @@ def test_no_experience_through_the_driver_and_no_head_of_line_blocking(long_run,
     assert after["rchar"] - before["rchar"] < 1 << 20
     steps = [m for _, m in rows]
     assert all(m["async/publish_s"] < 0.1 for m in steps)  # a push never waits for the makers
-    assert [m["sync/version"] for m in steps[1:]] == [float(trainer.state.step - 30 + s) for s in range(1, 30)]
+    first = trainer.state.step - 30  # the version the makers held at the start; then one push a step
+    versions = [m["sync/version"] for m in steps if "sync/version" in m]
+    assert versions == sorted(set(versions)) and versions[-1] >= first + 27, versions  # none lost, little lag
+    assert sum(m.get("sync/pushes_verified", 0) for m in steps) == versions[-1] - first, versions  # each once
     assert all(m["async/push_latency_s"] > 0 for m in steps[1:])
 
     monkeypatch.setenv("XRAY_MAKER_SLOWDOWN", "1:10")
