@@ -22,7 +22,7 @@ rm -rf "$dest" && mkdir -p "$dest"
   "typing-inspection==$(version typing-inspection)" "hjson==$(version hjson)" \
   "ray==$(version ray)" "jsonschema==$(version jsonschema)" \
   "jsonschema-specifications==$(version jsonschema-specifications)" \
-  "referencing==$(version referencing)" "rpds-py==$(version rpds-py)"
+  "referencing==$(version referencing)" "rpds-py==$(version rpds-py)" "xxhash==$(version xxhash)"
 "$py" -m pip wheel -q --no-deps --no-build-isolation -w "$dest" "deepspeed==$(version deepspeed)"
 "$py" - "$dest"/ray-*.whl <<'PY'
 import os
