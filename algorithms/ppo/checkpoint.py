@@ -23,10 +23,11 @@ ASYNC_STATE = "async.pt"
 
 
 async def save_checkpoint(trainer: PPOTrainer, checkpoints: FlashCheckpoints, data: RunData,
-                          detached=None) -> asyncio.Future:
+                          detached=None, persist: bool = True) -> asyncio.Future:
     """A flash checkpoint of the actor and critic, with the trainer's state and, in async mode, the
     buffer's experiences and the prompts of batches in the making (`Detached.state_dict`); returns
-    a future of the seconds training stopped for it (`FlashCheckpoints.take`: not waited for here)."""
+    a future of the seconds training stopped for it (`FlashCheckpoints.take`: not waited for here).
+    Without `persist`, a snapshot kept in memory only (synchronous runs, every step)."""
     if detached is not None:  # the buffer's snapshot holds the sampler's state of the same instant
         snapshot = await detached.state_dict()
         sampler, files = snapshot.pop("sampler"), {ASYNC_STATE: snapshot}
@@ -34,14 +35,15 @@ async def save_checkpoint(trainer: PPOTrainer, checkpoints: FlashCheckpoints, da
         sampler, files = data.sampler.state_dict(), {}
     state = {"step": trainer.state.step, "kl": trainer.kl.state_dict(), "eval_before": trainer.state.eval_before,
              "sampler": sampler}
-    return await checkpoints.take(trainer.state.step, state, files)
+    return await checkpoints.take(trainer.state.step, state, files, persist)
 
 
 async def resume_from(trainer: PPOTrainer, directory: Path, data: RunData, detached=None,
-                      checkpoints: FlashCheckpoints | None = None) -> str:
+                      checkpoints: FlashCheckpoints | None = None, state: dict | None = None) -> str:
     """Restore the run from checkpoint `directory` (the models from the snapshots `checkpoints`
-    holds in memory when their layout is unchanged); returns where the models' files came from."""
-    state = read_trainer_state(directory)
+    holds in memory when their layout is unchanged; `state`: the trainer's state of an in-memory
+    snapshot that never reached the disk); returns where the models' files came from."""
+    state = state if state is not None else read_trainer_state(directory)
     models = trainer.models
     held = {role: checkpoints.held_for(directory, role, getattr(models, role)) if checkpoints else None
             for role in trainer.trained}
@@ -50,6 +52,8 @@ async def resume_from(trainer: PPOTrainer, directory: Path, data: RunData, detac
     trainer.kl.load_state_dict(state["kl"])
     data.sampler.load_state_dict(state["sampler"])
     trainer.state = PPOState(step=state["step"], kl=state["kl"], eval_before=state["eval_before"])
+    if checkpoints is not None:
+        checkpoints.forget_after(trainer.state.step)
     # the rollout engine starts from the base weights: bring it to the checkpoint's
     await trainer.resync(data.eval_rows, trainer.state.step)
     if detached is not None:

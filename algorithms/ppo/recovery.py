@@ -10,8 +10,11 @@ grants, `algorithms.ppo.elastic`), then, in a synchronous run:
   scoring) holds nothing to restore: the rollout gets the actor's current weights (verified),
   the prompt sampler steps back, and the step runs again; training is not touched;
 - otherwise (the actor or critic died, or anything died once training had begun) the actor,
-  critic, trainer state and sampler go back to the latest complete checkpoint (from disk) and the
-  steps since it run again, each once.
+  critic, trainer state and sampler go back to the newest complete snapshot in memory
+  (`trainer.memory_snapshots`: the last step, or the one before when its snapshot was still being
+  taken; `xray/run/checkpoints.py`), or, where the layout changed or there is none, to the latest
+  complete checkpoint (from memory where it can, else from disk), and the steps since it run again,
+  each once.
 An asynchronous run replaces a lost experience maker itself, while the trainer goes on
 (`algorithms.ppo.detached`); when the trainer fails (its actor or critic lost), `recover_async`
 goes back to the latest complete checkpoint, its buffer and prompts in the making included, with
@@ -91,7 +94,7 @@ async def recover(exc: WholeModelError, trainer, data, checkpoints, run, sampler
                     trainer.state.step + 1)
         return
     source = await back_to_checkpoint(exc, trainer, data, run, dead, checkpoints)
-    log.warning("%s replaced; back at the checkpoint of step %d, restored from %s (%.1f s after the failure "
+    log.warning("%s replaced; back at step %d, restored from %s (%.1f s after the failure "
                 "was seen: %.1f s finding the dead, %.1f s starting Workhorses, %.1f s restoring and syncing "
                 "the rollout)", ", ".join(dead), trainer.state.step, source, time.perf_counter() - t0,
                 found - t0, replaced - found, time.perf_counter() - replaced)
@@ -99,10 +102,19 @@ async def recover(exc: WholeModelError, trainer, data, checkpoints, run, sampler
 
 async def back_to_checkpoint(exc: WholeModelError, trainer, data, run, dead: dict, checkpoints,
                              detached=None) -> str:
-    """Restore the latest complete checkpoint (from memory where it can); where it came from."""
+    """Restore the newest complete snapshot in memory (synchronous runs), else the latest complete
+    checkpoint (from memory where it can); where it came from."""
     from algorithms.ppo.checkpoint import resume_from
 
+    held = checkpoints.restorable() if detached is None else None
     latest = run.latest_checkpoint()
+    if held is not None and (latest is None or held.step >= int(latest.name.split("-")[1])):
+        try:
+            await resume_from(trainer, held.directory, data, None, checkpoints, state=held.trainer_state)
+            return "the in-memory snapshot" + (" (replicated)" if held.replicated else "")
+        except Exception as lost:  # noqa: BLE001 - lost with its node: the disk's checkpoint then
+            log.warning("the in-memory snapshot of step %d cannot be read (%s); going back to the latest checkpoint",
+                        held.step, " ".join(str(lost).splitlines()[:2]))
     if latest is None:
         raise RestartsExhausted(f"{', '.join(dead)} died and there is no complete checkpoint to go back to") from exc
     return await resume_from(trainer, latest, data, detached, checkpoints)

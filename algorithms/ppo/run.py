@@ -130,6 +130,8 @@ async def train_steps(trainer: PPOTrainer, run: RunDir, data: RunData, detached,
             metrics["checkpoint/stall_s"], checkpoints.stall_s = checkpoints.stall_s, None
         if cfg.trainer.save_every and step % cfg.trainer.save_every == 0:
             await save_checkpoint(trainer, checkpoints, data, current[0])
+        elif cfg.trainer.memory_snapshots and current[0] is None:  # at most the step in flight lost
+            await save_checkpoint(trainer, checkpoints, data, persist=False)
         if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0:
             metrics["eval"] = await trainer.evaluate(data.eval_rows)
         if step % cfg.trainer.log_every == 0:

@@ -35,6 +35,8 @@ class Snapshot:
     """(path, object): each written with torch.save, atomically (`write_atomically`)."""
     finish: Optional[Callable[[], None]] = None
     """Run once every file is written (DeepSpeed's `latest` marker)."""
+    markers: Optional[dict[str, Any]] = None
+    """Path -> content of what `finish` writes, for `held` (a load from memory reads them there)."""
 
     def __call__(self) -> None:
         for path, state in self.files:
@@ -45,7 +47,30 @@ class Snapshot:
 
     def held(self) -> dict[str, Any]:
         """The files by `file_key`: what `TrainEngine.load(directory, held)` reads instead of the disk."""
-        return {file_key(path): state for path, state in self.files}
+        return {**{file_key(path): value for path, value in (self.markers or {}).items()},
+                **{file_key(path): state for path, state in self.files}}
+
+
+def held_or_on_disk(path: str | os.PathLike, held: dict[str, Any] | None) -> bool:
+    """Whether the checkpoint file at `path` is in `held` (a snapshot's files) or on the disk."""
+    return (held is not None and file_key(path) in held) or os.path.isfile(path)
+
+
+def stage_held(directory: str, held: dict[str, Any], staged: str) -> str:
+    """Write `held`'s files under `directory` into `staged`, at the same relative paths (a marker,
+    a str, as text); returns `staged`, to load from where a reader globs the disk (DeepSpeed)."""
+    root = file_key(directory)
+    for key, value in held.items():
+        if not key.startswith(root + os.sep):
+            continue
+        path = os.path.join(staged, os.path.relpath(key, root))
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        if isinstance(value, str):
+            with open(path, "w") as f:
+                f.write(value)
+        else:
+            torch.save(value, path)
+    return staged
 
 
 def read(path: str | os.PathLike, held: dict[str, Any] | None = None, **load_options) -> Any:
@@ -100,6 +125,9 @@ def capture_engine():
 
         def create(self, info) -> None:
             pass
+
+        def makedirs(self, path, exist_ok=False) -> None:
+            pass  # the write makes them (`Snapshot.__call__`); a snapshot kept in memory makes none
 
         def save(self, state_dict, path: str) -> None:
             self.files.append((path, host_copy(state_dict)))

@@ -1,21 +1,27 @@
-"""Flash checkpoints of a run: a short blocking copy to host memory, the disk write behind it.
+"""Snapshots of a run in memory every step, flash checkpoints on disk every `trainer.save_every`.
 
-Every `trainer.save_every` steps the algorithm calls `FlashCheckpoints.take`: each trained
-WholeModel's Workhorses copy their state into host memory (`TrainWorkhorse.snapshot`; the only
-time training stops) and write it to `checkpoints/step-N/<role>/` from a background thread, while
-the run's own files (the async buffer, for instance) are written off the event loop. `take` only
-submits the snapshot calls: the run goes on to its next step at once (generation needs no trained
-Workhorse), and Ray runs a caller's calls to a Workhorse in the order they were made, so the copy
-is of the state after this step, and the next step's first call to that Workhorse waits for it.
-The copy's seconds (the slowest shard's) arrive later, in `stall_s`. Once every copy is done the
-Workhorses are told to write theirs (`TrainWorkhorse.persist_snapshot`) and to answer the files,
-which the object store keeps on their node for this process: they outlive the Workhorses, and
-`held_for` gives a model of the same layout the references to restore from (`TrainWorkhorse.load`);
-only the latest complete checkpoint's (and the one being written) are kept. The
-checkpoint becomes the run's latest only when all of it is on disk: a watcher polls the writers
-(`poll`), or `finish` waits for them (before the run ends), and then writes `trainer_state.json`,
-the marker `RunDir.latest_checkpoint` looks for, atomically. A crash while writing leaves the previous
-checkpoint the latest. One checkpoint is written at a time: a new one first finishes the last.
+After every step (`trainer.memory_snapshots`, synchronous runs; else at checkpoints only) the
+algorithm calls `FlashCheckpoints.take`: each trained WholeModel's Workhorses copy their state
+into host memory (`TrainWorkhorse.snapshot`, the only time training stops) and hand the copy out
+as a call's answer (`hand_snapshot`), which the object store keeps for the driver after the
+Workhorse dies; where the cluster has a node that runs none of them, a `SnapshotHolder` copies it
+there (`xray/run/snapshot_holder.py`) and a node's loss loses none of it. `take` only submits the
+calls: the run goes on to its next step at once (generation needs no trained Workhorse), and Ray
+runs a caller's calls to a Workhorse in the order they were made, so the copy is of the state
+after this step, and the next step's first call to that Workhorse waits for it. The copy's
+seconds (the slowest shard's) arrive later, in `stall_s`. A snapshot is usable as soon as every
+shard's answer is in (and replicated): `in_memory` is the newest such, with the trainer's state of
+the same instant, and a recovery restores it into models of the same layout (`held_for`) whether
+or not it reached the disk.
+
+At a checkpoint step the Workhorses also write that snapshot to `checkpoints/step-N/<role>/` from
+a background thread (`persist_snapshot`), while the run's own files (the async buffer, for
+instance) are written off the event loop. The checkpoint becomes the run's latest on disk only
+when all of it is there: a watcher polls the writers (`poll`), or `finish` waits for them (before
+the run ends), and then writes `trainer_state.json`, the marker `RunDir.latest_checkpoint` looks
+for, atomically. A crash while writing leaves the previous checkpoint the latest. One checkpoint
+is written at a time: a new one first finishes the last. Memory holds the newest complete
+snapshot, the one being taken and the latest checkpoint's; older ones are freed.
 """
 from __future__ import annotations
 
@@ -42,13 +48,28 @@ class _Writing:
     started: float
 
 
+@dataclass
+class Held:
+    """A complete snapshot in memory."""
+
+    step: int
+    directory: Path
+    """The checkpoint directory its files are named under (written there or not)."""
+    roles: dict[str, tuple[Any, list]]
+    """Role -> (the layout it was taken in, every rank's reference to its files)."""
+    trainer_state: dict[str, Any]
+    """The trainer's state at the same instant (what `trainer_state.json` holds)."""
+    replicated: bool = False
+    """Whether a copy sits on a node other than the trained Workhorses' (`SnapshotHolder`)."""
+
+
 class FlashCheckpoints:
-    """Takes and completes the flash checkpoints of one run's trained WholeModels."""
+    """Takes the in-memory snapshots and the flash checkpoints of one run's trained WholeModels."""
 
     def __init__(self, run: RunDir, models: Any, roles: tuple[str, ...] = ("actor", "critic")):
         self.run, self._models, self.roles = run, models, roles
         """`models` holds the WholeModels as attributes named by `roles` (read at each use: a
-        replaced model is checkpointed, not the one it replaced)."""
+        replaced model is snapshotted, not the one it replaced)."""
         self.writing: _Writing | None = None
         self._watcher: asyncio.Future | None = None
         self.written_s: float | None = None
@@ -57,37 +78,76 @@ class FlashCheckpoints:
         """Seconds training stopped for the last snapshot taken (its slowest copy), once known."""
         self.last_step: int | None = None
         """The step of the last checkpoint taken (complete or being written)."""
-        self._held: dict[Path, dict[str, tuple[Any, list]]] = {}
-        """Checkpoint directory -> role -> (the layout it was taken in, every rank's `persist_snapshot` reference)."""
+        self._held: dict[Path, Held] = {}
+        """Checkpoint directory -> its complete snapshot in memory."""
+        self.in_memory: Held | None = None
+        """The newest complete snapshot in memory."""
+        self._on_disk: Path | None = None
+        self._taking: list[asyncio.Future] = []
+        """The snapshots being taken (their `_copied`)."""
+        self._holder: Any = False
+        """The `SnapshotHolder` (None: no other node; False: not looked for yet)."""
 
     @property
     def models(self) -> dict[str, Any]:
         return {role: getattr(self._models, role) for role in self.roles}
 
-    async def take(self, step: int, trainer_state: dict[str, Any], files: dict[str, Any] | None = None
-                   ) -> asyncio.Future:
-        """Snapshot every model at `step` (submitted, not awaited: see the module docstring) and
-        start writing; returns a future of the seconds training stopped (the slowest copy's)."""
-        await self.finish()
+    async def take(self, step: int, trainer_state: dict[str, Any], files: dict[str, Any] | None = None,
+                   persist: bool = True) -> asyncio.Future:
+        """Snapshot every model at `step` into memory (submitted, not awaited: see the module
+        docstring) and, with `persist`, start writing it as a checkpoint; returns a future of the
+        seconds training stopped (the slowest copy's)."""
+        if persist:
+            await self.finish()
         directory = self.run.checkpoint_dir(step)
-        directory.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
         models = self.models
         copies = [m.snapshot(str(directory / role)) for role, m in models.items()]  # in order, now
-        snapshots = asyncio.ensure_future(self._copied(directory, models, copies))
-        writes = [asyncio.to_thread(write_atomically, obj, str(directory / name)) for name, obj in (files or {}).items()]
-        self.writing = _Writing(directory, trainer_state, snapshots, asyncio.ensure_future(asyncio.gather(*writes)), t0)
-        self.last_step = step
-        self._watcher = asyncio.ensure_future(self._watch())
+        handed = {role: (m.parallel, m.hand_snapshot(), m.handed()) for role, m in models.items()}  # right behind
+        snapshots = asyncio.ensure_future(self._copied(step, directory, models, copies, handed, trainer_state, persist))
+        snapshots.add_done_callback(lambda f: f.cancelled() or f.exception())  # a loss: recovery's to handle
+        self._taking = [f for f in self._taking if not f.done()] + [snapshots]
+        if persist:
+            directory.mkdir(parents=True, exist_ok=True)
+            writes = [asyncio.to_thread(write_atomically, obj, str(directory / name)) for name, obj in (files or {}).items()]
+            self.writing = _Writing(directory, trainer_state, snapshots, asyncio.ensure_future(asyncio.gather(*writes)), t0)
+            self.last_step = step
+            self._watcher = asyncio.ensure_future(self._watch())
         return snapshots
 
-    async def _copied(self, directory: Path, models: dict[str, Any], copies: list) -> float:
-        """Once every Workhorse's copy is done (the writes, started only then, do not slow a copy
-        down), have them write it and hold their answers, the files in memory."""
+    async def _copied(self, step: int, directory: Path, models: dict[str, Any], copies: list, handed: dict,
+                      trainer_state: dict[str, Any], persist: bool) -> float:
+        """Once every Workhorse's copy is done, have them write it (with `persist`: started only
+        then, the writes do not slow a copy down); once every answer is in (and replicated), the
+        snapshot is complete."""
         self.stall_s = max(await asyncio.gather(*copies))
-        self._held[directory] = {role: (m.parallel, m.persist_snapshot().refs) for role, m in models.items()}
+        if persist:
+            for m in models.values():
+                m.persist_snapshot()
+        await asyncio.gather(*[ack for _, _, ack in handed.values()])  # the answers are in, not fetched
+        roles = {role: (parallel, pending.refs) for role, (parallel, pending, _) in handed.items()}
+        holder = await self._replica_holder(models)
+        if holder is not None:
+            copied = await asyncio.gather(*[holder.copy.remote(list(refs)) for _, refs in roles.values()])
+            roles = {role: (parallel, refs) for (role, (parallel, _)), refs in zip(roles.items(), copied)}
+        held = self._held[directory] = Held(step, directory, roles, trainer_state, holder is not None)
+        if self.in_memory is None or step >= self.in_memory.step:
+            self.in_memory = held
+        self._prune()
         return self.stall_s
 
+    async def _replica_holder(self, models: dict[str, Any]) -> Any:
+        if self._holder is False:
+            from xray.run.snapshot_holder import start_holder
+
+            self._holder = await asyncio.to_thread(start_holder, models)
+        return self._holder
+
+    def _prune(self) -> None:
+        """Free every snapshot but the newest, the one being written and the latest on disk."""
+        keep = {self.in_memory.directory if self.in_memory else None, self._on_disk,
+                self.writing.directory if self.writing else None}
+        self._held = {d: h for d, h in self._held.items() if d in keep}
     async def _watch(self, every_s: float = 0.05) -> None:
         """Mark the checkpoint complete soon after its last byte is written (each poll waits behind
         the Workhorses' current call); a failure is left to `settle`/`finish`."""
@@ -119,28 +179,46 @@ class FlashCheckpoints:
         return self._complete()
 
     async def settle(self) -> None:
-        """After a Workhorse died: finish the checkpoint being written if every writer lives, else
+        """After a Workhorse died: let every snapshot being taken complete or fail (a dead shard
+        fails it at once), then finish the checkpoint being written if every writer lives, else
         abandon it (never marked complete: the previous one stays the latest)."""
+        await asyncio.gather(*self._taking, return_exceptions=True)
+        self._taking = []
         if self.writing is None:
             return
         try:
             await self.finish()
         except Exception as exc:  # noqa: BLE001 - a writer died with its Workhorse
-            log.warning("checkpoint %s abandoned: %s", self.writing.directory, str(exc).splitlines()[0])
-            self._held.pop(self.writing.directory, None)
-            self.writing = None
+            log.warning("checkpoint %s abandoned on disk: %s", self.writing.directory, str(exc).splitlines()[0])
+            self.writing = None  # its snapshot stays usable from memory if it was complete
 
     def held_for(self, directory: Path, role: str, model: Any) -> list | None:
         """The references of `role`'s snapshot files for checkpoint `directory`, if this run holds
         them and `model` has the layout they were taken in (else None: load from disk)."""
-        parallel, refs = self._held.get(Path(directory), {}).get(role, (None, None))
+        held = self._held.get(Path(directory))
+        parallel, refs = held.roles.get(role, (None, None)) if held is not None else (None, None)
         return refs if refs is not None and parallel == model.parallel and len(refs) == len(model.layout) else None
+
+    def forget_after(self, step: int) -> None:
+        """The run went back to `step`: the snapshots after it are of steps it will run again."""
+        self._held = {d: h for d, h in self._held.items() if h.step <= step}
+        newest = max(self._held.values(), key=lambda h: h.step, default=None)
+        if self.in_memory is not None and self.in_memory.step > step:
+            self.in_memory = newest
+
+    def restorable(self) -> Held | None:
+        """The newest complete snapshot in memory, if every model now has its layout."""
+        held = self.in_memory
+        if held is None or any(self.held_for(held.directory, role, m) is None for role, m in self.models.items()):
+            return None
+        return held
 
     def _complete(self) -> float:
         w, self.writing = self.writing, None
         w.snapshots.result(), w.files.result()  # a failed copy or write of the run's own files raises here
         self.run.write_trainer_state(w.directory, w.trainer_state)
-        self._held = {d: h for d, h in self._held.items() if d == w.directory}  # older ones: freed
+        self._on_disk = w.directory
+        self._prune()
         seconds = self.written_s = time.perf_counter() - w.started
         log.info("checkpoint complete: %s (written in %.1f s)", w.directory, seconds)
         return seconds

@@ -335,25 +335,40 @@ class TrainWorkhorse(Workhorse):
 
     @fanout(dispatch="all", collect=lambda layout, results: max(results))
     def snapshot(self, directory: str) -> float:
-        """A flash checkpoint: this shard's state copied into host memory now (a previous write is
-        finished first), for `persist_snapshot` to write to `directory`. Returns the seconds the
-        copy blocked (the slowest shard's, collected)."""
-        self.wait_persisted()
+        """A flash snapshot: this shard's state copied into host memory now, kept until the next
+        one, for `hand_snapshot` to answer and `persist_snapshot` to write to `directory` (a disk
+        write under way goes on with its own copy). Returns the seconds the copy blocked (the
+        slowest shard's, collected)."""
         t0 = time.perf_counter()
         self._snapshot = self.engine.snapshot(directory)
         return time.perf_counter() - t0
 
     @fanout(dispatch="all", collect=lambda layout, results: None)
-    def persist_snapshot(self) -> dict:
-        """Write the last snapshot to disk from a background thread while training goes on, and
-        answer its files (path -> object): the object store keeps this answer for the caller, who
-        holds the reference, after this process dies (a replacement reads it in `load`). Once per
-        snapshot; the caller collects no value (it keeps the references)."""
+    def hand_snapshot(self) -> dict:
+        """The last snapshot's files (path -> object) as this call's answer: the object store keeps
+        it for the caller, who holds the reference, after this process dies (a replacement reads it
+        in `load`). The caller collects no value (it keeps the references)."""
+        snapshot = getattr(self, "_snapshot", None)
+        if snapshot is None:
+            raise RuntimeError("hand_snapshot: no snapshot taken yet; call snapshot first")
+        return snapshot.held()
+
+    @fanout(dispatch="all", collect=lambda layout, results: all(results))
+    def handed(self) -> bool:
+        """True: called after `hand_snapshot`, its answer says that one is in the object store
+        without fetching it (a Workhorse runs a caller's calls in order)."""
+        return True
+
+    @fanout(dispatch="all", collect=lambda layout, results: None)
+    def persist_snapshot(self) -> None:
+        """Write the last snapshot to disk from a background thread while training goes on (after
+        the previous write, if it is still going: one write at a time)."""
         import threading
 
-        snapshot, self._snapshot = getattr(self, "_snapshot", None), None
+        snapshot = getattr(self, "_snapshot", None)
         if snapshot is None:
-            raise RuntimeError("persist_snapshot: no snapshot taken since the last one was written; call snapshot first")
+            raise RuntimeError("persist_snapshot: no snapshot taken yet; call snapshot first")
+        self.wait_persisted()
         self._persist_error: BaseException | None = None
 
         def write() -> None:
@@ -364,7 +379,6 @@ class TrainWorkhorse(Workhorse):
 
         self._writer = threading.Thread(target=write, name=f"persist-{self.role}-{self.rank}", daemon=True)
         self._writer.start()
-        return snapshot.held()
 
     @fanout(dispatch="all", collect=lambda layout, results: all(results))
     def persisted(self) -> bool:

@@ -18,6 +18,7 @@ import dataclasses
 
 import logging
 import os
+import tempfile
 from typing import Iterator
 
 import deepspeed
@@ -32,7 +33,7 @@ from xray.backends.deepspeed.model import load_model, role_outputs
 from xray.backends.deepspeed.reshard import ensure_universal, load_universal, saved_dp
 from xray.backends.optim import ABORT, SKIPPED, build_optimizer, build_scheduler, frozen_lr, skips_update
 from xray.backends.optim import state_bytes as optim_state_bytes
-from xray.backends.snapshot import Snapshot, capture_engine, read, replay_engine
+from xray.backends.snapshot import Snapshot, capture_engine, file_key, held_or_on_disk, read, replay_engine, stage_held
 from xray.config.lora import LoraConfig
 from xray.config.parallel import LayoutError, ParallelDims
 from xray.data.batch import Batch
@@ -154,17 +155,24 @@ class DeepSpeedEngine(TrainEngine):
         """DeepSpeed's own checkpoint, taken into host memory through a capture engine."""
         tag, capture = f"step{self.step_count}", capture_engine()
         writer, self.engine.checkpoint_engine = self.engine.checkpoint_engine, capture
+        scripts: list[str] = []  # DeepSpeed's recovery scripts (rank 0): copied with the files, not now
+        self.engine._copy_recovery_script = scripts.append
         try:
             self.engine.save_checkpoint(directory, tag=tag, client_state={"xray_step": self.step_count},
                                         save_latest=False)
         finally:
             self.engine.checkpoint_engine = writer
+            del self.engine._copy_recovery_script
         rng_file = (os.path.join(directory, tag, _RNG_FILE.format(rank=self.rank)), self._rng())
+        engine = self.engine
 
         def latest() -> None:  # DeepSpeed's "latest", last: this shard's files are all in
+            for path in scripts:
+                engine._copy_recovery_script(path)
             with open(os.path.join(directory, "latest"), "w") as f:
                 f.write(tag)
-        return Snapshot([*capture.files, rng_file], latest if self.rank == 0 else None)
+        return Snapshot([*capture.files, rng_file], latest if self.rank == 0 else None,
+                        {os.path.join(directory, "latest"): tag})
 
     def _rng(self) -> dict:
         rng = {"cpu": torch.get_rng_state()}
@@ -172,18 +180,25 @@ class DeepSpeedEngine(TrainEngine):
             rng["cuda"] = torch.cuda.get_rng_state()
         return rng
 
-    def load(self, directory: str, held: dict | None = None) -> None:
+    def load(self, directory: str, held: dict | None = None, _staged: bool = False) -> None:
         """Restore a checkpoint of this role, saved at this data-parallel size (its files read from
-        `held` when it holds them) or at another (then through DeepSpeed's universal checkpoint:
-        `xray/backends/deepspeed/reshard.py`)."""
+        `held` when it holds them; a snapshot that never reached the disk is staged in a temporary
+        directory first, as DeepSpeed looks for its files there) or at another (then through
+        DeepSpeed's universal checkpoint: `xray/backends/deepspeed/reshard.py`)."""
         trains = self.optimizer is not None
         latest = os.path.join(directory, "latest")
-        if not os.path.isfile(latest):
+        if held and file_key(latest) in held and not os.path.isfile(latest):  # a snapshot never written
+            with tempfile.TemporaryDirectory(prefix="xray-snapshot-") as staged:
+                return self.load(stage_held(directory, held, staged), _staged=True)  # DeepSpeed globs the disk
+        if not held_or_on_disk(latest, held):
             raise CheckpointError(f"no DeepSpeed checkpoint in {directory} (no 'latest' file); "
                                   "pass the directory given to save()")
-        with open(latest) as f:
-            tag = f.read().strip()
-        saved = saved_dp(directory, tag)
+        if held and file_key(latest) in held:  # a snapshot in memory, handed over in this layout only
+            tag, saved = held[file_key(latest)], self.parallel.dp
+        else:
+            with open(latest) as f:
+                tag = f.read().strip()
+            saved = self.parallel.dp if _staged else saved_dp(directory, tag)  # staged: this rank's and rank 0's
         if saved and saved != self.parallel.dp and tag == "step0":
             # before the first optimizer step the checkpoint holds the weights this engine was
             # built with and an empty Adam state, which DeepSpeed's converter cannot read: keep them
@@ -199,14 +214,14 @@ class DeepSpeedEngine(TrainEngine):
         else:
             reader, self.engine.checkpoint_engine = self.engine.checkpoint_engine, replay_engine(held or {})
             try:
-                _, client = self.engine.load_checkpoint(directory, tag=None, load_optimizer_states=trains,
+                _, client = self.engine.load_checkpoint(directory, tag=tag, load_optimizer_states=trains,
                                                         load_lr_scheduler_states=trains)
             finally:
                 self.engine.checkpoint_engine = reader
         self.step_count = int(client.get("xray_step", 0))
         rng_rank = self.rank % saved if saved else self.rank  # another dp: a saved rank's stream
         rng_path = os.path.join(directory, tag, _RNG_FILE.format(rank=rng_rank))
-        if not os.path.exists(rng_path):
+        if not held_or_on_disk(rng_path, held):
             raise CheckpointError(f"{rng_path} is missing: the checkpoint was not written by xray")
         rng = read(rng_path, held, weights_only=True)
         torch.set_rng_state(rng["cpu"])

@@ -54,7 +54,7 @@ def load_shard(directory: str | Path, rank: int, header: dict[str, Any], held: d
     from xray.backends.snapshot import read
 
     path = shard_path(directory, rank)
-    if not path.is_file():
+    if not present(path, held):
         raise FileNotFoundError(f"{path} not found; was {directory} saved by a Megatron engine "
                                 "with the same world size?")
     state = read(path, held, map_location="cpu", weights_only=False)
@@ -69,13 +69,20 @@ def load_shard(directory: str | Path, rank: int, header: dict[str, Any], held: d
     return state
 
 
+def present(path: Path, held: dict | None) -> bool:
+    """Whether the file at `path` is in `held` (a snapshot's files, in memory) or on the disk."""
+    from xray.backends.snapshot import file_key
+
+    return (held is not None and file_key(path) in held) or path.is_file()
+
+
 def header_in(directory: str | Path, held: dict | None = None) -> dict[str, Any] | None:
     """The header of rank 0's file in `directory` (what wrote the checkpoint; read from `held`
     when it holds the file); None without one."""
     from xray.backends.snapshot import read
 
     path = shard_path(directory, 0)
-    if not path.is_file():
+    if not present(path, held):
         return None
     return read(path, held, map_location="cpu", weights_only=False).get("header")
 
