@@ -1,37 +1,38 @@
-"""Goodput of a synchronous PPO run that loses a training Workhorse and a node, against the same run unharmed.
+"""Goodput of a synchronous PPO run that loses Workhorses and a node, against the same run unharmed.
 
     .venv/bin/python benchmarks/fault_injection.py [--steps 200] [--backend megatron-vllm] [--seed 0]
-                                                   [--config FILE] [--a.b=VALUE ...]
+                                                   [--stall-steps 40] [--config FILE] [--a.b=VALUE ...]
 
 The default job (`python -m xray.train ppo`'s preparation, configs/ppo_tiny_cpu.yaml) lengthened
-to `--steps` steps with a flash checkpoint every 10 (`--trainer.save_every`), on two Ray nodes of
-this machine (`ray.cluster_utils.Cluster`): the train group (actor, critic, reference) is elastic
-over two devices, one per node (`elasticity` {max_train_batch_size: 32, micro_batch_sizes: [16]}:
-the default job's mini-batch of 32 at dp=2 and dp=1), the rollout on the head node. Run twice in
-one process: uninterrupted, then faulted: the actor's rank-0 Workhorse is SIGKILLed as a step
-drawn (seeded) from the 20%-50% stretch of the run begins (the run replaces the train group and
-goes back to its latest complete checkpoint, `algorithms/ppo/recovery.py`), the second node is
-removed as a step drawn from the 55%-75% stretch begins (the group shrinks to dp=1 and goes back
-to its checkpoint, `algorithms/ppo/elastic.py`), and added back 10 steps later (the group grows to
-dp=2 at the next step boundary, from that step's checkpoint). Figures, of the faulted run:
-- goodput = seconds of the steps that were kept (each step's last run: the sum of its phases) /
-  wall seconds from the first step's start to the last step's end;
-- recovery_s = the slowest of the two faults: seconds from the fault to the end of the first step
-  after it that was kept;
+to `--steps` steps, a snapshot in memory after every step (`trainer.memory_snapshots`) and a
+checkpoint on disk every 10 (`--trainer.save_every`), on two Ray nodes of this machine
+(`ray.cluster_utils.Cluster`): the train group (actor, critic, reference) is elastic over two
+devices, one per node (`elasticity` {max_train_batch_size: 32, micro_batch_sizes: [16]}: the
+default job's mini-batch of 32 at dp=2 and dp=1), the rollout on the head node. Run twice in one
+process, uninterrupted, then faulted, at steps drawn (seeded) from stretches of the run: the
+actor's rank-0 Workhorse SIGKILLed at a random moment of a step in the 15%-35% stretch; the critic's
+rank-0 Workhorse SIGTERMed as a preemption notice would be (SIGKILLed 5 s later if still alive) as
+a step of the 40%-50% stretch begins; the second node removed as a step of the 55%-75% stretch
+begins (the group shrinks to dp=1, `algorithms/ppo/elastic.py`) and added back 10 steps later (it
+grows to dp=2 at the next step boundary). Every time is taken in the driver. Figures:
+- goodput = wall seconds of the uninterrupted run / of the faulted one (first step's end to the
+  last step's end);
+- recovery_s = the slowest fault's seconds from the fault to the end of the step that was in
+  flight when it hit, done again;
+- lost_steps = the most steps that had finished before one fault and ran again after it;
 - eval_gap = greedy accuracy on the held-out prompts after the uninterrupted run minus after the
   faulted one;
-- checkpoint_stall = median seconds training stops for a flash checkpoint (the slowest Workhorse's
-  blocking copy: the driver does not wait for it, `xray/run/checkpoints.py`) / median seconds the
-  driver waits for a synchronous save (`WholeModel.save`) of the same actor and critic; both
-  measured side by side at the end of the faulted run, alternating, 5 times each. The run's own
-  copies are printed too: they run beside the next step's generation on the same cores, so their
-  wall time is longer, while the step's generation (which needs no trained Workhorse) goes on.
-Last line: `goodput=<x> recovery_s=<y> eval_gap=<z> checkpoint_stall=<w>`.
+- checkpoint_stall = median driver step time of the steps that follow a per-step snapshot / of the
+  steps that follow none, minus 1: `--stall-steps` more steps of the uninterrupted run, with the
+  snapshot taken after every other step (a snapshot's copy and hand-out run during the next step).
+Last line: `goodput=<x> recovery_s=<y> lost_steps=<n> eval_gap=<z> checkpoint_stall=<w>`.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import dataclasses
 import logging
 import os
 import random
@@ -72,31 +73,45 @@ def elastic_config(path: str, tmp: Path) -> str:
     return str(out)
 
 
-async def steps_with_fault(trainer, data, run: RunDir, cluster, faults: dict | None) -> dict:
-    """Run the steps; (end time, duration) of each step's every run, the fault times, the stalls."""
+async def steps_with_fault(trainer, data, run: RunDir, cluster, faults: dict | None, stall_steps: int = 0) -> dict:
+    """Run the steps (then, unfaulted, `stall_steps` more with a snapshot after every other one):
+    each step's end time (every run of it), the faults (time, step in flight), the stall figures."""
+    from algorithms.ppo.run import save_checkpoint
+
     checkpoints = FlashCheckpoints(run, trainer.models)
-    ends: list[tuple[int, float, float]] = []
-    stalls: list[float] = []
-    times: list[float] = []
+    ends: list[tuple[int, float]] = []
+    times: list[tuple[float, int]] = []
+    alternate = [False]
 
     async def on_step(step: int, metrics: dict) -> None:
-        ends.append((step, time.perf_counter(), sum(v for k, v in metrics.items() if k.startswith("time/"))))
+        ends.append((step, time.perf_counter()))
         if step % trainer.cfg.trainer.save_every == 0:
-            from algorithms.ppo.run import save_checkpoint
-
-            stalls.append(await save_checkpoint(trainer, checkpoints, data))  # the copy's seconds, to come
+            await save_checkpoint(trainer, checkpoints, data)
+        elif not alternate[0] or step % 2 == 0:
+            await save_checkpoint(trainer, checkpoints, data, persist=False)
 
     async def at_step(step: int) -> None:
         while trainer.state.step < step - 1:
             await asyncio.sleep(0.002)
 
+    def hit() -> None:
+        times.append((time.perf_counter(), trainer.state.step + 1))
+
     async def injector() -> None:
-        pid = await trainer.models.actor.shard_handles()[0].pid.remote()
         await at_step(faults["kill"])
-        times.append(time.perf_counter())
+        await asyncio.sleep(faults["kill_delay"])
+        pid = await trainer.models.actor.shard_handles()[0].pid.remote()
+        hit()
         os.kill(pid, signal.SIGKILL)
+        await at_step(faults["term"])
+        pid = await trainer.models.critic.shard_handles()[0].pid.remote()
+        hit()
+        os.kill(pid, signal.SIGTERM)
+        await asyncio.sleep(5.0)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
         await at_step(faults["remove"])
-        times.append(time.perf_counter())
+        hit()
         await asyncio.to_thread(cluster.remove_node, next(iter(cluster.worker_nodes)))
         await at_step(faults["add"])
         cluster.add_node(**WORKER)  # blocking the run's loop, as a node that joins between steps
@@ -107,29 +122,19 @@ async def steps_with_fault(trainer, data, run: RunDir, cluster, faults: dict | N
     await checkpoints.finish()
     if task is not None:
         task.cancel()
-    copies = await asyncio.gather(*stalls, return_exceptions=True)  # a snapshot its Workhorse died in: none
-    return {"ends": ends, "stalls": [s for s in copies if isinstance(s, float)], "faults": times, "eval": await trainer.evaluate(data.eval_rows),
-            "dp": trainer.models.actor.parallel.dp}
-
-
-async def flash_and_synchronous(trainer, directory: Path, times: int = 5) -> tuple[list[float], list[float]]:
-    """Side by side, alternating, on the trained run's actor and critic with nothing else running:
-    the seconds a flash checkpoint stops training (the slowest Workhorse's blocking copy; then its
-    write is waited for, outside the figure), and the seconds a synchronous save
-    (`WholeModel.save`) keeps the driver waiting."""
-    flash, sync = [], []
-    checkpoints = FlashCheckpoints(RunDir(directory / "flash"), trainer.models)
-    for i in range(times):
-        for kind in (("flash", "sync") if i % 2 == 0 else ("sync", "flash")):
-            if kind == "flash":
-                flash.append(await (await checkpoints.take(i, {"step": i})))
-                await checkpoints.finish()
-                continue
-            t0 = time.perf_counter()
-            await asyncio.gather(trainer.models.actor.save(str(directory / f"s{i}/actor")),
-                                 trainer.models.critic.save(str(directory / f"s{i}/critic")))
-            sync.append(time.perf_counter() - t0)
-    return flash, sync
+    out = {"ends": list(ends), "faults": times, "eval": await trainer.evaluate(data.eval_rows),
+           "dp": trainer.models.actor.parallel.dp}
+    if stall_steps:
+        alternate[0], first = True, len(ends)
+        trainer.cfg = dataclasses.replace(trainer.cfg, trainer=dataclasses.replace(
+            trainer.cfg.trainer, steps=trainer.cfg.trainer.steps + stall_steps))
+        await sync_steps(trainer, run, data, checkpoints, GracefulStop(), on_step)
+        await checkpoints.finish()
+        after: dict[bool, list[float]] = {True: [], False: []}  # a snapshot after the step before?
+        for (prev, t0), (_, t1) in zip(ends[first:], ends[first + 1:]):
+            after[prev % 2 == 0 or prev % trainer.cfg.trainer.save_every == 0].append(t1 - t0)
+        out["after_snapshot"], out["after_none"] = after[True], after[False]
+    return out
 
 
 def measure(args, overrides: list[str], cluster, faults: dict | None) -> dict:
@@ -140,12 +145,8 @@ def measure(args, overrides: list[str], cluster, faults: dict | None) -> dict:
         with ppo_trainer(cfg, plan, RunDir(tmp), cluster.address) as (trainer, data):
             run = RunDir(Path(tmp) / "run")
 
-            async def both() -> dict:
-                out = await steps_with_fault(trainer, data, run, cluster, faults)
-                out["flash"], out["saves"] = (await flash_and_synchronous(trainer, Path(tmp) / "side")
-                                              if faults else ([], []))
-                return out
-            return asyncio.run(both())
+            return asyncio.run(steps_with_fault(trainer, data, run, cluster, faults,
+                                                0 if faults else args.stall_steps))
 
 
 def two_nodes():
@@ -164,31 +165,40 @@ def two_nodes():
     return cluster, ray
 
 
-def figures(faulted: dict) -> tuple[float, float]:
-    """(goodput, recovery_s) of the faulted run."""
-    kept: dict[int, tuple[float, float]] = {}
-    for step, end, seconds in faulted["ends"]:
-        kept[step] = (end, seconds)  # a step run again: its last run is the one kept
-    first_start = min(end - seconds for _, end, seconds in faulted["ends"])
-    last_end = max(end for end, _ in kept.values())
-    goodput = sum(seconds for _, seconds in kept.values()) / (last_end - first_start)
-    recovery = max(min(end for end, _ in kept.values() if end > t) - t for t in faulted["faults"])
-    return goodput, recovery
+def wall(run: dict) -> float:
+    """Seconds from the first step's end to the last step's end (every run of a step counted)."""
+    return max(end for _, end in run["ends"]) - run["ends"][0][1]
+
+
+def figures(clean: dict, faulted: dict) -> dict[str, float]:
+    """goodput, recovery_s, lost_steps of the faulted run against the clean one (module docstring)."""
+    recovery, lost = 0.0, 0
+    bounds = [t for t, _ in faulted["faults"]] + [float("inf")]
+    for (t, in_flight), upto in zip(faulted["faults"], bounds[1:]):
+        again = [end for step, end in faulted["ends"] if step == in_flight and end > t]
+        recovery = max(recovery, min(again) - t if again else float("inf"))
+        done_before = {step for step, end in faulted["ends"] if end <= t}
+        lost = max(lost, len({step for step, end in faulted["ends"] if t < end < upto and step in done_before}))
+    return {"goodput": wall(clean) / wall(faulted), "recovery_s": recovery, "lost_steps": lost}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--backend", default="megatron-vllm")
-    parser.add_argument("--seed", type=int, default=0, help="draws the step of the kill")
+    parser.add_argument("--seed", type=int, default=0, help="draws the steps of the faults")
+    parser.add_argument("--stall-steps", type=int, default=40, help="steps measuring checkpoint_stall")
     parser.add_argument("--config", default=str(DEFAULT_CONFIGS["ppo"]))
     args, overrides = parser.parse_known_args()
     if not any(o.startswith("--trainer.save_every") for o in overrides):
         overrides.insert(0, "--trainer.save_every=10")
+    if not any(o.startswith("--trainer.max_restarts") for o in overrides):
+        overrides.insert(0, "--trainer.max_restarts=5")  # three faults, each a recovery
     logging.basicConfig(level=logging.WARNING)
     rng = random.Random(args.seed)
-    faults = {"kill": rng.randint(int(args.steps * 0.2), int(args.steps * 0.5))}
-    faults["remove"] = rng.randint(int(args.steps * 0.55), int(args.steps * 0.75))
+    n = args.steps
+    faults = {"kill": rng.randint(int(n * 0.15), int(n * 0.35)), "kill_delay": rng.uniform(0.0, 1.0),
+              "term": rng.randint(int(n * 0.4), int(n * 0.5)), "remove": rng.randint(int(n * 0.55), int(n * 0.75))}
     faults["add"] = faults["remove"] + 10
     cluster, ray = two_nodes()
     try:
@@ -197,16 +207,18 @@ def main() -> None:
     finally:
         ray.shutdown()
         cluster.shutdown()
-    goodput, recovery = figures(faulted)
-    stall = statistics.median(faulted["flash"]) / statistics.median(faulted["saves"])
-    print(f"killed the actor's rank 0 as step {faults['kill']} began, removed the second node as step "
-          f"{faults['remove']} began and added it back as step {faults['add']} began (final actor dp "
-          f"{faulted['dp']}); flash stall {statistics.median(faulted['flash']):.4f} s vs synchronous save "
-          f"{statistics.median(faulted['saves']):.4f} s side by side (the run's own copies, beside generation: "
-          f"{statistics.median(faulted['stalls']):.4f} s); eval {clean['eval']:.3f} uninterrupted, "
-          f"{faulted['eval']:.3f} faulted")
-    print(f"goodput={goodput:.3f} recovery_s={recovery:.1f} eval_gap={clean['eval'] - faulted['eval']:.3f} "
-          f"checkpoint_stall={stall:.3f}")
+    f = figures(clean, faulted)
+    stall = statistics.median(clean["after_snapshot"]) / statistics.median(clean["after_none"]) - 1
+    start = faulted["ends"][0][1]
+    print(f"faults (s into the run, step in flight): {[(round(t - start, 1), s) for t, s in faulted['faults']]} "
+          f"(actor SIGKILL {faults['kill_delay']:.2f} s into step {faults['kill']}, critic SIGTERM at step "
+          f"{faults['term']}, node removed at step {faults['remove']}, back at {faults['add']}; final actor dp "
+          f"{faulted['dp']}); wall {wall(clean):.1f} s uninterrupted, {wall(faulted):.1f} s faulted; steps run "
+          f"{len(faulted['ends'])} for {n}; step after a snapshot {statistics.median(clean['after_snapshot']):.3f} s, "
+          f"after none {statistics.median(clean['after_none']):.3f} s (medians of {len(clean['after_snapshot'])} and "
+          f"{len(clean['after_none'])}); eval {clean['eval']:.3f} uninterrupted, {faulted['eval']:.3f} faulted")
+    print(f"goodput={f['goodput']:.3f} recovery_s={f['recovery_s']:.1f} lost_steps={f['lost_steps']} "
+          f"eval_gap={clean['eval'] - faulted['eval']:.3f} checkpoint_stall={stall:.3f}")
 
 
 if __name__ == "__main__":
