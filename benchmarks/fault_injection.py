@@ -211,8 +211,8 @@ def main() -> None:
     stall = statistics.median(clean["after_snapshot"]) / statistics.median(clean["after_none"]) - 1
     start = faulted["ends"][0][1]
     print(f"faults (s into the run, step in flight): {[(round(t - start, 1), s) for t, s in faulted['faults']]} "
-          f"(actor SIGKILL {faults['kill_delay']:.2f} s into step {faults['kill']}, critic SIGTERM at step "
-          f"{faults['term']}, node removed at step {faults['remove']}, back at {faults['add']}; final actor dp "
+          f"(actor SIGKILL {faults['kill_delay']:.2f} s after step {faults['kill'] - 1} ended, critic SIGTERM as step "
+          f"{faults['term']} began, node removed as step {faults['remove']} began, back as {faults['add']} began; final actor dp "
           f"{faulted['dp']}); wall {wall(clean):.1f} s uninterrupted, {wall(faulted):.1f} s faulted; steps run "
           f"{len(faulted['ends'])} for {n}; step after a snapshot {statistics.median(clean['after_snapshot']):.3f} s, "
           f"after none {statistics.median(clean['after_none']):.3f} s (medians of {len(clean['after_snapshot'])} and "

@@ -20,6 +20,8 @@ An asynchronous run replaces a lost experience maker itself, while the trainer g
 goes back to the latest complete checkpoint, its buffer and prompts in the making included, with
 new experience makers, trainer and buffer.
 At most `trainer.max_restarts` recoveries; one more death ends the run with the error.
+A Workhorse that got SIGTERM (`xray/run/drain.py`) is not waited for to die: `replace_drained`
+replaces its model at the step boundary from the step's snapshot in memory, losing nothing.
 """
 from __future__ import annotations
 
@@ -134,3 +136,28 @@ async def recover_async(exc: WholeModelError, trainer, data, checkpoints, run, r
                 ", ".join(dead), trainer.state.step, source, time.perf_counter() - t0, found - t0,
                 replaced - found, time.perf_counter() - replaced)
     return detached
+
+
+async def replace_drained(notices: list[tuple[str, int, int]], trainer, data, checkpoints, run) -> None:
+    """Replace each model with a Workhorse that got a drain notice (SIGTERM) after the step that just
+    ended, once that step's snapshot is complete: a trained model, and the others trained with it,
+    restore that snapshot (nothing is lost); a rollout takes the actor's weights, verified."""
+    t0 = time.perf_counter()
+    await checkpoints.settle()  # the snapshot of the step that ended: complete
+    roles = sorted({role for role, _, _ in notices if getattr(trainer.models, role, None) is not None})
+    log.warning("drain notice (SIGTERM) from %s; replacing %s after step %d",
+                ", ".join(f"{role} rank {rank} (pid {pid})" for role, rank, pid in notices), ", ".join(roles),
+                trainer.state.step)
+    for role in roles:
+        new = await asyncio.to_thread(trainer.models.replace, role)
+        if role == "reward" and hasattr(trainer.score_fn, "reward"):
+            trainer.score_fn.reward = new
+    if set(roles) & set(trainer.trained):
+        source = await back_to_checkpoint(RuntimeError("drain notice"), trainer, data, run, {r: [] for r in roles},
+                                          checkpoints)
+    else:
+        source = "nothing to restore"
+        if "rollout" in roles:
+            await trainer.resync(data.eval_rows, trainer.state.step)
+    log.warning("%s replaced after a drain notice in %.1f s; at step %d, restored from %s", ", ".join(roles),
+                time.perf_counter() - t0, trainer.state.step, source)

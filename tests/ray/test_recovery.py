@@ -7,7 +7,9 @@ checkpoint may still be written) to well into it (the actor's on megatron-vllm, 
 deepspeed-dsinfer, slow tier): the run replaces that model, goes back to the newest complete
 in-memory snapshot (step 4's, or step 3's when step 4's was cut) and finishes, having run again at
 most one step that had finished. On megatron-vllm a rollout Workhorse is also killed during step 8:
-it is replaced and step 8 runs again without going back (steps 6 and 7 ran once). An asynchronous
+it is replaced and step 8 runs again without going back (steps 6 and 7 ran once); and a critic
+Workhorse gets SIGTERM during step 9: it is replaced when the step ends, from the step's snapshot,
+and no step runs again. An asynchronous
 run whose trainer is lost (slow tier) goes back to its checkpoint, restored from memory.
 """
 import asyncio
@@ -32,23 +34,25 @@ def writing(run) -> bool:
     return newest is not None and not (newest / "trainer_state.json").exists()
 
 
-async def kill_during(trainer, run, kills: list[tuple[int, str, int, float]], done: list,
-                      quiet: bool = False) -> None:
-    """SIGKILL each (step, role, pid, delay) `delay` seconds after the step before it ended. With
+async def kill_during(trainer, run, kills: list[tuple], done: list, quiet: bool = False) -> None:
+    """SIGKILL each (step, role, pid, delay[, signal]) `delay` seconds after the step before it
+    ended (or send it `signal`). With
     `quiet`, only once no checkpoint is being written: the asynchronous run goes back to the last
     one, not to one that a kill racing its write abandons (a tiny model's async step, ~0.17 s, is
     about as long as a write)."""
-    for step, role, pid, delay in kills:
+    for step, role, pid, delay, *sig in kills:
         while trainer.state.step < step - 1 or (quiet and writing(run)):
             await asyncio.sleep(0.002)
         await asyncio.sleep(delay)
-        logging.getLogger(__name__).warning("killing %s Workhorse pid %d %.2f s after step %d ended (checkpoint "
-                                            "being written: %s)", role, pid, delay, step - 1, writing(run))
-        os.kill(pid, signal.SIGKILL)
+        sig = sig[0] if sig else signal.SIGKILL
+        logging.getLogger(__name__).warning("sending %s to the %s Workhorse pid %d %.2f s after step %d ended "
+                                            "(checkpoint being written: %s)", sig.name, role, pid, delay, step - 1,
+                                            writing(run))
+        os.kill(pid, sig)
         done.append((role, trainer.state.step))
 
 
-def train_with_kills(trainer, run, data, kills: list[tuple[int, str, int, float]], quiet: bool = False
+def train_with_kills(trainer, run, data, kills: list[tuple], quiet: bool = False
                      ) -> tuple[float, list[tuple[str, int]]]:
     """The run's `train` with `kill_during` beside it: (eval after, [(role killed, steps finished then)])."""
     from algorithms.ppo.run import train
@@ -86,10 +90,12 @@ def test_dead_workhorses_are_replaced(tmp_path, tiny_model, backend, trained, ca
     delay = random.uniform(0.0, 1.0)  # a step of this run takes about 1.5 s
     with ppo_trainer(cfg, plan, run) as (trainer, data):
         pid = {role: ray.get(getattr(trainer.models, role).shard_handles()[0].pid.remote())
-               for role in (trained, "rollout")}
-        kills = [(5, trained, pid[trained], delay)] + ([(8, "rollout", pid["rollout"], 0.0)] if trained == "actor" else [])
+               for role in (trained, "rollout", "critic")}
+        kills = [(5, trained, pid[trained], delay)]
+        if trained == "actor":  # the rollout lost in step 8; the critic told to drain during step 9
+            kills += [(8, "rollout", pid["rollout"], 0.0), (9, "critic", pid["critic"], 0.3, signal.SIGTERM)]
         _, killed = train_with_kills(trainer, run, data, kills)
-    assert [role for role, _ in killed] == [role for _, role, _, _ in kills] and trainer.state.step == 10
+    assert [role for role, _ in killed] == [k[1] for k in kills] and trainer.state.step == 10
     finished = killed[0][1]  # steps finished when the trained Workhorse was killed (4, or 5 after a long delay)
     rows = steps_logged(run)
     assert sorted(rows) == list(range(1, 11))
@@ -100,6 +106,9 @@ def test_dead_workhorses_are_replaced(tmp_path, tiny_model, backend, trained, ca
     assert redone == ({} if int(back.group(1)) == finished else {finished: 1}), (delay, rows)  # at most one step again
     assert f"{trained}: replaced" in log
     assert ("rollout: replaced" in log) == (trained == "actor")
+    if trained == "actor":  # the drained critic: replaced after step 9 from its snapshot, nothing run again
+        assert re.search(r"drain notice \(SIGTERM\) from critic rank 0 \(pid \d+\); replacing critic after step 9", log), log[-3000:]
+        assert "critic replaced after a drain notice" in log and "at step 9, restored from the in-memory snapshot" in log
 
 
 @pytest.mark.slow

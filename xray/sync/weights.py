@@ -270,6 +270,10 @@ deadline): a replica that never answers fails the sync instead of hanging the ru
 async def landed(pushed: dict, version: int) -> list[dict]:
     """The rollout replicas' `finish_sync` reports of a push (`TrainWorkhorse.push_weights` answers
     once the last bucket is sent; the replicas may still be loading). A load that failed raises."""
+    from ray.exceptions import ActorDiedError, ObjectLostError, OwnerDiedError
+
+    from xray.wholemodel.errors import ShardFailure, WorkhorseDied
+
     try:
         await asyncio.wait_for(asyncio.gather(*pushed["loads"]), LANDED_DEADLINE_S)
         return list(await asyncio.wait_for(asyncio.gather(*pushed["finishes"]), LANDED_DEADLINE_S))
@@ -277,6 +281,9 @@ async def landed(pushed: dict, version: int) -> list[dict]:
         raise WeightSyncError(f"weight sync to version {version}: the rollout replicas did not finish loading "
                               f"within {LANDED_DEADLINE_S:.0f} s; see their logs (xray.report) for the stuck "
                               "replica") from None
+    except (ActorDiedError, OwnerDiedError, ObjectLostError) as exc:  # the sender (their owner) or a replica died
+        failure = ShardFailure(0, f"{type(exc).__name__}: {str(exc).splitlines()[0]}", str(exc))
+        raise WorkhorseDied("rollout", "sync", [failure], len(pushed["loads"]) or 1) from exc
 
 
 async def sync_weights(actor, rollout, version: int, cfg: SyncConfig, probe: list[list[int]] | None = None,

@@ -118,6 +118,12 @@ class Workhorse(BusyRecorder):
         self.seed = shard_seed(seed, role, rank)
         self.log = logging.LoggerAdapter(log, {"role": role, "rank": rank})
         self._init_busy()
+        try:
+            from xray.run.drain import listen
+
+            listen(role, rank)  # SIGTERM: a drain notice to the run, then an exit (xray/run/drain.py)
+        except Exception as exc:  # noqa: BLE001 - outside Ray (a unit test's engine): SIGTERM as usual
+            self.log.debug("no drain listener: %s", exc)
         torch.set_num_threads(threads)
         random.seed(self.seed)
         torch.manual_seed(self.seed)

@@ -1,0 +1,106 @@
+"""Drain notices: a Workhorse told to stop (SIGTERM: its node draining, a preemption notice) says
+so, and a synchronous run replaces it at the next step boundary from that step's snapshot in
+memory (`xray/run/checkpoints.py`), losing nothing, instead of finding it dead in a step.
+
+`listen` (each Workhorse, at start) turns SIGTERM into a notice to the run's `DrainInbox`, a named
+actor of the driver's job that a synchronous run opens before it starts its models (`open_inbox`),
+and a deadline: the Workhorse goes on serving for
+`XRAY_DRAIN_GRACE_S` seconds (30 by default, as a preempted Kubernetes pod gets) and then exits.
+The run takes the notices after each step (`DrainInbox.take`: one call to an idle actor, not
+queued behind the Workhorses' snapshot copies) and replaces the models that got one
+(`algorithms/ppo/recovery.py`, `replace_drained`). Without an inbox (an asynchronous run, a
+notebook's models) SIGTERM ends the Workhorse at once, and a run recovers it as a lost one.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+
+log = logging.getLogger(__name__)
+GRACE_S = float(os.environ.get("XRAY_DRAIN_GRACE_S", "30"))
+
+
+class DrainInbox:
+    """Ray actor (zero CPUs, named per job): the drain notices not yet taken."""
+
+    def __init__(self) -> None:
+        self.notices: list[tuple[str, int, int]] = []
+
+    def notify(self, role: str, rank: int, pid: int) -> None:
+        self.notices.append((role, rank, pid))
+
+    def take(self) -> list[tuple[str, int, int]]:
+        """The notices since the last take: (role, rank, pid) each."""
+        notices, self.notices = self.notices, []
+        return notices
+
+
+def inbox_name() -> str:
+    import ray
+
+    return f"xray-drain-{ray.get_runtime_context().get_job_id()}"
+
+
+_held: list = []
+"""The driver's handle of the inbox: a named actor lives while a handle of its creator does."""
+
+
+def open_inbox():
+    """This job's inbox (started if none), emptied of what an earlier run left in it."""
+    import ray
+
+    if _held:  # this process's own (a handle got by name would not keep it alive)
+        try:
+            ray.get(_held[0].take.remote(), timeout=10)
+            return _held[0]
+        except Exception:  # noqa: BLE001 - of an earlier cluster
+            _held.clear()
+    inbox = ray.remote(num_cpus=0)(DrainInbox).options(name=inbox_name(), get_if_exists=True).remote()
+    ray.get(inbox.take.remote())
+    _held[:] = [inbox]
+    return inbox
+
+
+def close_inbox() -> None:
+    """No inbox for this job's Workhorses started from now on (an asynchronous run reads none)."""
+    import ray
+
+    _held.clear()
+    try:
+        ray.kill(ray.get_actor(inbox_name()))
+    except ValueError:
+        pass
+
+
+def listen(role: str, rank: int) -> None:
+    """In a Workhorse's process: if a run opened the job's inbox, SIGTERM tells it and the process
+    exits `GRACE_S` seconds later (a second SIGTERM: at once). Otherwise, and off the main thread,
+    SIGTERM stays Ray's (the process exits)."""
+    import ray
+
+    if not ray.is_initialized() or threading.current_thread() is not threading.main_thread():
+        return
+    try:
+        inbox = ray.get_actor(inbox_name())
+    except ValueError:  # no run listening: a notebook's models, an asynchronous run
+        return
+    told: list[bool] = []
+
+    def notify() -> None:
+        try:
+            ray.get(inbox.notify.remote(role, rank, os.getpid()), timeout=10)
+        except Exception as exc:  # noqa: BLE001 - the run is gone: exit at the deadline
+            log.warning("%s rank %d: SIGTERM; the run's drain inbox did not answer (%s)", role, rank, exc)
+
+    def on_sigterm(signum, frame) -> None:
+        if told:
+            os._exit(1)
+        told.append(True)
+        threading.Thread(target=notify, daemon=True).start()
+        deadline = threading.Timer(GRACE_S, os._exit, args=(0,))
+        deadline.daemon = True
+        deadline.start()
+
+    signal.signal(signal.SIGTERM, on_sigterm)
