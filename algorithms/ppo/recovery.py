@@ -74,13 +74,16 @@ async def replace_dead(exc: WholeModelError, trainer, checkpoints, restarts: int
               and await asyncio.to_thread(elastic.lost_devices, g)}  # else its devices stand: replace
     for group in groups:
         await elastic.shrink(group)
-    for role in dead:
-        if elastic is not None and elastic.group_of(role) in groups:
-            continue
+    await replace_models(trainer, [r for r in dead if elastic is None or elastic.group_of(r) not in groups])
+    return dead, groups, [t0, found, time.perf_counter()]
+
+
+async def replace_models(trainer, roles: list[str]) -> None:
+    """Start each of `roles`' models anew on its devices (the reward function's model too)."""
+    for role in roles:
         new = await asyncio.to_thread(trainer.models.replace, role)
         if role == "reward" and hasattr(trainer.score_fn, "reward"):
             trainer.score_fn.reward = new
-    return dead, groups, [t0, found, time.perf_counter()]
 
 
 async def recover(exc: WholeModelError, trainer, data, checkpoints, run, sampler_state: dict, restarts: int,
@@ -148,10 +151,7 @@ async def replace_drained(notices: list[tuple[str, int, int]], trainer, data, ch
     log.warning("drain notice (SIGTERM) from %s; replacing %s after step %d",
                 ", ".join(f"{role} rank {rank} (pid {pid})" for role, rank, pid in notices), ", ".join(roles),
                 trainer.state.step)
-    for role in roles:
-        new = await asyncio.to_thread(trainer.models.replace, role)
-        if role == "reward" and hasattr(trainer.score_fn, "reward"):
-            trainer.score_fn.reward = new
+    await replace_models(trainer, roles)
     if set(roles) & set(trainer.trained):
         source = await back_to_checkpoint(RuntimeError("drain notice"), trainer, data, run, {r: [] for r in roles},
                                           checkpoints)

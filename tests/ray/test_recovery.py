@@ -102,8 +102,10 @@ def test_dead_workhorses_are_replaced(tmp_path, tiny_model, backend, trained, ca
     log = caplog.text
     back = re.search(r"back at step (\d+), restored from the in-memory snapshot", log)
     assert back and int(back.group(1)) in (finished - 1, finished), (delay, finished, log[-3000:])  # or its snapshot was cut
+    # at most one finished step ran again: the one after the snapshot restored (a step may still end after
+    # the kill when the dead shard's part of it was done, and its snapshot is then the one cut)
     redone = {step: n - 1 for step, n in rows.items() if n > 1}
-    assert redone == ({} if int(back.group(1)) == finished else {finished: 1}), (delay, rows)  # at most one step again
+    assert set(redone) <= {int(back.group(1)) + 1} and max(redone.values(), default=1) == 1, (delay, rows)
     assert f"{trained}: replaced" in log
     assert ("rollout: replaced" in log) == (trained == "actor")
     if trained == "actor":  # the drained critic: replaced after step 9 from its snapshot, nothing run again

@@ -148,6 +148,7 @@ class FlashCheckpoints:
         keep = {self.in_memory.directory if self.in_memory else None, self._on_disk,
                 self.writing.directory if self.writing else None}
         self._held = {d: h for d, h in self._held.items() if d in keep}
+
     async def _watch(self, every_s: float = 0.05) -> None:
         """Mark the checkpoint complete soon after its last byte is written (each poll waits behind
         the Workhorses' current call); a failure is left to `settle`/`finish`."""

@@ -51,10 +51,10 @@ def save_shard(directory: str | Path, rank: int, header: dict[str, Any], state: 
 def load_shard(directory: str | Path, rank: int, header: dict[str, Any], held: dict | None = None) -> dict[str, Any]:
     """Read this rank's file (from `held`, a snapshot's files, when it holds it) and check it was
     written by an engine like this one."""
-    from xray.backends.snapshot import read
+    from xray.backends.snapshot import held_or_on_disk, read
 
     path = shard_path(directory, rank)
-    if not present(path, held):
+    if not held_or_on_disk(path, held):
         raise FileNotFoundError(f"{path} not found; was {directory} saved by a Megatron engine "
                                 "with the same world size?")
     state = read(path, held, map_location="cpu", weights_only=False)
@@ -69,20 +69,13 @@ def load_shard(directory: str | Path, rank: int, header: dict[str, Any], held: d
     return state
 
 
-def present(path: Path, held: dict | None) -> bool:
-    """Whether the file at `path` is in `held` (a snapshot's files, in memory) or on the disk."""
-    from xray.backends.snapshot import file_key
-
-    return (held is not None and file_key(path) in held) or path.is_file()
-
-
 def header_in(directory: str | Path, held: dict | None = None) -> dict[str, Any] | None:
     """The header of rank 0's file in `directory` (what wrote the checkpoint; read from `held`
     when it holds the file); None without one."""
-    from xray.backends.snapshot import read
+    from xray.backends.snapshot import held_or_on_disk, read
 
     path = shard_path(directory, 0)
-    if not present(path, held):
+    if not held_or_on_disk(path, held):
         return None
     return read(path, held, map_location="cpu", weights_only=False).get("header")
 
