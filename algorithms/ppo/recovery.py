@@ -20,7 +20,7 @@ An asynchronous run replaces a lost experience maker itself, while the trainer g
 goes back to the latest complete checkpoint, its buffer and prompts in the making included, with
 new experience makers, trainer and buffer.
 At most `trainer.max_restarts` recoveries; one more death ends the run with the error.
-A Workhorse that got SIGTERM (`xray/run/drain.py`) is not waited for to die: `replace_drained`
+A Workhorse that got SIGTERM (`xray/workhorse/drain.py`) is not waited for to die: `replace_drained`
 replaces its model at the step boundary from the step's snapshot in memory, losing nothing.
 """
 from __future__ import annotations

@@ -176,16 +176,16 @@ async def sync_steps(trainer: PPOTrainer, run: RunDir, data: RunData, checkpoint
                      stop: GracefulStop, on_step) -> None:
     """Synchronous steps to `trainer.steps`; a step that loses a Workhorse is recovered
     (`algorithms.ppo.recovery`), from a step-0 checkpoint if none is newer; a Workhorse that got
-    SIGTERM is replaced at the step boundary (`xray/run/drain.py`); elastic device groups grow at
+    SIGTERM is replaced at the step boundary (`xray/workhorse/drain.py`); elastic device groups grow at
     step boundaries when devices join (`algorithms.ppo.elastic`)."""
     from algorithms.ppo.elastic import Elastic
     from algorithms.ppo.recovery import recover, replace_drained
-    from xray.run.drain import open_inbox
+    from xray.workhorse.drain import open_inbox
     from xray.wholemodel.errors import WholeModelError
 
     cfg, restarts = trainer.cfg, 0
     elastic = Elastic(trainer)
-    inbox = await asyncio.to_thread(open_inbox)  # drain notices: SIGTERMed Workhorses (xray/run/drain.py)
+    inbox = await asyncio.to_thread(open_inbox)  # drain notices: SIGTERMed Workhorses (xray/workhorse/drain.py)
     if (cfg.trainer.max_restarts or elastic.ranges) and run.latest_checkpoint() is None:
         await save_checkpoint(trainer, checkpoints, data)  # somewhere to go back to
     while trainer.state.step < cfg.trainer.steps and not stop.requested:

@@ -205,9 +205,9 @@ def build_models(cfg: RunConfig, plan: Plan, model_dir: str, ray_address: str | 
 
     check_layouts(cfg, plan, model_dir)
     ensure_ray(ray_address, num_cpus=plan.nproc_per_node * plan.nnodes * cfg.threads_per_worker)
-    from xray.run.drain import close_inbox, open_inbox
+    from xray.workhorse.drain import close_inbox, open_inbox
 
-    if cfg.trainer.mode == "sync":  # a SIGTERMed Workhorse tells the run (xray/run/drain.py)
+    if cfg.trainer.mode == "sync":  # a SIGTERMed Workhorse tells the run (xray/workhorse/drain.py)
         open_inbox()
     else:
         close_inbox()

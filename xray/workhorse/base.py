@@ -119,9 +119,9 @@ class Workhorse(BusyRecorder):
         self.log = logging.LoggerAdapter(log, {"role": role, "rank": rank})
         self._init_busy()
         try:
-            from xray.run.drain import listen
+            from xray.workhorse.drain import listen
 
-            listen(role, rank)  # SIGTERM: a drain notice to the run, then an exit (xray/run/drain.py)
+            listen(role, rank)  # SIGTERM: a drain notice to the run, then an exit (xray/workhorse/drain.py)
         except Exception as exc:  # noqa: BLE001 - outside Ray (a unit test's engine): SIGTERM as usual
             self.log.debug("no drain listener: %s", exc)
         torch.set_num_threads(threads)
