@@ -209,7 +209,7 @@ def test_no_experience_through_the_driver_and_no_head_of_line_blocking(long_run,
     versions = [m["sync/version"] for m in steps if "sync/version" in m]
     assert versions == sorted(set(versions)) and versions[-1] >= first + 27, versions  # none lost, little lag
     assert sum(m.get("sync/pushes_verified", 0) for m in steps) == versions[-1] - first, versions  # each once
-    assert all(m["async/push_latency_s"] > 0 for m in steps[1:])
+    assert all(m["async/push_latency_s"] > 0 for m in steps if "sync/version" in m)  # every push reported
 
     monkeypatch.setenv("XRAY_MAKER_SLOWDOWN", "1:10")
     slowed = asyncio.run(_steps(trainer, data, 10))
