@@ -41,19 +41,19 @@ async def save_checkpoint(trainer: PPOTrainer, checkpoints: FlashCheckpoints, da
 async def resume_from(trainer: PPOTrainer, directory: Path, data: RunData, detached=None,
                       checkpoints: FlashCheckpoints | None = None, state: dict | None = None) -> str:
     """Restore the run from checkpoint `directory` (the models from the snapshots `checkpoints`
-    holds in memory when their layout is unchanged; `state`: the trainer's state of an in-memory
+    holds in memory, in any layout; `state`: the trainer's state of an in-memory
     snapshot that never reached the disk); returns where the models' files came from."""
     state = state if state is not None else read_trainer_state(directory)
     models = trainer.models
-    held = {role: checkpoints.held_for(directory, role, getattr(models, role)) if checkpoints else None
-            for role in trainer.trained}
-    sources = await asyncio.gather(*[getattr(models, role).load(str(directory / role), held=held[role])
+    held = {role: checkpoints.held_for(directory, role) if checkpoints else None for role in trainer.trained}
+    sources = await asyncio.gather(*[getattr(models, role).load(str(directory / role), **(held[role] or {}))
                                      for role in trainer.trained])
     trainer.kl.load_state_dict(state["kl"])
     data.sampler.load_state_dict(state["sampler"])
     trainer.state = PPOState(step=state["step"], kl=state["kl"], eval_before=state["eval_before"])
     if checkpoints is not None:
         checkpoints.forget_after(trainer.state.step)
+        checkpoints.placement_changed()  # every restore follows a replacement or a resize
     # the rollout engine starts from the base weights: bring it to the checkpoint's
     await trainer.resync(data.eval_rows, trainer.state.step)
     if detached is not None:

@@ -6,12 +6,13 @@ sizes its bounds allow. Two events move it:
   a killed process alone is replaced in place, as in any group). Recovery
   (`algorithms.ppo.recovery`) asks `Elastic.shrink`: the group's models are stopped and its
   devices given back, and it is placed again on as many devices as the cluster now grants (the
-  largest allowed size). Its models then restore from the latest checkpoint, resharded to the new
-  layout, and the steps since run again.
+  largest allowed size). Its models then restore the newest complete snapshot in memory (or, where
+  none can be read, the latest checkpoint on disk), resharded to the new layout, and the steps since
+  run again: at most the step in flight.
 - **grow**: at a step boundary, a group below its largest size sees free devices that fit it (a
-  node joined) and has kept its size for `elasticity.min_time` minutes. The step just finished is
-  checkpointed and persisted, the group is placed on the larger size, and its models restore from
-  that checkpoint: no step is lost.
+  node joined) and has kept its size for `elasticity.min_time` minutes. The group is placed on the
+  larger size and its models restore the snapshot in memory of the step just finished (resharded
+  by the engines; from disk only where it cannot be read): no step is lost.
 After either, the mini-batch is micro-batch x accumulation x data-parallel size for the new size
 (`PPOTrainer.batches`); the change is logged, and each step's metrics carry the group's device
 count (`elastic/<group>_devices`), the mini-batch and the resizes so far.
@@ -106,17 +107,26 @@ class Elastic:
         return out
 
     async def grow(self, save, checkpoints, resume) -> bool:
-        """At a step boundary: grow every group that free devices fit, from a checkpoint of this
-        step (`save()` takes it, `resume(directory)` restores it); False when none grew."""
+        """At a step boundary: grow every group that free devices fit, from this step's snapshot in
+        memory (`checkpoints.restorable`, resharded to the new size), else from a checkpoint of
+        this step on disk (`save()` takes it); `resume(directory, state)` restores; False when none grew."""
         targets = await asyncio.to_thread(self.growth)
         if not targets:
             return False
         step = self.trainer.state.step
-        if checkpoints.last_step != step:
-            await save()
-        await checkpoints.finish()
+        await checkpoints.settle()  # this step's snapshot: complete
+        held = checkpoints.restorable()
+        if held is None or held.step != step:
+            if checkpoints.last_step != step:
+                await save()
+            await checkpoints.finish()
+        await checkpoints.watch_nodes()  # the new node's replica holder warms while the Workhorses start
         for group, n in targets.items():
             await asyncio.to_thread(self.trainer.models.release, group)
             await self._place(group, n, "devices joined")
-        await resume(checkpoints.run.latest_checkpoint())
+        if held is not None and held.step == step:
+            source = await resume(held.directory, held.trainer_state)
+        else:
+            source = await resume(checkpoints.run.latest_checkpoint(), None)
+        log.warning("elastic: restored step %d into the new size from %s", step, source)
         return True

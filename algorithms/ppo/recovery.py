@@ -12,9 +12,9 @@ grants, `algorithms.ppo.elastic`), then, in a synchronous run:
 - otherwise (the actor or critic died, or anything died once training had begun) the actor,
   critic, trainer state and sampler go back to the newest complete snapshot in memory
   (`trainer.memory_snapshots`: the last step, or the one before when its snapshot was still being
-  taken; `xray/run/checkpoints.py`), or, where the layout changed or there is none, to the latest
-  complete checkpoint (from memory where it can, else from disk), and the steps since it run again,
-  each once.
+  taken; `xray/run/checkpoints.py`), resharded by the engines when an elastic group shrank, from
+  each shard's files or their copy on another node; where none can be read, to the latest
+  complete checkpoint on disk; and the steps since it run again, each once.
 An asynchronous run replaces a lost experience maker itself, while the trainer goes on
 (`algorithms.ppo.detached`); when the trainer fails (its actor or critic lost), `recover_async`
 goes back to the latest complete checkpoint, its buffer and prompts in the making included, with

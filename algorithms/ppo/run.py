@@ -201,7 +201,8 @@ async def sync_steps(trainer: PPOTrainer, run: RunDir, data: RunData, checkpoint
                 await replace_drained(notices, trainer, data, checkpoints, run)
             if elastic.ranges and trainer.state.step < cfg.trainer.steps and not stop.requested:
                 await elastic.grow(lambda: save_checkpoint(trainer, checkpoints, data), checkpoints,
-                                   lambda directory: resume_from(trainer, directory, data))
+                                   lambda directory, state: resume_from(trainer, directory, data, None, checkpoints,
+                                                                        state=state))
         except WholeModelError as exc:
             restarts += 1
             await recover(exc, trainer, data, checkpoints, run, sampler_state, restarts, elastic)

@@ -1,18 +1,22 @@
-"""Elastic data parallelism across nodes: a run loses a node, goes on at dp=1, gets it back, returns to dp=2.
+"""Elastic data parallelism across nodes: a run starts small, grows when a node joins, shrinks when it leaves.
 
 Two Ray nodes on this machine (`ray.cluster_utils.Cluster`), each offering one device of the train
-group (the custom resource `xray_trainer`; the rollout sits on the head through `xray_head`). A
-10-step deepspeed-dsinfer run starts with actor, critic and reference at ZeRO-3 dp=2, one device on
-each node, and elasticity {max_train_batch_size: 6, micro_batch_sizes: [2]}: the mini-batch is
-2 x 1 x 2 = 4 at dp=2 and 2 x 3 x 1 = 6 at dp=1. The second node is removed as step 4 begins and
-added back as step 7 begins: the run shrinks to one device (from the step-2 checkpoint, resharded
-through DeepSpeed's universal checkpoint), trains at dp=1 with a mini-batch of 6, grows back to
-two devices at a step boundary (from that step's checkpoint) and finishes at dp=2 with 4.
+group (the custom resource `xray_trainer`; the rollout sits on the head through `xray_head`), but
+the run starts with the head alone. A 10-step deepspeed-dsinfer run configured for actor, critic
+and reference at ZeRO-3 dp=2 with elasticity {max_train_batch_size: 6, micro_batch_sizes: [2],
+lr_scaling: linear} starts at dp=1 (mini-batch 2 x 3 x 1 = 6, lr x 6/4); the second node joins as
+step 3 begins and the run grows to dp=2 at a step boundary (2 x 1 x 2 = 4, the configured lr),
+from that step's snapshot in memory; the node is removed as step 6 begins and the run shrinks to
+dp=1 from the newest snapshot in memory (each shard's files, or their copy on the other node,
+resharded through DeepSpeed's universal checkpoint), redoing at most the step in flight; it joins
+again as step 8 begins and the run finishes at dp=2.
 """
 import asyncio
 import collections
+import itertools
 import json
 import logging
+import re
 
 import pytest
 import yaml
@@ -24,7 +28,8 @@ WORKER = {"num_cpus": 2, "resources": {"xray_trainer": 1}}
 
 
 @pytest.fixture
-def two_nodes():
+def head_only():
+    """A cluster of the head node alone (one train device); the test adds and removes the second."""
     import ray
     from ray.cluster_utils import Cluster
 
@@ -35,7 +40,6 @@ def two_nodes():
     bind_loopback()
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 6, "resources": {"xray_trainer": 1, "xray_head": 1}})
-    cluster.add_node(**WORKER)
     cluster.wait_for_nodes()
     ensure_ray(address=cluster.address)
     yield cluster
@@ -52,7 +56,8 @@ def elastic_config(tmp_path, model_dir):
                         "resources": {"xray_trainer": 1}},
         "rollout_group": {"device": "CPU", "ranks": [2], "workers": ["rollout"], "resources": {"xray_head": 1}},
     }
-    block = {"max_train_batch_size": 6, "micro_batch_sizes": [2], "min_gpus": 1, "max_gpus": 2}
+    block = {"max_train_batch_size": 6, "micro_batch_sizes": [2], "min_gpus": 1, "max_gpus": 2,
+             "lr_scaling": "linear"}
     for role in ("actor", "critic"):
         cfg[role]["elasticity"] = block
     cfg["rollout"]["dp"] = 1
@@ -63,50 +68,58 @@ def elastic_config(tmp_path, model_dir):
 
 
 async def change_nodes(trainer, cluster, events: list) -> None:
-    """Remove the worker node as step 4 begins; add one back as step 7 begins."""
-    while trainer.state.step < 3:
-        await asyncio.sleep(0.002)
-    worker = cluster.worker_nodes and next(iter(cluster.worker_nodes))
-    await asyncio.to_thread(cluster.remove_node, worker)
-    events.append(("removed", trainer.state.step))
-    while trainer.state.step < 6:
-        await asyncio.sleep(0.01)
-    cluster.add_node(**WORKER)  # blocking the run's loop: the node is in before the run can end
-    events.append(("added", trainer.state.step))
+    """Add the worker node as step 3 begins, remove it as step 6 begins, add it again as step 8 begins."""
+    for after, change in ((2, "added"), (5, "removed"), (7, "added")):
+        while trainer.state.step < after:
+            await asyncio.sleep(0.005)
+        if change == "added":
+            cluster.add_node(**WORKER)  # blocking the run's loop: the node is in before the step ends
+        else:
+            await asyncio.to_thread(cluster.remove_node, next(iter(cluster.worker_nodes)))
+        events.append((change, trainer.state.step))
 
 
-def test_a_node_leaves_and_comes_back(tmp_path, tiny_model, two_nodes, caplog):
+def test_a_run_starts_small_grows_shrinks_and_grows_again(tmp_path, tiny_model, head_only, caplog):
     from algorithms.ppo.run import ppo_trainer, train
     from xray.run.outputs import RunDir
     from xray.train import resolve
 
     path = elastic_config(tmp_path, tiny_model)
     _, cfg, plan, _, _ = resolve(["ppo", "--backend", "deepspeed-dsinfer", "--config", str(path),
-                                  "--ray-address", two_nodes.address])
+                                  "--ray-address", head_only.address])
+    lr = cfg.actor.optim.lr
     run = RunDir(tmp_path / "run")
     caplog.set_level(logging.WARNING)
     events: list = []
-    with ppo_trainer(cfg, plan, run, two_nodes.address) as (trainer, data):
-        assert trainer.models.actor.parallel.dp == 2
+    with ppo_trainer(cfg, plan, run, head_only.address) as (trainer, data):
+        assert trainer.models.actor.parallel.dp == 1  # started below its configured size
 
         async def main() -> float:
-            mover = asyncio.ensure_future(change_nodes(trainer, two_nodes, events))
+            mover = asyncio.ensure_future(change_nodes(trainer, head_only, events))
             try:
                 return await train(trainer, run, data, None)
             finally:
                 mover.cancel()
         asyncio.run(main())
         assert trainer.models.actor.parallel.dp == 2, events
-    assert [e for e, _ in events] == ["removed", "added"] and trainer.state.step == 10
+    assert [e for e, _ in events] == ["added", "removed", "added"] and trainer.state.step == 10, events
     rows = [json.loads(line) for line in (run.path / "metrics.jsonl").read_text().splitlines()]
-    devices = [(r["step"], r["elastic/train_group_devices"], r["elastic/mini_batch_size"]) for r in rows]
-    assert devices[0] == (1, 2.0, 4.0) and devices[-1] == (10, 2.0, 4.0), devices
-    assert any(d == 1.0 and mb == 6.0 for _, d, mb in devices), devices  # went on at dp=1, recomputed batch
-    assert rows[-1]["elastic/resizes"] >= 2.0
+    seen = [(r["step"], r["elastic/train_group_devices"], r["elastic/mini_batch_size"], r["actor/lr"]) for r in rows]
+    assert seen[0][1:3] == (1.0, 6.0) and seen[-1][:3] == (10, 2.0, 4.0), seen
+    for step, devices, mini, step_lr in seen:  # DeepSpeed's batch rule and lr_scaling: linear at every size
+        assert (mini, step_lr) == ((6.0, pytest.approx(lr * 1.5, rel=1e-9)) if devices == 1 else
+                                   (4.0, pytest.approx(lr, rel=1e-9))), seen
+    assert [d for d, _ in itertools.groupby(d for _, d, _, _ in seen)] == [1.0, 2.0, 1.0, 2.0], seen
+    assert rows[-1]["elastic/resizes"] >= 3.0
     counts = collections.Counter(r["step"] for r in rows)
-    assert sorted(counts) == list(range(1, 11)) and counts[1] == counts[2] == 1 and counts[3] <= 2 and max(counts.values()) <= 2
+    assert sorted(counts) == list(range(1, 11)) and max(counts.values()) <= 2, counts  # at most the step in flight
+    assert sum(counts.values()) <= 11, counts  # one node loss: one step redone at most
     assert all(r.get("sync/max_abs_logprob_diff", 0.0) <= FP32_PROBE for r in rows), rows
     assert "sync/max_abs_logprob_diff" in rows[0] and "sync/max_abs_logprob_diff" in rows[-1]  # first, last
     log = caplog.text
-    assert "train_group: 2 -> 1 devices" in log and "train_group: 1 -> 2 devices (devices joined)" in log
+    assert "elastic: train_group starts on 1 of its 2 devices" in log, log[-3000:]
+    assert log.count("train_group: 1 -> 2 devices (devices joined)") == 2, log[-3000:]
+    assert "train_group: 2 -> 1 devices" in log, log[-3000:]
+    assert log.count("into the new size from memory") == 2, log[-3000:]  # the grows: no disk
+    assert re.search(r"back at step \d+, restored from the in-memory snapshot \(replicated\)", log), log[-3000:]
     assert "WholeModel actor is gone" not in log  # the control planes stayed: only Workhorses restarted

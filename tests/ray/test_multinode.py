@@ -63,13 +63,15 @@ def test_wholemodel_actor_sits_on_the_head_node(two_nodes):
 
 
 def test_a_snapshot_replica_outlives_the_node_it_was_taken_on(two_nodes):
-    """The in-memory snapshots' holder (`xray/run/snapshot_holder.py`) sits on a node that runs none
-    of the model's Workhorses (the driver's) and copies what a Workhorse on a third node answered;
-    that node removed, the copy is still read. Last in this module: it adds and removes a node."""
+    """The in-memory snapshots' replicas (`xray/run/snapshot_holder.py`): a Workhorse's answer on a
+    third node is copied to another node (the driver's); that node removed, the copy is still read.
+    Last in this module: it adds and removes a node."""
+    import asyncio
+
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    from xray.run.snapshot_holder import start_holder
+    from xray.run.snapshot_holder import Replicator
     from xray.wholemodel.handle import Bundles
 
     node = two_nodes.add_node(num_cpus=1, resources={"node_c": 1})
@@ -78,14 +80,17 @@ def test_a_snapshot_replica_outlives_the_node_it_was_taken_on(two_nodes):
     ray.get(pg.ready(), timeout=60)
     wm = WholeModel(EchoWorkhorse, role="snapped", parallel=ParallelDims(dp=1), bundles=Bundles(pg, (0,)))
     try:
-        holder = start_holder({"snapped": wm})
-        assert ray.get(holder.node_id.remote()) == ray.get_runtime_context().get_node_id()  # the driver's node
+        replicas = Replicator()
+        assert replicas.refresh({"snapped": wm}) == 3
+        [shard_node] = replicas.nodes["snapped"]
+        assert shard_node == node.node_id and replicas.target(shard_node) == ray.get_runtime_context().get_node_id()
         answer = wm.payload(8)  # 8 MB answered on node_c, kept in its object store
-        copies = ray.get(holder.copy.remote(list(answer.refs)))
+        copies = asyncio.run(replicas.copy("snapped", list(answer.refs)))
         two_nodes.remove_node(node)
         ray.get(wm._actor.pid.remote())  # the control plane lives on
         copy = ray.get(copies[0], timeout=60)
         assert copy["x"].numel() * copy["x"].element_size() >= 8 << 20
+        assert replicas.refresh() == 2 and node.node_id not in replicas.holders
     finally:
         wm.shutdown()
         remove_placement_group(pg)

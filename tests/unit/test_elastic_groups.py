@@ -97,3 +97,24 @@ def test_the_seeds_elasticity_block_runs_as_written_and_each_key_means_something
     assert elastic.growth() == {}  # kept its size for less than 20 minutes
     elastic.sized_at["train_group"] -= 20 * 60
     assert elastic.growth() == {"train_group": 2}
+
+
+def test_lr_scaling_follows_the_global_batch():
+    """`elasticity.lr_scaling`: `optim.lr` is written for the batch at the group's full size (2 devices:
+    16 x 1 x 2 = 32); at 1 device the batch is 16 x 3 x 1 = 48, so linear gives x1.5, sqrt x1.5**0.5."""
+    from xray.config.batches import role_lr
+
+    def lr_at(scaling: str, devices: int) -> float:
+        block = dict(SEED_BLOCK, max_train_batch_size=48, lr_scaling=scaling)
+        cfg = elastic_cfg(block, extra=[("ppo.rollout_batch_size", 192), ("actor.optim.lr", 1e-4)])
+        return role_lr(cfg, "actor", devices)
+
+    assert lr_at("none", 1) == lr_at("linear", 2) == lr_at("sqrt", 2) == 1e-4
+    assert lr_at("linear", 1) == pytest.approx(1.5e-4, rel=1e-12)
+    assert lr_at("sqrt", 1) == pytest.approx(1e-4 * 1.5 ** 0.5, rel=1e-12)
+    cfg = elastic_cfg(dict(SEED_BLOCK, max_train_batch_size=48, lr_scaling="linear"),
+                      extra=[("ppo.rollout_batch_size", 192), ("actor.optim.lr", 1e-4)])
+    text = "\n".join(plan_run(cfg, "megatron-vllm").describe().splitlines())
+    assert "1: 1 x 16 x 3 = 48, lr 0.00015 | 2: 2 x 16 x 1 = 32, lr 0.0001" in text, text
+    with pytest.raises(ConfigError, match="lr_scaling='cubic'; choose one of none, linear, sqrt"):
+        elastic_cfg(dict(SEED_BLOCK, lr_scaling="cubic"))

@@ -121,9 +121,11 @@ class TrainEngine(ABC):
         background (a flash checkpoint; see `xray/backends/snapshot.py`)."""
 
     @abstractmethod
-    def load(self, directory: str, held: dict | None = None) -> None:
-        """Load what `save` wrote, into a freshly built engine; files that `held` (path -> object,
-        from snapshots of this layout) holds are read from it instead of the disk."""
+    def load(self, directory: str, held: dict | None = None, complete: bool = False) -> None:
+        """Load what `save` wrote, into a freshly built engine (of this layout or another: resharded);
+        files that `held` (path -> object, a snapshot's files) holds are read from it instead of the
+        disk. `complete`: `held` has every rank's files (a snapshot of another layout), else only
+        this rank's and rank 0's."""
 
 
 class GenerationEngine(ABC):

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 from typing import Any, Mapping
 
+LR_SCALINGS = ("none", "linear", "sqrt")
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
 
@@ -48,6 +49,11 @@ class ElasticityConfig:
     scheduler; 0: grow as soon as devices appear). A lost device shrinks the group at once."""
     version: float = 0.1
     """The block's format (DeepSpeed's 0.1 or 0.2: the keys read here are the same)."""
+    lr_scaling: str = "none"
+    """How the learning rate follows the global batch when the world size changes (xray's key, not
+    DeepSpeed's): `none` keeps `optim.lr`; `linear` multiplies it by batch / reference batch,
+    `sqrt` by the square root of that; the reference batch is the one at the group's full size,
+    for which `optim.lr` is written."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "micro_batch_sizes", tuple(self.micro_batch_sizes))
@@ -64,6 +70,8 @@ class ElasticityConfig:
             raise ElasticityError(f"elasticity.version={self.version!r}; the block's formats are 0.1 and 0.2")
         if not isinstance(self.min_time, (int, float)) or isinstance(self.min_time, bool) or self.min_time < 0:
             raise ElasticityError(f"elasticity.min_time={self.min_time!r}; give minutes >= 0")
+        if self.lr_scaling not in LR_SCALINGS:
+            raise ElasticityError(f"elasticity.lr_scaling={self.lr_scaling!r}; choose one of {', '.join(LR_SCALINGS)}")
         if self.min_gpus > self.max_gpus:
             raise ElasticityError(f"elasticity.min_gpus={self.min_gpus} exceeds max_gpus={self.max_gpus}; "
                                   "set min_gpus <= max_gpus")
@@ -154,6 +162,12 @@ def apply_elasticity(ds_config: Mapping[str, Any], world_size: int) -> dict[str,
             "those keys or set elasticity.ignore_non_elastic_batch_info: true")
     out.update(elastic_batch(cfg, world_size).deepspeed_keys())
     return out
+
+
+def scaled_lr(cfg: ElasticityConfig, lr: float, batch: int, reference_batch: int) -> float:
+    """The learning rate for a global batch of `batch` sequences when `lr` is that of `reference_batch`."""
+    ratio = batch / reference_batch
+    return lr * {"none": 1.0, "linear": ratio, "sqrt": ratio ** 0.5}[cfg.lr_scaling]
 
 
 def device_batch(cfg: ElasticityConfig, devices: int, model_parallel: int = 1) -> ElasticBatch:

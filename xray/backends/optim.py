@@ -30,6 +30,19 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig) -> torch
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: warmup_factor(s, cfg.warmup_steps))
 
 
+def follow_configured_lr(scheduler: torch.optim.lr_scheduler.LambdaLR, lr: float) -> None:
+    """After a checkpoint's scheduler and optimizer state loaded: the peak lr becomes `lr`, the
+    engine's own (an elastic run's lr for its new batch, `elasticity.lr_scaling`), at the
+    schedule's restored position; a checkpoint taken with the same lr is left as it was."""
+    if all(base == lr for base in scheduler.base_lrs):
+        return
+    scheduler.base_lrs = [lr for _ in scheduler.base_lrs]
+    now = [lr * f(scheduler.last_epoch) for f in scheduler.lr_lambdas]
+    for group, value in zip(scheduler.optimizer.param_groups, now):
+        group["lr"] = value
+    scheduler._last_lr = now
+
+
 SKIPPED = "skipped"
 """A loss function's metric: 1 for a micro-batch that gave no gradient on purpose (a guard)."""
 

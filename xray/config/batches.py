@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from xray.backends.elastic import ElasticityError, device_batch
+from xray.backends.elastic import ElasticityError, device_batch, scaled_lr
 from xray.config.parallel import ParallelDims
 from xray.config.schema import RunConfig
 from xray.config.typed import ConfigError
@@ -114,3 +114,38 @@ def elastic_ranges(cfg: RunConfig, groups) -> list[ElasticRange]:
         out.append(ElasticRange(g.name, tuple(trained), sizes,
                                 max(getattr(cfg, r).elasticity.min_time for r in elastic)))
     return out
+
+
+def role_lr(cfg: RunConfig, role: str, devices: int) -> float:
+    """A trained role's peak learning rate on `devices` devices: `optim.lr`, or for an elastic role
+    that rate scaled (`elasticity.lr_scaling`) from the batch at its group's full size to the batch
+    at `devices`."""
+    rc = getattr(cfg, role)
+    if rc.elasticity is None or rc.elasticity.lr_scaling == "none":
+        return rc.optim.lr
+    full = next(er.largest for er in elastic_ranges(cfg, cfg.device_groups) if role in er.roles)
+    mp = rc.tp * rc.pp
+    return scaled_lr(rc.elasticity, rc.optim.lr, device_batch(rc.elasticity, devices, mp).train_batch_size,
+                     device_batch(rc.elasticity, full, mp).train_batch_size)
+
+
+def check_batch_info(cfg: RunConfig, groups) -> None:
+    """`elasticity.ignore_non_elastic_batch_info` false (DeepSpeed's default): the run's own batch
+    keys (`ppo.mini_batch_size`, the role's `micro_batch_size`) must be the elastic batch at the
+    group's full size, else a ConfigError with both; true: the elastic values replace them."""
+    for er in elastic_ranges(cfg, groups):
+        for role in er.roles:
+            rc = getattr(cfg, role)
+            if rc.elasticity is None or rc.elasticity.ignore_non_elastic_batch_info:
+                continue
+            batch = device_batch(rc.elasticity, er.largest, rc.tp * rc.pp)
+            given = {f"{role}.micro_batch_size": (rc.micro_batch_size, batch.micro_batch_size)}
+            if role in ("actor", "critic"):
+                given["ppo.mini_batch_size"] = (cfg.ppo.mini_batch_size, batch.train_batch_size)
+            wrong = {k: v for k, v in given.items() if v[0] != v[1]}
+            if wrong:
+                raise ConfigError(
+                    f"{role}.elasticity: at the group's full {er.largest} devices the elastic batch sets "
+                    + ", ".join(f"{k}={want} (the config has {had})" for k, (had, want) in wrong.items())
+                    + "; write those values, or set elasticity.ignore_non_elastic_batch_info: true to let the "
+                    "elastic batch replace them")

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from xray.backends import split_pair
 from xray.backends.elastic import ElasticityError
 from xray.backends.quantize import QUANT_DTYPES, vllm_scheme
-from xray.config.batches import elastic_ranges, train_batches
+from xray.config.batches import check_batch_info, elastic_ranges, role_lr, train_batches
 from xray.config.graph import build_graph
 from xray.config.packing import Packs, describe_packs, node_packs, spans, whole_replicas
 from xray.config.parallel import LayoutError, ParallelDims
@@ -63,6 +63,8 @@ class ElasticPlan:
     roles: tuple[str, ...]
     sizes: tuple[tuple[int, int, int, int, int], ...]
     """(devices, dp, micro-batch, accumulation steps, global batch) per valid device count."""
+    lrs: tuple[float, ...] = ()
+    """The actor's peak lr at each size, when `elasticity.lr_scaling` moves it (else empty)."""
 
     PER_LINE = 4
 
@@ -71,6 +73,9 @@ class ElasticPlan:
         lines = [f"elastic {self.group} ({', '.join(self.roles)}): {len(counts)} sizes in {counts[0]}-{counts[-1]} "
                  "devices; the actor's batch at each, devices: dp x micro x accumulation = global"]
         cells = [f"{n}: {dp} x {micro} x {accum} = {total}" for n, dp, micro, accum, total in self.sizes]
+        if self.lrs:
+            lines[0] += ", lr"
+            cells = [f"{cell}, lr {lr:.3g}" for cell, lr in zip(cells, self.lrs)]
         for i in range(0, len(cells), self.PER_LINE):
             lines.append("    " + " | ".join(cells[i:i + self.PER_LINE]))
         return lines
@@ -342,6 +347,7 @@ def _check_batches(cfg: RunConfig, plan: Plan) -> None:
                         for er in elastic_ranges(cfg, cfg.device_groups) for n in er.sizes]
     for devices in layouts:
         _check_train_batches(cfg, devices, samples)
+    check_batch_info(cfg, cfg.device_groups)  # after: a mismatch between roles is named first
 
 
 def _check_train_batches(cfg: RunConfig, devices: dict[str, int], samples: int) -> None:
@@ -405,7 +411,10 @@ def _elastic_plans(cfg: RunConfig, algo: str) -> tuple[ElasticPlan, ...]:
                 continue  # the batch checks name the size that fails
             micro = b.micro_of("actor" if "actor" in er.roles else er.roles[0])
             rows.append((n, dp, micro, b.mini_batch_size // max(1, micro * dp), b.mini_batch_size))
-        out.append(ElasticPlan(er.group, er.roles, tuple(rows)))
+        role = "actor" if "actor" in er.roles else er.roles[0]
+        scaled = getattr(cfg, role).elasticity is not None and getattr(cfg, role).elasticity.lr_scaling != "none"
+        lrs = tuple(role_lr(cfg, role, row[0]) for row in rows) if scaled else ()
+        out.append(ElasticPlan(er.group, er.roles, tuple(rows), lrs))
     return tuple(out)
 
 

@@ -4,15 +4,16 @@ After every step (`trainer.memory_snapshots`, synchronous runs; else at checkpoi
 algorithm calls `FlashCheckpoints.take`: each trained WholeModel's Workhorses copy their state
 into host memory (`TrainWorkhorse.snapshot`, the only time training stops) and hand the copy out
 as a call's answer (`hand_snapshot`), which the object store keeps for the driver after the
-Workhorse dies; where the cluster has a node that runs none of them, a `SnapshotHolder` copies it
-there (`xray/run/snapshot_holder.py`) and a node's loss loses none of it. `take` only submits the
+Workhorse dies; on a cluster of several nodes, a `SnapshotHolder` on another node copies each
+shard's answer (`xray/run/snapshot_holder.py`) and a node's loss loses none of it. `take` only submits the
 calls: the run goes on to its next step at once (generation needs no trained Workhorse), and Ray
 runs a caller's calls to a Workhorse in the order they were made, so the copy is of the state
 after this step, and the next step's first call to that Workhorse waits for it. The copy's
 seconds (the slowest shard's) arrive later, in `stall_s`. A snapshot is usable as soon as every
 shard's answer is in (and replicated): `in_memory` is the newest such, with the trainer's state of
-the same instant, and a recovery restores it into models of the same layout (`held_for`) whether
-or not it reached the disk.
+the same instant, and a recovery or an elastic resize restores it (`held_for`) into models of its
+layout or of another (resharded by the engine from the files in memory), whether or not it
+reached the disk.
 
 At a checkpoint step the Workhorses also write that snapshot to `checkpoints/step-N/<role>/` from
 a background thread (`persist_snapshot`), while the run's own files (the async buffer, for
@@ -55,12 +56,13 @@ class Held:
     step: int
     directory: Path
     """The checkpoint directory its files are named under (written there or not)."""
-    roles: dict[str, tuple[Any, list]]
-    """Role -> (the layout it was taken in, every rank's reference to its files)."""
+    roles: dict[str, tuple[Any, list, list | None]]
+    """Role -> (the layout it was taken in, every rank's reference to its files, and to their
+    copies on other nodes, or None)."""
     trainer_state: dict[str, Any]
     """The trainer's state at the same instant (what `trainer_state.json` holds)."""
     replicated: bool = False
-    """Whether a copy sits on a node other than the trained Workhorses' (`SnapshotHolder`)."""
+    """Whether every shard's files have a copy on a node other than its own (`SnapshotHolder`)."""
 
 
 class FlashCheckpoints:
@@ -85,8 +87,10 @@ class FlashCheckpoints:
         self._on_disk: Path | None = None
         self._taking: list[asyncio.Future] = []
         """The snapshots being taken (their `_copied`)."""
-        self._holder: Any = False
-        """The `SnapshotHolder` (None: no other node; False: not looked for yet)."""
+        self._replicas: Any = None
+        """The `Replicator`: the holders of the replicas, one per node (`xray/run/snapshot_holder.py`)."""
+        self._moved = True
+        """Whether the trained shards' nodes must be looked up again."""
 
     @property
     def models(self) -> dict[str, Any]:
@@ -125,23 +129,45 @@ class FlashCheckpoints:
             for m in models.values():
                 m.persist_snapshot()
         await asyncio.gather(*[ack for _, _, ack in handed.values()])  # the answers are in, not fetched
-        roles = {role: (parallel, pending.refs) for role, (parallel, pending, _) in handed.items()}
-        holder = await self._replica_holder(models)
-        if holder is not None:
-            copied = await asyncio.gather(*[holder.copy.remote(list(refs)) for _, refs in roles.values()])
-            roles = {role: (parallel, refs) for (role, (parallel, _)), refs in zip(roles.items(), copied)}
-        held = self._held[directory] = Held(step, directory, roles, trainer_state, holder is not None)
+        roles = {role: (parallel, list(pending.refs)) for role, (parallel, pending, _) in handed.items()}
+        replicas = await self._replicate(models, roles)
+        roles = {role: (parallel, refs, replicas.get(role)) for role, (parallel, refs) in roles.items()}
+        held = self._held[directory] = Held(step, directory, roles, trainer_state, bool(replicas))
         if self.in_memory is None or step >= self.in_memory.step:
             self.in_memory = held
         self._prune()
         return self.stall_s
 
-    async def _replica_holder(self, models: dict[str, Any]) -> Any:
-        if self._holder is False:
-            from xray.run.snapshot_holder import start_holder
+    async def _replicate(self, models: dict[str, Any], roles: dict[str, tuple]) -> dict[str, list]:
+        """Role -> the references of its shards' copies on other nodes ({} on a single node); a
+        holder lost with its node is replaced, and the copy tried again, once."""
+        for attempt in (0, 1):
+            if await self.watch_nodes(models if self._moved else None) < 2:
+                return {}
+            self._moved = False
+            try:
+                copies = await asyncio.gather(*[self._replicas.copy(role, refs) for role, (_, refs) in roles.items()])
+                return dict(zip(roles, copies))
+            except Exception:  # noqa: BLE001 - a holder's node left: look at the nodes again
+                self._moved = True
+                if attempt:
+                    raise
+        return {}
 
-            self._holder = await asyncio.to_thread(start_holder, models)
-        return self._holder
+    async def watch_nodes(self, models: dict[str, Any] | None = None) -> int:
+        """Holders for the replicas on every live node (started as nodes join: an elastic grow calls
+        this before starting its Workhorses, so that the new node's holder is warm by the next
+        snapshot); with `models`, their shards' nodes looked up. The number of live nodes."""
+        from xray.run.snapshot_holder import Replicator
+
+        if self._replicas is None:
+            self._replicas = await asyncio.to_thread(Replicator)
+        return await asyncio.to_thread(self._replicas.refresh, models)
+
+    def placement_changed(self) -> None:
+        """The trained models moved (replaced, resized): their shards' nodes are looked up again at
+        the next snapshot."""
+        self._moved = True
 
     def _prune(self) -> None:
         """Free every snapshot but the newest, the one being written and the latest on disk."""
@@ -193,12 +219,15 @@ class FlashCheckpoints:
             log.warning("checkpoint %s abandoned on disk: %s", self.writing.directory, str(exc).splitlines()[0])
             self.writing = None  # its snapshot stays usable from memory if it was complete
 
-    def held_for(self, directory: Path, role: str, model: Any) -> list | None:
-        """The references of `role`'s snapshot files for checkpoint `directory`, if this run holds
-        them and `model` has the layout they were taken in (else None: load from disk)."""
+    def held_for(self, directory: Path, role: str) -> dict[str, Any] | None:
+        """`role`'s snapshot files for checkpoint `directory` as `load`'s keyword arguments (their
+        references, the layout they were taken in, their copies), if this run holds them (else
+        None: load from disk). Any layout of the model loads them: the engine reshards."""
         held = self._held.get(Path(directory))
-        parallel, refs = held.roles.get(role, (None, None)) if held is not None else (None, None)
-        return refs if refs is not None and parallel == model.parallel and len(refs) == len(model.layout) else None
+        if held is None or role not in held.roles:
+            return None
+        parallel, refs, replicas = held.roles[role]
+        return {"held": refs, "saved": parallel, "replicas": replicas}
 
     def forget_after(self, step: int) -> None:
         """The run went back to `step`: the snapshots after it are of steps it will run again."""
@@ -208,9 +237,9 @@ class FlashCheckpoints:
             self.in_memory = newest
 
     def restorable(self) -> Held | None:
-        """The newest complete snapshot in memory, if every model now has its layout."""
+        """The newest complete snapshot in memory, if it holds every trained model."""
         held = self.in_memory
-        if held is None or any(self.held_for(held.directory, role, m) is None for role, m in self.models.items()):
+        if held is None or any(self.held_for(held.directory, role) is None for role in self.roles):
             return None
         return held
 

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional
 
-from xray.config.batches import TRAINED, role_parallel, train_batches
+from xray.config.batches import TRAINED, role_lr, role_parallel, train_batches
 from xray.config.packing import node_packs
 from xray.config.plan import Plan, RolePlan, rollout_sleeps
 from xray.config.schema import RunConfig
@@ -70,17 +70,15 @@ class Models:
         """Reserve `devices` devices for `group` (released) and start its roles there, data-parallel
         over them (tp and pp kept). The new models hold the initial weights: the caller restores
         their state. PlacementError if the cluster does not grant them in `timeout_s`."""
-        roles = [r for r in self.plan.roles if r.group == group]
-        first, share = roles[0], self.bundles[roles[0].role].share
-        dims = {r.role: role_parallel(cfg, r.role, devices) for r in roles}
-        packs = node_packs(devices, list(dims.values()), self.plan.nproc_per_node)
-        new = reserve(group, devices, first.device, cfg.threads_per_worker, timeout_s, share, first.resources, packs)
-        ranks = (first.ranks + tuple(range(max(first.ranks) + 1, max(first.ranks) + 1 + devices)))[:devices]
-        layouts = {r.role: replace(r, ranks=ranks, nodes=(), parallel=dims[r.role], packs=packs) for r in roles}
-        self.plan = replace(self.plan, roles=tuple(layouts.get(r.role, r) for r in self.plan.roles))
+        share = self.bundles[next(r.role for r in self.plan.roles if r.group == group)].share
+        self.plan = resized(self.plan, group, devices, cfg)
+        layouts = {r.role: r for r in self.plan.roles if r.group == group}
+        first = next(iter(layouts.values()))
+        new = reserve(group, devices, first.device, cfg.threads_per_worker, timeout_s, share, first.resources,
+                      first.packs)
         for role in layouts:
             self.bundles[role] = new
-        with ThreadPoolExecutor(max_workers=len(roles)) as pool:
+        with ThreadPoolExecutor(max_workers=len(layouts)) as pool:
             started = dict(zip(layouts, pool.map(lambda rp: self.starter(rp, new, getattr(self, rp.role)),
                                                  layouts.values())))
         for role, model in started.items():
@@ -94,6 +92,46 @@ class Models:
         with ThreadPoolExecutor(max_workers=max(1, len(models))) as pool:  # a busy model waits its own grace only
             list(pool.map(lambda m: m.shutdown(), models))
         release_all(list(self.bundles.values()))
+
+
+def resized(plan: Plan, group: str, devices: int, cfg: RunConfig) -> Plan:
+    """`plan` with device `group`'s roles on `devices` devices, data-parallel over them (tp, pp kept)."""
+    roles = [r for r in plan.roles if r.group == group]
+    dims = {r.role: role_parallel(cfg, r.role, devices) for r in roles}
+    packs = node_packs(devices, list(dims.values()), plan.nproc_per_node)
+    first = roles[0].ranks
+    ranks = (first + tuple(range(max(first) + 1, max(first) + 1 + devices)))[:devices]
+    layouts = {r.role: replace(r, ranks=ranks, nodes=(), parallel=dims[r.role], packs=packs) for r in roles}
+    return replace(plan, roles=tuple(layouts.get(r.role, r) for r in plan.roles))
+
+
+def reserve_elastic(cfg: RunConfig, plan: Plan) -> tuple[Plan, dict[str, Bundles]]:
+    """Reserve every device group: a fixed one at its size (waiting for it), an elastic one at the
+    largest size its bounds allow that the cluster grants now (`elasticity`: a run may start below
+    its configured size and grow as devices join, `algorithms/ppo/elastic.py`); the plan resized."""
+    from xray.config.batches import elastic_ranges
+    from xray.wholemodel.placement import PlacementError, free_devices
+
+    ranges = {er.group: er for er in elastic_ranges(cfg, cfg.device_groups)}
+    fixed = replace(plan, roles=tuple(r for r in plan.roles if r.group not in ranges))
+    bundles = reserve_plan(fixed, cfg.threads_per_worker)
+    for group, er in ranges.items():
+        roles = [r for r in plan.roles if r.group == group]
+        first = roles[0]
+        free = free_devices(first.device, cfg.threads_per_worker, first.resources)
+        devices = er.fit(min(free, len(first.ranks)))
+        if devices is None:
+            raise PlacementError(f"elastic group {group!r} needs at least {er.smallest} devices and the cluster has "
+                                 f"{free} free; add nodes, or lower min_gpus in its roles' elasticity")
+        if devices != len(first.ranks):
+            log.warning("elastic: %s starts on %d of its %d devices (the cluster has %d free); it grows as "
+                        "devices join", group, devices, len(first.ranks), free)
+            plan = resized(plan, group, devices, cfg)
+            first = next(r for r in plan.roles if r.group == group)
+        new = reserve(group, devices, first.device, cfg.threads_per_worker, share=len(roles),
+                      resources=first.resources, packs=first.packs or None)
+        bundles.update({r.role: new for r in roles})
+    return plan, bundles
 
 
 def reference_forward(models: Models, batch):
@@ -188,8 +226,9 @@ def start_model(cfg: RunConfig, nproc_per_node: int, model_dir: str, role_plan: 
     instead, unless its WholeModel actor is gone. Every job starts its models through here."""
     role = role_plan.role
     kwargs = role_init_kwargs(cfg, role, role_plan.backend, model_dir)
-    if role in TRAINED and getattr(cfg, role).elasticity is not None:  # the elastic micro-batch
+    if role in TRAINED and getattr(cfg, role).elasticity is not None:  # the elastic micro-batch and lr
         kwargs["forward_micro_batch_size"] = train_batches(cfg, {role: role_plan.num_workhorses}).micro_of(role)
+        kwargs["optim"] = replace(kwargs["optim"], lr=role_lr(cfg, role, role_plan.num_workhorses))
     if cfg.pin_cpu_devices and role_plan.device.upper() == "CPU":
         kwargs["cpu_devices"] = [r % nproc_per_node for r in role_plan.ranks]
     if model is not None and _restarted(model, role_plan, devices, kwargs):
@@ -211,7 +250,7 @@ def build_models(cfg: RunConfig, plan: Plan, model_dir: str, ray_address: str | 
         open_inbox()
     else:
         close_inbox()
-    bundles = reserve_plan(plan, cfg.threads_per_worker)
+    plan, bundles = reserve_elastic(cfg, plan)
 
     def start(role_plan: RolePlan, devices: Bundles, model: WholeModel | None = None) -> WholeModel:
         return start_model(cfg, plan.nproc_per_node, model_dir, role_plan, devices, model)

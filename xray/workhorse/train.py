@@ -48,6 +48,18 @@ def choose_transport(transport: str, gpu: bool, same_node: bool, same_gpu: list[
     return "shm" if shm_room() else "objstore"
 
 
+def _fetch(ref, replica=None) -> dict:
+    """A snapshot's files behind `ref`, else behind its `replica` (the original lost with its node)."""
+    import ray
+
+    try:
+        return ray.get(ref, timeout=60)
+    except Exception:  # noqa: BLE001 - the copy's, or the original's error when there is none
+        if replica is None:
+            raise
+        return ray.get(replica, timeout=60)
+
+
 def _replica_metrics(layout: list[ShardInfo], results: list) -> dict[str, float]:
     """The engines already average metrics over replicas; report the first collector's."""
     first = min((s for s in layout if s.collects), key=lambda s: s.dp_rank)
@@ -401,19 +413,30 @@ class TrainWorkhorse(Workhorse):
         self.engine.save(directory)
 
     @fanout(dispatch="all", collect=lambda layout, results: "memory" if set(results) == {"memory"} else "disk")
-    def load(self, directory: str, held: list | None = None) -> str:
+    def load(self, directory: str, held: list | None = None, saved=None, replicas: list | None = None) -> str:
         """Restore the checkpoint in `directory`. `held`: the references of every rank's
-        `persist_snapshot` answer for it, taken in this layout: this rank's and rank 0's files are read
-        from memory (the rest, and everything when they cannot be fetched, from the disk).
-        Returns where the files came from ("memory" only if every shard's did)."""
-        files = None
+        `hand_snapshot` answer for it, taken in layout `saved` (None: this one), and `replicas`
+        their copies on other nodes (`xray/run/snapshot_holder.py`), read where the original is
+        lost. In this layout this rank's and rank 0's files are read from memory; in another, the
+        files resharding needs (Megatron: the first replica's; DeepSpeed: every rank's). Whatever
+        cannot be fetched is read from the disk. Returns where the files came from ("memory" only
+        if every shard's did)."""
+        files, complete = None, held is not None and saved is not None and saved != self.parallel
         if held is not None:
-            import ray
-
+            wanted = self._held_ranks(saved, len(held)) if complete else {0, self.rank}
             try:
-                files = {k: v for ref in {0: held[0], self.rank: held[self.rank]}.values() for k, v in ray.get(ref).items()}
+                files = {k: v for r in sorted(wanted) for k, v in _fetch(held[r], replicas and replicas[r]).items()}
             except Exception as exc:  # noqa: BLE001 - lost with its node: the disk has it
                 self.log.warning("the in-memory snapshot is gone (%s); loading %s from disk",
                                  str(exc).splitlines()[0], directory)
-        self.engine.load(directory, files)
+                files = None
+        self.engine.load(directory, files, complete=complete and files is not None)
         return "memory" if files is not None else "disk"
+
+    def _held_ranks(self, saved, ranks: int) -> set[int]:
+        """The saved ranks whose files a restore into this layout reads."""
+        if self.config.get("backend") == "megatron":
+            from xray.backends.megatron.reshard import needed_ranks
+
+            return set(needed_ranks(saved))
+        return set(range(ranks))

@@ -31,7 +31,8 @@ from xray.backends.deepspeed.export import adapter_tensors, iter_weight_buckets
 from xray.backends.deepspeed.lora import adapters_off
 from xray.backends.deepspeed.model import load_model, role_outputs
 from xray.backends.deepspeed.reshard import ensure_universal, load_universal, saved_dp
-from xray.backends.optim import ABORT, SKIPPED, build_optimizer, build_scheduler, frozen_lr, skips_update
+from xray.backends.optim import (ABORT, SKIPPED, build_optimizer, build_scheduler, follow_configured_lr, frozen_lr,
+                                 skips_update)
 from xray.backends.optim import state_bytes as optim_state_bytes
 from xray.backends.snapshot import Snapshot, capture_engine, file_key, held_or_on_disk, read, replay_engine, stage_held
 from xray.config.lora import LoraConfig
@@ -76,6 +77,7 @@ class DeepSpeedEngine(TrainEngine):
         trainable = [p for p in module.parameters() if p.requires_grad]  # with LoRA: the adapters
         optimizer = build_optimizer(trainable, optim) if trains else None
         scheduler = build_scheduler(optimizer, optim) if trains else None
+        self.optim_lr = optim.lr
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=module, optimizer=optimizer, lr_scheduler=scheduler, config=config, dist_init_required=False)
         torch.manual_seed(seed + self.rank)  # per-rank stream for anything random in training
@@ -180,16 +182,17 @@ class DeepSpeedEngine(TrainEngine):
             rng["cuda"] = torch.cuda.get_rng_state()
         return rng
 
-    def load(self, directory: str, held: dict | None = None, _staged: bool = False) -> None:
+    def load(self, directory: str, held: dict | None = None, complete: bool = False, _staged: bool = False) -> None:
         """Restore a checkpoint of this role, saved at this data-parallel size (its files read from
-        `held` when it holds them; a snapshot that never reached the disk is staged in a temporary
-        directory first, as DeepSpeed looks for its files there) or at another (then through
-        DeepSpeed's universal checkpoint: `xray/backends/deepspeed/reshard.py`)."""
+        `held` when it holds them) or at another (then through DeepSpeed's universal checkpoint:
+        `xray/backends/deepspeed/reshard.py`). A snapshot that never reached the disk, or one of
+        another size held `complete` (every rank's files), is staged in a temporary directory first,
+        as DeepSpeed looks for its files there (and converts them there, on every rank)."""
         trains = self.optimizer is not None
         latest = os.path.join(directory, "latest")
-        if held and file_key(latest) in held and not os.path.isfile(latest):  # a snapshot never written
-            with tempfile.TemporaryDirectory(prefix="xray-snapshot-") as staged:
-                return self.load(stage_held(directory, held, staged), _staged=True)  # DeepSpeed globs the disk
+        if held and file_key(latest) in held and (complete or not os.path.isfile(latest)):
+            with tempfile.TemporaryDirectory(prefix="xray-snapshot-") as staged:  # DeepSpeed globs the disk
+                return self.load(stage_held(directory, held, staged), complete=complete, _staged=True)
         if not held_or_on_disk(latest, held):
             raise CheckpointError(f"no DeepSpeed checkpoint in {directory} (no 'latest' file); "
                                   "pass the directory given to save()")
@@ -198,7 +201,8 @@ class DeepSpeedEngine(TrainEngine):
         else:
             with open(latest) as f:
                 tag = f.read().strip()
-            saved = self.parallel.dp if _staged else saved_dp(directory, tag)  # staged: this rank's and rank 0's
+            # staged in this layout: this rank's and rank 0's files only
+            saved = self.parallel.dp if _staged and not complete else saved_dp(directory, tag)
         if saved and saved != self.parallel.dp and tag == "step0":
             # before the first optimizer step the checkpoint holds the weights this engine was
             # built with and an empty Adam state, which DeepSpeed's converter cannot read: keep them
@@ -206,7 +210,7 @@ class DeepSpeedEngine(TrainEngine):
             logger.info("a dp=%d checkpoint from before any optimizer step, at dp=%d: the built weights stand",
                         saved, self.parallel.dp)
         elif saved and saved != self.parallel.dp:
-            ensure_universal(directory, tag, self.rank)
+            ensure_universal(directory, tag, 0 if _staged else self.rank)  # staged: each rank its own copy
             _, client = load_universal(self.engine, directory, trains)
             client = client or torch.load(os.path.join(directory, tag, "mp_rank_00_model_states.pt"),
                                           map_location="cpu", weights_only=False)
@@ -218,6 +222,8 @@ class DeepSpeedEngine(TrainEngine):
                                                         load_lr_scheduler_states=trains)
             finally:
                 self.engine.checkpoint_engine = reader
+        if trains:
+            follow_configured_lr(self.scheduler, self.optim_lr)
         self.step_count = int(client.get("xray_step", 0))
         rng_rank = self.rank % saved if saved else self.rank  # another dp: a saved rank's stream
         rng_path = os.path.join(directory, tag, _RNG_FILE.format(rank=rng_rank))

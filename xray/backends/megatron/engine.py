@@ -31,7 +31,8 @@ from xray.backends.megatron.lora import (MergedParameters, attach, checkpoint_he
 from xray.backends.megatron.mixed import Mixed, torch_dtype, wrap
 from xray.backends.megatron.model import ATTENTIONS, ROLES, build_and_load
 from xray.backends.megatron.spec import ModelSpec, check_layout
-from xray.backends.optim import ABORT, SKIPPED, build_optimizer, build_scheduler, frozen_lr, skips_update
+from xray.backends.optim import (ABORT, SKIPPED, build_optimizer, build_scheduler, follow_configured_lr, frozen_lr,
+                                 skips_update)
 from xray.backends.optim import state_bytes as optim_state_bytes
 from xray.backends.snapshot import Snapshot, host_copy
 from xray.config.lora import LoraConfig
@@ -286,15 +287,18 @@ class MegatronEngine(TrainEngine):
             state["scheduler"] = host_copy(self.scheduler.state_dict())
         return Snapshot([(str(checkpoint.shard_path(directory, self.rank)), {"header": self._header(), **state})])
 
-    def load(self, directory: str, held: dict | None = None) -> None:
+    def load(self, directory: str, held: dict | None = None, complete: bool = False) -> None:
         """Restore a checkpoint of this model and role, written in this layout (this rank's file
-        read from `held` when it holds it) or in another (resharded: `xray/backends/megatron/reshard.py`)."""
+        read from `held` when it holds it) or in another (resharded: `xray/backends/megatron/reshard.py`,
+        from `held` when it holds the first replica's files: `reshard.needed_ranks`). `complete`
+        is for engines that need every file at once (DeepSpeed); here a file is looked up alone."""
         header = self._header()
         saved = checkpoint.header_in(directory, held)
         if saved is not None and saved != header and {k: saved.get(k) for k in ("spec", "role", "lora")} == \
                 {k: header.get(k) for k in ("spec", "role", "lora")}:
             critic = self.role == "critic"
-            full, first = reshard.read_full(directory, self.spec, ParallelDims(**saved["parallel"]), critic, self.lora)
+            full, first = reshard.read_full(directory, self.spec, ParallelDims(**saved["parallel"]), critic, self.lora,
+                                            held)
             state = reshard.shard_state(full, first, self.spec, self.parallel, self.rank, critic,
                                         list(self._checkpointed()), self.lora)
             logger.info("resharding a checkpoint of %s into %s", saved["parallel"], header["parallel"])
@@ -307,6 +311,7 @@ class MegatronEngine(TrainEngine):
         if self.optimizer is not None:
             self.optimizer.load_state_dict(state["optimizer"])
             self.scheduler.load_state_dict(state["scheduler"])
+            follow_configured_lr(self.scheduler, self.optim.lr)
         self.step = state["step"]
         checkpoint.set_rng_state(state["rng"], self.device)
         logger.info("loaded step %d from %s", self.step, directory)

@@ -32,14 +32,23 @@ def checkpointed(spec: ModelSpec, stage: int, pp: int, critic: bool, lora: LoraC
     return stage_entries(spec, stage, pp, critic) if lora is None else trained_entries(spec, lora, stage, pp, critic)
 
 
+def needed_ranks(saved: ParallelDims) -> list[int]:
+    """The ranks whose files `read_full` reads: the first data-parallel replica's."""
+    return [saved.rank_of(t, p, 0) for p in range(saved.pp) for t in range(saved.tp)]
+
+
 def read_full(directory: str | Path, spec: ModelSpec, saved: ParallelDims, critic: bool,
-              lora: LoraConfig | None = None) -> tuple[dict, dict]:
-    """(HF names -> {"param": full tensors, and the moments and "step" when saved}, rank 0's file)."""
+              lora: LoraConfig | None = None, held: dict | None = None) -> tuple[dict, dict]:
+    """(HF names -> {"param": full tensors, and the moments and "step" when saved}, rank 0's file);
+    the files are read from `held` (a snapshot in memory, `xray/backends/snapshot.py`) where it
+    holds them, else from the disk."""
+    from xray.backends.snapshot import read
+
     full: dict[tuple[str, ...], dict[str, Any]] = {}
     first: dict = {}
     for pp_rank in range(saved.pp):
-        files = [torch.load(shard_path(directory, saved.rank_of(t, pp_rank, 0)), map_location="cpu",
-                            weights_only=False) for t in range(saved.tp)]
+        files = [read(shard_path(directory, saved.rank_of(t, pp_rank, 0)), held, map_location="cpu",
+                      weights_only=False) for t in range(saved.tp)]
         first = first or files[0]
         order = [list(f["model"]) for f in files]  # the optimizer's parameter indices
         for entry in checkpointed(spec, pp_rank, saved.pp, critic, lora):
