@@ -64,13 +64,16 @@ def test_wholemodel_actor_sits_on_the_head_node(two_nodes):
 
 def test_a_snapshot_replica_outlives_the_node_it_was_taken_on(two_nodes):
     """The in-memory snapshots' replicas (`xray/run/snapshot_holder.py`): a Workhorse's answer on a
-    third node is copied to another node (the driver's); that node removed, the copy is still read.
-    Last in this module: it adds and removes a node."""
+    third node (tensors as numpy arrays, `to_wire`) is pinned on another node (the driver's) by its
+    holder; that node removed, the driver's own reference still reads (Ray makes the pinned copy
+    the primary one), and a dropped copy is released. Last in this module: it adds and removes a node."""
     import asyncio
 
     import ray
+    import torch
     from ray.util.placement_group import placement_group, remove_placement_group
 
+    from xray.backends.snapshot import from_wire, to_wire
     from xray.run.snapshot_holder import Replicator
     from xray.wholemodel.handle import Bundles
 
@@ -84,13 +87,16 @@ def test_a_snapshot_replica_outlives_the_node_it_was_taken_on(two_nodes):
         assert replicas.refresh({"snapped": wm}) == 3
         [shard_node] = replicas.nodes["snapped"]
         assert shard_node == node.node_id and replicas.target(shard_node) == ray.get_runtime_context().get_node_id()
-        answer = wm.payload(8)  # 8 MB answered on node_c, kept in its object store
-        copies = asyncio.run(replicas.copy("snapped", list(answer.refs)))
+        answer = wm.wire_payload(8)  # 8 MB answered on node_c, kept in its object store
+        asyncio.run(replicas.hold("step-1", "snapped", list(answer.refs)))
         two_nodes.remove_node(node)
         ray.get(wm._actor.pid.remote())  # the control plane lives on
-        copy = ray.get(copies[0], timeout=60)
-        assert copy["x"].numel() * copy["x"].element_size() >= 8 << 20
+        copy = from_wire(ray.get(answer.refs[0], timeout=60))
+        assert copy["x"].dtype == torch.bfloat16 and copy["x"].numel() * 2 >= 8 << 20
+        assert bool((copy["x"] == 1.5).all())
         assert replicas.refresh() == 2 and node.node_id not in replicas.holders
+        replicas.keep(["step-2"])
+        assert replicas.held == set()
     finally:
         wm.shutdown()
         remove_placement_group(pg)

@@ -96,6 +96,52 @@ def host_copy(value: Any) -> Any:
     return copy.deepcopy(value)
 
 
+@dataclass(frozen=True)
+class WireTensor:
+    """A tensor as a numpy array (its bytes; a dtype numpy lacks, such as bfloat16, viewed as the
+    integer of its width) and its torch dtype: what Ray's object store holds without copying on
+    either side (a reader's `ray.get` maps it, and so pins its node's copy while the value lives)."""
+
+    array: Any
+    dtype: str
+
+
+def to_wire(value: Any) -> Any:
+    """`value` with every tensor a `WireTensor` (containers rebuilt; the arrays share the tensors' memory)."""
+    if isinstance(value, torch.Tensor):
+        t = value.detach().cpu().contiguous()
+        try:
+            array = t.numpy()
+        except TypeError:  # no numpy dtype (bfloat16, float8): its bytes, as an integer of its width
+            array = t.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]).numpy()
+        return WireTensor(array, str(t.dtype).removeprefix("torch."))
+    return _rebuilt(value, to_wire)
+
+
+def from_wire(value: Any) -> Any:
+    """`to_wire`'s inverse: every `WireTensor` a tensor in fresh, writable memory."""
+    if isinstance(value, WireTensor):
+        import numpy as np
+
+        tensor = torch.from_numpy(np.array(value.array, copy=True))
+        dtype = getattr(torch, value.dtype)
+        return tensor if tensor.dtype == dtype else tensor.view(dtype)
+    return _rebuilt(value, from_wire)
+
+
+def _rebuilt(value: Any, each: Callable[[Any], Any]) -> Any:
+    if isinstance(value, dict):
+        out = copy.copy(value)  # keeps the mapping's type (OrderedDict, defaultdict)
+        for k, v in value.items():
+            out[k] = each(v)
+        return out
+    if isinstance(value, list):
+        return [each(v) for v in value]
+    if type(value) is tuple:
+        return tuple(each(v) for v in value)
+    return value
+
+
 def write_atomically(state: Any, path: str | os.PathLike) -> None:
     """torch.save to a temporary name, flushed to the disk, then renamed (and the rename flushed):
     a crash leaves either no file or the whole file under `path`, never half of one."""

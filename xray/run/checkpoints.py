@@ -56,13 +56,12 @@ class Held:
     step: int
     directory: Path
     """The checkpoint directory its files are named under (written there or not)."""
-    roles: dict[str, tuple[Any, list, list | None]]
-    """Role -> (the layout it was taken in, every rank's reference to its files, and to their
-    copies on other nodes, or None)."""
+    roles: dict[str, tuple[Any, list]]
+    """Role -> (the layout it was taken in, every rank's reference to its files)."""
     trainer_state: dict[str, Any]
     """The trainer's state at the same instant (what `trainer_state.json` holds)."""
     replicated: bool = False
-    """Whether every shard's files have a copy on a node other than its own (`SnapshotHolder`)."""
+    """Whether every shard's files have a copy pinned on a node other than its own (`SnapshotHolder`)."""
 
 
 class FlashCheckpoints:
@@ -130,29 +129,28 @@ class FlashCheckpoints:
                 m.persist_snapshot()
         await asyncio.gather(*[ack for _, _, ack in handed.values()])  # the answers are in, not fetched
         roles = {role: (parallel, list(pending.refs)) for role, (parallel, pending, _) in handed.items()}
-        replicas = await self._replicate(models, roles)
-        roles = {role: (parallel, refs, replicas.get(role)) for role, (parallel, refs) in roles.items()}
-        held = self._held[directory] = Held(step, directory, roles, trainer_state, bool(replicas))
+        replicated = await self._replicate(str(directory), models, roles)
+        held = self._held[directory] = Held(step, directory, roles, trainer_state, replicated)
         if self.in_memory is None or step >= self.in_memory.step:
             self.in_memory = held
         self._prune()
         return self.stall_s
 
-    async def _replicate(self, models: dict[str, Any], roles: dict[str, tuple]) -> dict[str, list]:
-        """Role -> the references of its shards' copies on other nodes ({} on a single node); a
-        holder lost with its node is replaced, and the copy tried again, once."""
+    async def _replicate(self, key: str, models: dict[str, Any], roles: dict[str, tuple]) -> bool:
+        """Pin a copy of each shard's files on another node; False on a single node. A holder lost
+        with its node is replaced, and the copy tried again, once."""
         for attempt in (0, 1):
             if await self.watch_nodes(models if self._moved else None) < 2:
-                return {}
+                return False
             self._moved = False
             try:
-                copies = await asyncio.gather(*[self._replicas.copy(role, refs) for role, (_, refs) in roles.items()])
-                return dict(zip(roles, copies))
+                await asyncio.gather(*[self._replicas.hold(key, role, refs) for role, (_, refs) in roles.items()])
+                return True
             except Exception:  # noqa: BLE001 - a holder's node left: look at the nodes again
                 self._moved = True
                 if attempt:
                     raise
-        return {}
+        return False
 
     async def watch_nodes(self, models: dict[str, Any] | None = None) -> int:
         """Holders for the replicas on every live node (started as nodes join: an elastic grow calls
@@ -174,6 +172,8 @@ class FlashCheckpoints:
         keep = {self.in_memory.directory if self.in_memory else None, self._on_disk,
                 self.writing.directory if self.writing else None}
         self._held = {d: h for d, h in self._held.items() if d in keep}
+        if self._replicas is not None:
+            self._replicas.keep([str(d) for d in self._held])
 
     async def _watch(self, every_s: float = 0.05) -> None:
         """Mark the checkpoint complete soon after its last byte is written (each poll waits behind
@@ -221,13 +221,13 @@ class FlashCheckpoints:
 
     def held_for(self, directory: Path, role: str) -> dict[str, Any] | None:
         """`role`'s snapshot files for checkpoint `directory` as `load`'s keyword arguments (their
-        references, the layout they were taken in, their copies), if this run holds them (else
+        references, the layout they were taken in), if this run holds them (else
         None: load from disk). Any layout of the model loads them: the engine reshards."""
         held = self._held.get(Path(directory))
         if held is None or role not in held.roles:
             return None
-        parallel, refs, replicas = held.roles[role]
-        return {"held": refs, "saved": parallel, "replicas": replicas}
+        parallel, refs = held.roles[role]
+        return {"held": refs, "saved": parallel}
 
     def forget_after(self, step: int) -> None:
         """The run went back to `step`: the snapshots after it are of steps it will run again."""

@@ -61,6 +61,13 @@ class EchoWorkhorse(Workhorse):
         """A Batch of `megabytes` MiB from every replica, joined (return-path tests and benchmark)."""
         return Batch({"x": torch.full((megabytes << 18,), float(self.rank))})
 
+    @fanout(dispatch="all", collect=lambda layout, results: None)
+    def wire_payload(self, megabytes: int) -> dict:
+        """`megabytes` MiB of bfloat16 1.5s as a snapshot's files travel (`to_wire`): the caller keeps the references."""
+        from xray.backends.snapshot import to_wire
+
+        return to_wire({"x": torch.full((megabytes << 19,), 1.5, dtype=torch.bfloat16)})
+
     @fanout(dispatch="all", collect=lambda layout, results: results)
     def all_reduce(self, value: float) -> dict:
         """Sum `value + rank` over the group; report where this shard runs."""

@@ -48,16 +48,14 @@ def choose_transport(transport: str, gpu: bool, same_node: bool, same_gpu: list[
     return "shm" if shm_room() else "objstore"
 
 
-def _fetch(ref, replica=None) -> dict:
-    """A snapshot's files behind `ref`, else behind its `replica` (the original lost with its node)."""
+def _fetch(ref) -> dict:
+    """A snapshot's files behind `ref` (`hand_snapshot`'s answer; where its node was lost, Ray reads
+    the copy a replica holder pinned on another node)."""
     import ray
 
-    try:
-        return ray.get(ref, timeout=60)
-    except Exception:  # noqa: BLE001 - the copy's, or the original's error when there is none
-        if replica is None:
-            raise
-        return ray.get(replica, timeout=60)
+    from xray.backends.snapshot import from_wire
+
+    return from_wire(ray.get(ref, timeout=60))
 
 
 def _replica_metrics(layout: list[ShardInfo], results: list) -> dict[str, float]:
@@ -359,11 +357,15 @@ class TrainWorkhorse(Workhorse):
     def hand_snapshot(self) -> dict:
         """The last snapshot's files (path -> object) as this call's answer: the object store keeps
         it for the caller, who holds the reference, after this process dies (a replacement reads it
-        in `load`). The caller collects no value (it keeps the references)."""
+        in `load`). The caller collects no value (it keeps the references). Tensors travel as
+        numpy arrays (`to_wire`): no copy beyond the object store's, and a replica holder's read
+        maps them (`xray/run/snapshot_holder.py`)."""
+        from xray.backends.snapshot import to_wire
+
         snapshot = getattr(self, "_snapshot", None)
         if snapshot is None:
             raise RuntimeError("hand_snapshot: no snapshot taken yet; call snapshot first")
-        return snapshot.held()
+        return to_wire(snapshot.held())
 
     @fanout(dispatch="all", collect=lambda layout, results: all(results))
     def handed(self) -> bool:
@@ -413,11 +415,11 @@ class TrainWorkhorse(Workhorse):
         self.engine.save(directory)
 
     @fanout(dispatch="all", collect=lambda layout, results: "memory" if set(results) == {"memory"} else "disk")
-    def load(self, directory: str, held: list | None = None, saved=None, replicas: list | None = None) -> str:
+    def load(self, directory: str, held: list | None = None, saved=None) -> str:
         """Restore the checkpoint in `directory`. `held`: the references of every rank's
-        `hand_snapshot` answer for it, taken in layout `saved` (None: this one), and `replicas`
-        their copies on other nodes (`xray/run/snapshot_holder.py`), read where the original is
-        lost. In this layout this rank's and rank 0's files are read from memory; in another, the
+        `hand_snapshot` answer for it, taken in layout `saved` (None: this one); where a rank's
+        node was lost, Ray reads the copy pinned on another node (`xray/run/snapshot_holder.py`).
+        In this layout this rank's and rank 0's files are read from memory; in another, the
         files resharding needs (Megatron: the first replica's; DeepSpeed: every rank's). Whatever
         cannot be fetched is read from the disk. Returns where the files came from ("memory" only
         if every shard's did)."""
@@ -425,7 +427,7 @@ class TrainWorkhorse(Workhorse):
         if held is not None:
             wanted = self._held_ranks(saved, len(held)) if complete else {0, self.rank}
             try:
-                files = {k: v for r in sorted(wanted) for k, v in _fetch(held[r], replicas and replicas[r]).items()}
+                files = {k: v for r in sorted(wanted) for k, v in _fetch(held[r]).items()}
             except Exception as exc:  # noqa: BLE001 - lost with its node: the disk has it
                 self.log.warning("the in-memory snapshot is gone (%s); loading %s from disk",
                                  str(exc).splitlines()[0], directory)
