@@ -33,8 +33,16 @@ class AsyncTrainer:
     """The trainer's loop (a Ray actor: `ray.remote(AsyncTrainer)`)."""
 
     def __init__(self, cfg, models, pad_id: int, stop_ids: list[int], buffer, makers: list, pusher: list[int],
-                 step: int, kl_state: dict, model_dir: str):
+                 step: int, kl_state: dict, model_dir: str, run_path: str | None = None):
         self.t = PPOTrainer(cfg, models, None, pad_id, stop_ids)
+        self.snapshots = None
+        """The actor's and critic's snapshots in memory after every step (`trainer.memory_snapshots`;
+        taken here, in order with this trainer's own calls): what `recover` restores."""
+        if cfg.trainer.memory_snapshots and run_path is not None:
+            from xray.run.checkpoints import FlashCheckpoints
+            from xray.run.outputs import RunDir
+
+            self.snapshots = FlashCheckpoints(RunDir(run_path), self.t.models, self.t.trained)
         self.t.kl.load_state_dict(kl_state)
         self.t.state.step = step
         self.buffer, self.makers, self.pusher = buffer, list(makers), list(pusher)
@@ -49,6 +57,8 @@ class AsyncTrainer:
         self.staged: dict = {}
         """The latest published version, per pushing trainer (a new maker loads it first)."""
         self.model_dir = model_dir
+        self.taken = step
+        """The last step whose groups were taken from the buffer."""
         self.publish_start()
 
     def _condition(self) -> asyncio.Condition:
@@ -89,6 +99,33 @@ class AsyncTrainer:
     def state(self) -> dict:
         return {"step": self.t.state.step, "kl": self.t.kl.state_dict()}
 
+    async def recover(self, models) -> dict:
+        """After the actor or critic lost a Workhorse (the driver replaced their models: `models`),
+        restore both from the newest complete snapshot in memory and publish its weights; the makers
+        and the buffer went on meanwhile. The restored step and KL state, and where they came from.
+        RuntimeError when no snapshot is complete (the run then goes back to its checkpoint)."""
+        if self.snapshots is None:
+            raise RuntimeError("no snapshots in memory (trainer.memory_snapshots is off)")
+        self.t.models = models
+        self.snapshots.follow(models)
+        await self.snapshots.settle()
+        held = self.snapshots.restorable()
+        if held is None:
+            raise RuntimeError("no complete snapshot in memory")
+        sources = await asyncio.gather(*[getattr(models, role).load(
+            str(held.directory / role), **self.snapshots.held_for(held.directory, role)) for role in self.t.trained])
+        self.t.kl.load_state_dict(held.trainer_state["kl"])
+        self.t.state.step = held.step
+        await self.buffer.rewind.remote(held.step, self.taken - held.step)  # their groups: made again
+        self.taken = held.step
+        self.snapshots.forget_after(held.step)
+        self.metrics = {s: m for s, m in self.metrics.items() if s <= held.step}
+        from xray.sync.weights import random_probe  # publish the restored weights (a new maker's first
+        # version); the makers take them where they hold no newer one
+        self.push(*random_probe(self.model_dir, models.actor.parallel.dp, 1, seed=held.step))
+        return {"step": held.step, "kl": self.t.kl.state_dict(),
+                "source": "memory" if set(sources) == {"memory"} else "disk"}
+
     def set_makers(self, makers: list) -> None:
         """Replaced makers (the pushes go to them from now on)."""
         self.makers = list(makers)
@@ -114,6 +151,7 @@ class AsyncTrainer:
         t, acfg = self.t, self.t.cfg.async_
         start = time.time()
         taken = await self.buffer.take.remote(t.state.step)
+        self.taken = step
         parts = [Batch.concat(await fetch(groups), pad_width=True) for groups in taken]
         exp = Batch.concat(parts, pad_width=True)
         waited_s = time.time() - start
@@ -129,6 +167,8 @@ class AsyncTrainer:
         kl, kl_coef = kl_metrics(proximal[C.LOGPROBS], exp[C.REF_LOGPROBS], mask), t.kl.value
         t.kl.update(kl["kl_sequence"], len(exp))
         t.state.step = step
+        if self.snapshots is not None:  # queued on the Workhorses before the push's export and the next step
+            await self.snapshots.take(step, {"step": step, "kl": t.kl.state_dict()}, persist=False)
         publish_s = 0.0
         if step % acfg.push_every == 0:
             t0 = time.time()

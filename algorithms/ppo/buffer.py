@@ -169,6 +169,12 @@ class ExperienceBuffer:
             del queue[:self.share]
         return taken
 
+    def rewind(self, version: int, steps: int) -> None:
+        """The trainer went back to `version` after taking `steps` steps' groups it never trained on
+        (its loss): admission counts them as never accepted, so the makers make them again."""
+        self.version = version
+        self.accepted = [max(0, a - steps * self.share) for a in self.accepted]
+
     def requeue(self, maker: int) -> int:
         """Queue the prompts `maker` was making again (it was lost), first in line; how many."""
         lost = sorted(k for k, held in self.leases.items() if held.maker == maker)
@@ -239,6 +245,12 @@ class BufferActor:
                 if found is not None:
                     return found
                 await changed.wait()
+
+    async def rewind(self, version: int, steps: int) -> None:
+        changed = self._condition()
+        async with changed:
+            self.buffer.rewind(version, steps)
+            changed.notify_all()
 
     async def requeue(self, maker: int) -> int:
         changed = self._condition()

@@ -13,7 +13,10 @@ checkpoints), lets the trainer run up to the next checkpoint step and takes the 
 trained twice on a resume), replaces a lost maker while the others and the trainer go on (its
 prompts queued again; the replacement loads the latest published version first), and stops them.
 No experience byte passes through the driver (a checkpoint's snapshot excepted, which it writes).
-A failure of the trainer (its actor or critic lost) ends `run` with the error: the run's recovery
+When the trainer loses its actor or critic, the driver replaces those models and the trainer
+restores the snapshot in memory it took after its last step (`trainer.memory_snapshots`;
+`AsyncTrainer.recover`) while the makers and the buffer go on: at most the step in flight runs
+again. Without a complete snapshot the error ends `run`, and the run's recovery
 (`algorithms.ppo.recovery.recover_async`) goes back to the latest checkpoint. Interleaving is not
 deterministic: runs are not bitwise repeatable.
 """
@@ -26,6 +29,7 @@ import os
 import time
 
 from xray.config.graph import build_graph
+from xray.wholemodel.errors import WholeModelError
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +42,7 @@ class Detached:
     """The makers, buffer and trainer of one asynchronous run around a PPOTrainer (the driver's:
     its models, data and scorer), supervised."""
 
-    def __init__(self, trainer, data):
+    def __init__(self, trainer, data, run_path: str | None = None):
         import ray
 
         from algorithms.ppo.buffer import BufferActor
@@ -59,7 +63,9 @@ class Detached:
         self.trainer_runs = 0
         """Calls of the trainer's `run` so far."""
         self.replaced = 0
-        """Makers replaced so far (each counts against `trainer.max_restarts`)."""
+        """Makers replaced and trainer recoveries so far (each counts against `trainer.max_restarts`)."""
+        self.run_path = run_path
+        """The run's directory: the trainer's snapshots in memory are named under it (None: none taken)."""
 
     # -- the parts -------------------------------------------------------------------------------
     def _maker(self, i: int, version: int):
@@ -86,7 +92,7 @@ class Detached:
         models = dataclasses.replace(t.models, starter=None)
         self.learner = ray.remote(AsyncTrainer).options(num_cpus=0, max_concurrency=1000).remote(
             t.cfg, models, t.pad_id, t.stop_ids, self.buffer, self.makers, list(self.graph.pusher), t.state.step,
-            t.kl.state_dict(), self.data.model_dir)
+            t.kl.state_dict(), self.data.model_dir, self.run_path)
 
     async def stop(self) -> None:
         """Stop the makers and the trainer, and free the buffer."""
@@ -114,7 +120,12 @@ class Detached:
             while first < steps.stop and not (stop is not None and stop.requested):
                 every = cfg.trainer.save_every
                 until = min(steps.stop - 1, ((first - 1) // every + 1) * every if every else steps.stop - 1)
-                await self.segment(first, until, on_step, stop)
+                try:
+                    await self.segment(first, until, on_step, stop)
+                except WholeModelError as exc:
+                    await self.recover_trainer(exc)
+                    first = self.trainer.state.step + 1
+                    continue
                 if self.trainer.state.step < first and not (stop is not None and stop.requested):
                     raise RuntimeError(f"the trainer stopped before step {first} without an error or a signal")
                 first = self.trainer.state.step + 1
@@ -218,6 +229,51 @@ class Detached:
                     "s" if len(again) > 1 else "", ", ".join(map(str, again)), time.perf_counter() - t0,
                     latest[again[0]].version, "; ".join(f"maker {i}: {type(e).__name__}" for i, e in errors.items()),
                     dead or "none", replicas or "none")
+
+    async def recover_trainer(self, exc: WholeModelError) -> None:
+        """The trainer's step failed: replace the dead models (the rollout's replicas are the makers'
+        to replace) and have the trainer restore the newest snapshot in memory while the makers and
+        the buffer go on (at most the step in flight runs again). Re-raises `exc` when nothing
+        trained died or no snapshot is complete (the run's recovery then goes back to its checkpoint)."""
+        from algorithms.ppo.recovery import dead_models
+
+        t0 = time.perf_counter()
+        dead = await asyncio.to_thread(dead_models, self.trainer.models)
+        if self.run_path is None or not set(dead) & set(self.trainer.trained):
+            raise exc
+        self.replaced += 1
+        limit = self.trainer.cfg.trainer.max_restarts
+        if self.replaced > limit:
+            raise MakerLost(f"Workhorses died ({dead}) and the run already recovered {limit} times "
+                            f"(trainer.max_restarts): {exc}") from exc
+        log.warning("the trainer lost Workhorses (role: ranks %s); replacing %s, the makers and the buffer go on",
+                    dead, ", ".join(sorted(set(dead) - {"rollout"})))
+        for role in sorted(set(dead) - {"rollout"}):
+            new = await asyncio.to_thread(self.trainer.models.replace, role)
+            if role == "reward" and hasattr(self.trainer.score_fn, "reward"):
+                self.trainer.score_fn.reward = new
+        if set(dead) - {"rollout"} - set(self.trainer.trained):  # every maker scores with the new one
+            await self._restart_makers(list(range(len(self.makers))))
+        try:
+            state = await _unwrapped(self.learner.recover.remote(dataclasses.replace(self.trainer.models, starter=None)))
+        except RuntimeError as why:
+            log.warning("the trainer cannot restore from memory (%s); going back to the latest checkpoint", why)
+            raise exc from None
+        self.trainer.state.step = state["step"]
+        self.trainer.kl.load_state_dict(state["kl"])
+        log.warning("%s replaced; the trainer is back at step %d, restored from %s in %.1f s; the makers and the "
+                    "buffer went on", ", ".join(sorted(set(dead) - {"rollout"})), state["step"],
+                    "the in-memory snapshot" if state["source"] == "memory" else "disk", time.perf_counter() - t0)
+
+    async def _restart_makers(self, which: list[int]) -> None:
+        """New makers `which` (their prompts queued again), at the trainer's latest published version."""
+        await self._stop_makers(which)
+        latest = await self.learner.latest.remote()
+        for i in which:
+            self.makers[i] = self._maker(i, -1)
+            await _unwrapped(self.makers[i].load.remote(latest[i]))
+            self.runs[i] = asyncio.ensure_future(self.makers[i].run.remote())
+        await self.learner.set_makers.remote(self.makers)
 
     async def _stop_makers(self, which: list[int]) -> None:
         """Stop makers `which` and queue their prompts again."""

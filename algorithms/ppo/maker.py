@@ -306,7 +306,15 @@ class ExperienceMaker:
         newer version arrived meanwhile (that one is loaded instead). A failure stops the loop."""
         from xray.sync import deliver
 
+        from xray.wholemodel.errors import WholeModelError
+
         self.latest = max(self.latest, staged.version)
+        try:
+            await staged.export
+        except WholeModelError as lost:  # the trainer lost its actor while exporting: nothing was loaded,
+            log.warning("maker %d: weight version %d was never exported (%s); keeping version %d",  # it restores
+                        self.index, staged.version, str(lost).splitlines()[0], self.version)
+            return None
         try:
             async with self._lock():
                 if staged.version < self.latest or staged.version <= self.version:

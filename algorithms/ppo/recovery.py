@@ -15,10 +15,11 @@ grants, `algorithms.ppo.elastic`), then, in a synchronous run:
   taken; `xray/run/checkpoints.py`), resharded by the engines when an elastic group shrank, from
   each shard's files or their copy on another node; where none can be read, to the latest
   complete checkpoint on disk; and the steps since it run again, each once.
-An asynchronous run replaces a lost experience maker itself, while the trainer goes on
-(`algorithms.ppo.detached`); when the trainer fails (its actor or critic lost), `recover_async`
-goes back to the latest complete checkpoint, its buffer and prompts in the making included, with
-new experience makers, trainer and buffer.
+An asynchronous run replaces a lost experience maker itself, while the trainer goes on, and a
+lost actor or critic while the makers go on, the trainer restoring its snapshot in memory
+(`algorithms.ppo.detached`); where it has none, `recover_async` goes back to the latest complete
+checkpoint, its buffer and prompts in the making included, with new experience makers, trainer
+and buffer.
 At most `trainer.max_restarts` recoveries; one more death ends the run with the error.
 A Workhorse that got SIGTERM (`xray/workhorse/drain.py`) is not waited for to die: `replace_drained`
 replaces its model at the step boundary from the step's snapshot in memory, losing nothing.
@@ -132,7 +133,7 @@ async def recover_async(exc: WholeModelError, trainer, data, checkpoints, run, r
     from algorithms.ppo.detached import Detached
 
     dead, _, (t0, found, replaced) = await replace_dead(exc, trainer, checkpoints, restarts)
-    detached = Detached(trainer, data)
+    detached = Detached(trainer, data, str(run.path))
     source = await back_to_checkpoint(exc, trainer, data, run, dead, checkpoints, detached)
     log.warning("%s replaced; async run back at the checkpoint of step %d, restored from %s (%.1f s after the "
                 "failure was seen: %.1f s finding the dead, %.1f s starting Workhorses, %.1f s restoring)",

@@ -87,7 +87,7 @@ async def train(trainer: PPOTrainer, run: RunDir, data: RunData, resume: str | N
     if cfg.trainer.mode == "async":
         from algorithms.ppo.detached import Detached
 
-        detached = Detached(trainer, data)
+        detached = Detached(trainer, data, str(run.path))
     if latest is not None:
         await resume_from(trainer, latest, data, detached)
     if trainer.state.eval_before is None:

@@ -379,10 +379,11 @@ class TrainerConfig:
     """Flash-checkpoint every this many steps (0: never; a signal still takes one): a short copy into host memory,
     written to disk in the background; it becomes the latest once all of it is on disk."""
     memory_snapshots: bool = True
-    """Snapshot the trained models into host memory after every step of a synchronous run (the
-    copy overlaps the next step's generation; replicated to another node where there is one): a
-    lost Workhorse then costs at most the step in flight. Off: recovery goes back to the latest
-    checkpoint. Asynchronous runs snapshot at checkpoints only."""
+    """Snapshot the trained models into host memory after every step (the copy overlaps the next
+    step's generation, or in an asynchronous run its trainer's wait for experience; replicated to
+    another node where there is one): a lost Workhorse then costs at most the step in flight, and
+    an asynchronous run's makers and buffer go on while its trainer restores. Off: recovery goes
+    back to the latest checkpoint."""
     on_signal: Literal["finish", "abandon"] = "finish"
     """SIGTERM/SIGINT: `finish` the step under way (within `exit_grace_s`), checkpoint it and exit
     0; `abandon` it at once and exit 0 (the last complete checkpoint stands)."""

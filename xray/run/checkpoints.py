@@ -162,6 +162,11 @@ class FlashCheckpoints:
             self._replicas = await asyncio.to_thread(Replicator)
         return await asyncio.to_thread(self._replicas.refresh, models)
 
+    def follow(self, models: Any) -> None:
+        """Snapshot `models` from now on (they replaced the ones given at construction)."""
+        self._models = models
+        self._moved = True
+
     def placement_changed(self) -> None:
         """The trained models moved (replaced, resized): their shards' nodes are looked up again at
         the next snapshot."""
