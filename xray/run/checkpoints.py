@@ -1,11 +1,12 @@
 """Snapshots of a run in memory every step, flash checkpoints on disk every `trainer.save_every`.
 
-After every step (`trainer.memory_snapshots`, synchronous runs; else at checkpoints only) the
-algorithm calls `FlashCheckpoints.take`: each trained WholeModel's Workhorses copy their state
-into host memory (`TrainWorkhorse.snapshot`, the only time training stops) and hand the copy out
-as a call's answer (`hand_snapshot`), which the object store keeps for the driver after the
-Workhorse dies; on a cluster of several nodes, a `SnapshotHolder` on another node copies each
-shard's answer (`xray/run/snapshot_holder.py`) and a node's loss loses none of it. `take` only submits the
+After every step (`trainer.memory_snapshots`; else at checkpoints only) the algorithm calls
+`FlashCheckpoints.take` (a synchronous run's driver; an asynchronous run's trainer actor, whose
+calls it orders): each trained WholeModel's Workhorses copy their state into host memory
+(`TrainWorkhorse.snapshot`, the only time training stops) and hand the copy out as a call's answer
+(`hand_snapshot`), which the object store keeps for the caller after the Workhorse dies; on a
+cluster of several nodes, a `SnapshotHolder` on another node pins a copy of each shard's answer
+(`xray/run/snapshot_holder.py`) and a node's loss loses none of it. `take` only submits the
 calls: the run goes on to its next step at once (generation needs no trained Workhorse), and Ray
 runs a caller's calls to a Workhorse in the order they were made, so the copy is of the state
 after this step, and the next step's first call to that Workhorse waits for it. The copy's
