@@ -218,12 +218,7 @@ class Detached:
             new = await asyncio.to_thread(models.replace, role)
             if role == "reward" and hasattr(self.trainer.score_fn, "reward"):
                 self.trainer.score_fn.reward = new
-        latest = await self.learner.latest.remote()
-        for i in again:
-            self.makers[i] = self._maker(i, -1)
-            await _unwrapped(self.makers[i].load.remote(latest[i]))
-            self.runs[i] = asyncio.ensure_future(self.makers[i].run.remote())
-        await self.learner.set_makers.remote(self.makers)
+        latest = await self._start_makers(again)
         log.warning("experience maker%s %s replaced in %.1f s at weight version %d (%s; dead Workhorses: %s; "
                     "rollout replicas restarted: %s); the trainer and the other makers went on",
                     "s" if len(again) > 1 else "", ", ".join(map(str, again)), time.perf_counter() - t0,
@@ -253,7 +248,8 @@ class Detached:
             if role == "reward" and hasattr(self.trainer.score_fn, "reward"):
                 self.trainer.score_fn.reward = new
         if set(dead) - {"rollout"} - set(self.trainer.trained):  # every maker scores with the new one
-            await self._restart_makers(list(range(len(self.makers))))
+            await self._stop_makers(list(range(len(self.makers))))
+            await self._start_makers(list(range(len(self.makers))))
         try:
             state = await _unwrapped(self.learner.recover.remote(dataclasses.replace(self.trainer.models, starter=None)))
         except RuntimeError as why:
@@ -265,15 +261,16 @@ class Detached:
                     "buffer went on", ", ".join(sorted(set(dead) - {"rollout"})), state["step"],
                     "the in-memory snapshot" if state["source"] == "memory" else "disk", time.perf_counter() - t0)
 
-    async def _restart_makers(self, which: list[int]) -> None:
-        """New makers `which` (their prompts queued again), at the trainer's latest published version."""
-        await self._stop_makers(which)
+    async def _start_makers(self, which: list[int]) -> dict:
+        """New makers `which` (the old ones stopped), at the trainer's latest published version,
+        which they load first; that version, per maker."""
         latest = await self.learner.latest.remote()
         for i in which:
             self.makers[i] = self._maker(i, -1)
             await _unwrapped(self.makers[i].load.remote(latest[i]))
             self.runs[i] = asyncio.ensure_future(self.makers[i].run.remote())
         await self.learner.set_makers.remote(self.makers)
+        return latest
 
     async def _stop_makers(self, which: list[int]) -> None:
         """Stop makers `which` and queue their prompts again."""

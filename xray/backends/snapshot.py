@@ -84,15 +84,8 @@ def host_copy(value: Any) -> Any:
     """`value` with every tensor copied into fresh host memory (containers rebuilt, the rest deep-copied)."""
     if isinstance(value, torch.Tensor):
         return value.detach().to("cpu", copy=True)
-    if isinstance(value, dict):
-        out = copy.copy(value)  # keeps the mapping's type (OrderedDict, defaultdict)
-        for k, v in value.items():
-            out[k] = host_copy(v)
-        return out
-    if isinstance(value, list):
-        return [host_copy(v) for v in value]
-    if type(value) is tuple:
-        return tuple(host_copy(v) for v in value)
+    if isinstance(value, (dict, list)) or type(value) is tuple:
+        return _rebuilt(value, host_copy)
     return copy.deepcopy(value)
 
 
@@ -130,8 +123,10 @@ def from_wire(value: Any) -> Any:
 
 
 def _rebuilt(value: Any, each: Callable[[Any], Any]) -> Any:
+    """A dict, list or tuple rebuilt with `each` applied to its items (a mapping keeps its type:
+    OrderedDict, defaultdict); anything else as it is."""
     if isinstance(value, dict):
-        out = copy.copy(value)  # keeps the mapping's type (OrderedDict, defaultdict)
+        out = copy.copy(value)
         for k, v in value.items():
             out[k] = each(v)
         return out
