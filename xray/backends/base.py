@@ -120,6 +120,11 @@ class TrainEngine(ABC):
         the files `save(directory)` would write, with the call that writes them, to run in the
         background (a flash checkpoint; see `xray/backends/snapshot.py`)."""
 
+    def restore_ranks(self, saved) -> list[int]:
+        """The ranks of layout `saved` (ParallelDims) whose files a restore into this engine's other
+        layout reads; default every rank's."""
+        return list(range(saved.world_size))
+
     @abstractmethod
     def load(self, directory: str, held: dict | None = None, complete: bool = False) -> None:
         """Load what `save` wrote, into a freshly built engine (of this layout or another: resharded);

@@ -425,20 +425,12 @@ class TrainWorkhorse(Workhorse):
         if every shard's did)."""
         files, complete = None, held is not None and saved is not None and saved != self.parallel
         if held is not None:
-            wanted = self._held_ranks(saved, len(held)) if complete else {0, self.rank}
+            wanted = set(self.engine.restore_ranks(saved)) if complete else {0, self.rank}
             try:
                 files = {k: v for r in sorted(wanted) for k, v in _fetch(held[r]).items()}
             except Exception as exc:  # noqa: BLE001 - lost with its node: the disk has it
                 self.log.warning("the in-memory snapshot is gone (%s); loading %s from disk",
                                  str(exc).splitlines()[0], directory)
-                files = None
         self.engine.load(directory, files, complete=complete and files is not None)
         return "memory" if files is not None else "disk"
 
-    def _held_ranks(self, saved, ranks: int) -> set[int]:
-        """The saved ranks whose files a restore into this layout reads."""
-        if self.config.get("backend") == "megatron":
-            from xray.backends.megatron.reshard import needed_ranks
-
-            return set(needed_ranks(saved))
-        return set(range(ranks))

@@ -287,6 +287,9 @@ class MegatronEngine(TrainEngine):
             state["scheduler"] = host_copy(self.scheduler.state_dict())
         return Snapshot([(str(checkpoint.shard_path(directory, self.rank)), {"header": self._header(), **state})])
 
+    def restore_ranks(self, saved: ParallelDims) -> list[int]:
+        return reshard.needed_ranks(saved)  # the first data-parallel replica's
+
     def load(self, directory: str, held: dict | None = None, complete: bool = False) -> None:
         """Restore a checkpoint of this model and role, written in this layout (this rank's file
         read from `held` when it holds it) or in another (resharded: `xray/backends/megatron/reshard.py`,
