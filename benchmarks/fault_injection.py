@@ -5,7 +5,8 @@
 
 The default job (`python -m xray.train ppo`'s preparation, configs/ppo_tiny_cpu.yaml) lengthened
 to `--steps` steps, a snapshot in memory after every step (`trainer.memory_snapshots`) and a
-checkpoint on disk every 10 (`--trainer.save_every`), on two Ray nodes of this machine
+checkpoint on disk every 10 (`--trainer.save_every`; `--trainer.standby_workhorses=1` adds warm
+standby processes, see docs/runs.md), on two Ray nodes of this machine
 (`ray.cluster_utils.Cluster`): the train group (actor, critic, reference) is elastic over two
 devices, one per node (`elasticity` {max_train_batch_size: 32, micro_batch_sizes: [16]}: the
 default job's mini-batch of 32 at dp=2 and dp=1), the rollout on the head node. Run twice in one

@@ -10,7 +10,8 @@ sizes its bounds allow. Two events move it:
   none can be read, the latest checkpoint on disk), resharded to the new layout, and the steps since
   run again: at most the step in flight.
 - **grow**: at a step boundary, a group below its largest size sees free devices that fit it (a
-  node joined) and has kept its size for `elasticity.min_time` minutes. The group is placed on the
+  node joined), has kept its size for `elasticity.min_time` minutes, and (with
+  `trainer.standby_workhorses`) its models' standby processes on the joined node are warm. The group is placed on the
   larger size and its models restore the snapshot in memory of the step just finished (resharded
   by the engines; from disk only where it cannot be read): no step is lost.
 After either, the mini-batch is micro-batch x accumulation x data-parallel size for the new size
@@ -103,6 +104,11 @@ class Elastic:
             if time.monotonic() - self.sized_at[group] < 60.0 * er.min_time:
                 continue  # elasticity.min_time: not yet
             if size < er.largest and (n := er.fit(size + self._free(group))) is not None and n > size:
+                models = self.trainer.models
+                if models.standby and not models.keep_standby(group, check=True):
+                    log.info("elastic: %s may grow to %d devices once its standby processes on the joined "
+                             "node are warm", group, n)
+                    continue
                 out[group] = n
         return out
 

@@ -199,6 +199,8 @@ async def sync_steps(trainer: PPOTrainer, run: RunDir, data: RunData, checkpoint
             await on_step(trainer.state.step, metrics)
             if notices := await inbox.take.remote():
                 await replace_drained(notices, trainer, data, checkpoints, run)
+            if trainer.models.standby:  # standby processes follow the nodes (trainer.standby_workhorses)
+                await asyncio.to_thread(trainer.models.keep_standby)
             if elastic.ranges and trainer.state.step < cfg.trainer.steps and not stop.requested:
                 await elastic.grow(lambda: save_checkpoint(trainer, checkpoints, data), checkpoints,
                                    lambda directory, state: resume_from(trainer, directory, data, None, checkpoints,

@@ -62,6 +62,42 @@ def test_wholemodel_actor_sits_on_the_head_node(two_nodes):
         ray.util.remove_placement_group(pg)
 
 
+def test_a_restart_builds_its_shards_in_the_standby_processes_of_their_nodes(two_nodes):
+    """`WholeModel.keep_standby` (`xray/wholemodel/standby.py`): one warm process per node; a rank
+    killed, the restart builds both shards in the standbys of their own nodes (no new process), the
+    group works, and the pool is refilled with new processes; a serving Workhorse refuses `become`."""
+    import time
+
+    import ray
+
+    wm = WholeModel(EchoWorkhorse, role="standing", parallel=ParallelDims(dp=2))
+    try:
+        nodes = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])
+        assert wm.keep_standby(1, nodes) == {node: 1 for node in nodes}
+        deadline = time.monotonic() + 60
+        while not wm.standby_ready():
+            assert time.monotonic() < deadline, "the standby processes never warmed"
+            time.sleep(0.1)
+        standby = set(ray.get(wm._actor.standby_pids.remote()))
+        before = [r["node"] for r in wm.all_reduce(0.0).get()]
+        old = {p["pid"] for p in wm.ping().get()}
+        ray.kill(wm.shard_handles()[1])
+        wm.restart()
+        assert {p["pid"] for p in wm.ping().get()} == standby and not standby & old
+        results = wm.all_reduce(5.0).get()
+        assert [r["sum"] for r in results] == [11.0, 11.0] and [r["node"] for r in results] == before
+        deadline = time.monotonic() + 60
+        while not wm.standby_ready():
+            assert time.monotonic() < deadline, "the standby pool was not refilled"
+            time.sleep(0.1)
+        refilled = set(ray.get(wm._actor.standby_pids.remote()))
+        assert len(refilled) == 2 and not refilled & standby
+        with pytest.raises(Exception, match="serving Workhorse"):
+            ray.get(wm.shard_handles()[0].become.remote(rank=0, parallel=ParallelDims(dp=2)))
+    finally:
+        wm.shutdown()
+
+
 def test_a_snapshot_replica_outlives_the_node_it_was_taken_on(two_nodes):
     """The in-memory snapshots' replicas (`xray/run/snapshot_holder.py`): a Workhorse's answer on a
     third node (tensors as numpy arrays, `to_wire`) is pinned on another node (the driver's) by its

@@ -9,8 +9,9 @@ in-memory snapshot (step 4's, or step 3's when step 4's was cut) and finishes, h
 most one step that had finished. On megatron-vllm a rollout Workhorse is also killed during step 8:
 it is replaced and step 8 runs again without going back (steps 6 and 7 ran once); and a critic
 Workhorse gets SIGTERM during step 9: it is replaced when the step ends, from the step's snapshot,
-and no step runs again. An asynchronous
-run whose trainer is lost (slow tier) goes back to its checkpoint, restored from memory.
+and no step runs again. The megatron-vllm run keeps a warm standby process per model
+(`trainer.standby_workhorses: 1`): the actor's and the critic's replacements are built in them.
+An asynchronous run whose trainer is lost (slow tier) goes back to its checkpoint, restored from memory.
 """
 import asyncio
 import collections
@@ -20,6 +21,7 @@ import os
 import random
 import re
 import signal
+import time
 
 import pytest
 
@@ -83,18 +85,28 @@ def test_dead_workhorses_are_replaced(tmp_path, tiny_model, backend, trained, ca
     from xray.train import resolve
 
     path = config(tmp_path, tiny_model, backend)
+    standby = int(trained == "actor")  # the megatron run keeps a warm standby process per model (docs/runs.md)
     _, cfg, plan, _, _ = resolve(["ppo", "--backend", backend, "--config", str(path), "--trainer.steps=10",
-                                  "--trainer.save_every=3"])
+                                  "--trainer.save_every=3", f"--trainer.standby_workhorses={standby}"])
     run = RunDir(tmp_path / "run")
     caplog.set_level(logging.WARNING)
     delay = random.uniform(0.0, 1.0)  # a step of this run takes about 1.5 s
     with ppo_trainer(cfg, plan, run) as (trainer, data):
         pid = {role: ray.get(getattr(trainer.models, role).shard_handles()[0].pid.remote())
                for role in (trained, "rollout", "critic")}
+        deadline = time.monotonic() + 120
+        while standby and not trainer.models.keep_standby(check=True):
+            assert time.monotonic() < deadline, "the standby processes never warmed"
+            time.sleep(0.2)
+        warm = {role: set(ray.get(getattr(trainer.models, role)._actor.standby_pids.remote()))
+                for role in (trained, "critic")}
         kills = [(5, trained, pid[trained], delay)]
         if trained == "actor":  # the rollout lost in step 8; the critic told to drain during step 9
             kills += [(8, "rollout", pid["rollout"], 0.0), (9, "critic", pid["critic"], 0.3, signal.SIGTERM)]
         _, killed = train_with_kills(trainer, run, data, kills)
+        now = {role: {p["pid"] for p in getattr(trainer.models, role).ping().get()} for role in warm}
+    if standby:  # the replacements (the killed actor, the drained critic) were built in the warm standbys
+        assert all(len(warm[role]) == 1 and warm[role] <= now[role] for role in warm), (warm, now)
     assert [role for role, _ in killed] == [k[1] for k in kills] and trainer.state.step == 10
     finished = killed[0][1]  # steps finished when the trained Workhorse was killed (4, or 5 after a long delay)
     rows = steps_logged(run)

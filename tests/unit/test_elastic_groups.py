@@ -90,7 +90,7 @@ def test_the_seeds_elasticity_block_runs_as_written_and_each_key_means_something
     with pytest.raises(ConfigError, match="elasticity.version=0.3"):
         elastic_cfg(dict(SEED_BLOCK, version=0.3))
     # min_time: a group grows only once it has kept its size that long (a lost device shrinks it at once)
-    trainer = types.SimpleNamespace(cfg=cfg, models=types.SimpleNamespace(plan=types.SimpleNamespace(roles=[
+    trainer = types.SimpleNamespace(cfg=cfg, models=types.SimpleNamespace(standby=0, plan=types.SimpleNamespace(roles=[
         types.SimpleNamespace(role="actor", group="train_group", num_workhorses=1)])))
     elastic = Elastic(trainer)
     elastic._free = lambda group: 1  # a node joined: one more device

@@ -334,6 +334,8 @@ def _with_packs(roles: list[RolePlan], per_node: int) -> list[RolePlan]:
 
 def _check_batches(cfg: RunConfig, plan: Plan) -> None:
     _check_sampling(cfg, plan)
+    if cfg.trainer.standby_workhorses < 0:
+        raise ConfigError(f"trainer.standby_workhorses={cfg.trainer.standby_workhorses} must be >= 0 (0: none)")
     if cfg.trainer.mode == "async":
         _check_async(cfg, plan)
     samples = cfg.ppo.rollout_batch_size * cfg.rollout.n_samples

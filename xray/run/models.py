@@ -46,6 +46,11 @@ class Models:
     starter: Optional[Callable[..., WholeModel]] = None
     """Starts one role's WholeModel on the given layout and devices, `(role_plan, bundles, model)`:
     the Workhorses of `model` restarted there when its WholeModel actor lives, else a new one."""
+    standby: int = 0
+    """Standby processes per node for the models of trained device groups (`trainer.standby_workhorses`)."""
+    threads: int = 1
+    _standby_asked: dict = field(default_factory=dict)
+    """role -> (its WholeModel, the nodes its standbys were asked for): asked again only on a change."""
 
     def replace(self, role: str) -> WholeModel:
         """Start `role`'s Workhorses anew on the same devices (one died: its replacement joins fresh
@@ -83,6 +88,27 @@ class Models:
                                                  layouts.values())))
         for role, model in started.items():
             setattr(self, role, model)
+
+    def keep_standby(self, group: str | None = None, check: bool = False) -> bool:
+        """Keep `standby` warm processes of each trained device group's models (all groups, or
+        `group`) on every alive node that can host the group (`WholeModel.keep_standby`; asked again
+        when the nodes or a model changed); with `check`, whether they are all warm (else True)."""
+        from xray.wholemodel.placement import hosting_nodes
+
+        if not self.standby or self.plan is None:
+            return True
+        trained = {r.group for r in self.plan.roles if r.role in TRAINED}
+        ready = True
+        for g in sorted(trained if group is None else {group} & trained):
+            roles = [r for r in self.plan.roles if r.group == g]
+            nodes = hosting_nodes(roles[0].device, self.threads, roles[0].resources)
+            for r in roles:
+                model = getattr(self, r.role)
+                if self._standby_asked.get(r.role) != (id(model), nodes):
+                    model.keep_standby(self.standby, list(nodes))
+                    self._standby_asked[r.role] = (id(model), nodes)
+                ready = ready and (not check or model.standby_ready())
+        return ready
 
     def all(self) -> list[WholeModel]:
         return [m for m in (self.actor, self.critic, self.reference, self.rollout, self.reward) if m is not None]
@@ -244,10 +270,11 @@ def build_models(cfg: RunConfig, plan: Plan, model_dir: str, ray_address: str | 
 
     check_layouts(cfg, plan, model_dir)
     ensure_ray(ray_address, num_cpus=plan.nproc_per_node * plan.nnodes * cfg.threads_per_worker)
+    from xray.wholemodel.handle import control_plane_placement
     from xray.workhorse.drain import close_inbox, open_inbox
 
     if cfg.trainer.mode == "sync":  # a SIGTERMed Workhorse tells the run (xray/workhorse/drain.py)
-        open_inbox()
+        open_inbox(control_plane_placement())
     else:
         close_inbox()
     plan, bundles = reserve_elastic(cfg, plan)
@@ -261,4 +288,7 @@ def build_models(cfg: RunConfig, plan: Plan, model_dir: str, ray_address: str | 
         started = dict(zip(roles, pool.map(lambda r: start(plan.role(r), bundles[r]), roles)))
     log.info("started %s in %.0f s", ", ".join(f"{r} ({len(started[r].layout)} Workhorses)" for r in roles),
              time.perf_counter() - t0)
-    return Models(**started, bundles=bundles, plan=plan, starter=start)
+    models = Models(**started, bundles=bundles, plan=plan, starter=start, standby=cfg.trainer.standby_workhorses,
+                    threads=cfg.threads_per_worker)
+    models.keep_standby()  # they warm while the run's first step goes
+    return models

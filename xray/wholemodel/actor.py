@@ -23,6 +23,7 @@ from xray.config.parallel import ParallelDims
 from xray.wholemodel import protocol
 from xray.wholemodel.errors import CallDeadlineExceeded, WholeModelError, WorkhorseDied
 from xray.wholemodel.pending import shard_failure
+from xray.wholemodel.standby import Standby, slot_node
 
 log = logging.getLogger(__name__)
 
@@ -46,20 +47,51 @@ class WholeModelActor:
         self.role, self.cls, self.parallel = role, workhorse_cls, parallel
         self.resources, self.env = resources, env
         self.shards: list = []
+        self.standby = Standby(role, ray.remote(self.cls), env)
+        self.init_kwargs = init_kwargs
+        self.from_standby: list[int] = []
+        """The ranks of the last start that took a standby process (`xray/wholemodel/standby.py`)."""
         self._spawn(parallel, init_kwargs, slots)
         self.layout: list[ShardInfo] = []
 
     def _spawn(self, parallel: ParallelDims, init_kwargs: dict, slots: list[tuple[Any, int]]) -> None:
-        """Create one Workhorse per slot, (placement group, bundle index) in rank order (they build
-        in `start`)."""
+        """Create one Workhorse per slot, (placement group, bundle index) in rank order, or take a
+        standby process on the slot's node (they build in `start`)."""
         remote_cls = ray.remote(self.cls)
-        self.parallel, self.shards = parallel, []
+        self.parallel, self.shards, self.init_kwargs, self.from_standby = parallel, [], init_kwargs, []
         for rank, (placement_group, bundle) in enumerate(slots):
+            spare = self.standby.take(slot_node(placement_group, bundle)) if self.standby.per_node else None
+            if spare is not None:
+                spare.become.remote(rank=rank, parallel=parallel, **init_kwargs)
+                self.shards.append(spare)
+                self.from_standby.append(rank)
+                continue
             options = dict(self.resources, runtime_env={"env_vars": self.env},
                            scheduling_strategy=PlacementGroupSchedulingStrategy(
                                placement_group=placement_group, placement_group_bundle_index=bundle))
             self.shards.append(remote_cls.options(**options).remote(
                 role=self.role, rank=rank, parallel=parallel, **init_kwargs))
+
+    def keep_standby(self, per_node: int, nodes: list[str]) -> dict[str, int]:
+        """Keep `per_node` warm standby Workhorses on each of `nodes` (`xray/wholemodel/standby.py`);
+        0 stops them. Returns node id -> standbys now held there."""
+        if per_node and self.resources.get("num_gpus"):
+            log.warning("%s: GPU Workhorses keep no standby process (Ray assigns a GPU when a process "
+                        "starts); replacements start cold", self.role)
+            per_node = 0
+        if per_node:
+            self.standby.keep(per_node, nodes, self.parallel, self.init_kwargs)
+        else:
+            self.standby.clear()
+        return self.standby.counts()
+
+    def standby_ready(self) -> bool:
+        """Whether every standby asked for is started and warm."""
+        return self.standby.ready()
+
+    async def standby_pids(self) -> list[int]:
+        """The pids of the standby processes that are warm (tests check a replacement took them)."""
+        return await self.standby.pids()
 
     async def restart(self, parallel: ParallelDims, init_kwargs: dict, slots: list[tuple[Any, int]],
                       timeout_s: float = 600.0) -> tuple[list[ShardInfo], list]:
@@ -67,8 +99,13 @@ class WholeModelActor:
         the given slots (`Bundles.slots()`), in a fresh process group: a replacement without a new
         control plane. The new shards hold the initial weights."""
         self.kill_workhorses()
+        await self.standby.prune()
         self._spawn(parallel, init_kwargs, slots)
-        return await self.start(timeout_s)
+        started = await self.start(timeout_s)
+        if self.standby.per_node:
+            log.info("%s: ranks %s took standby processes; refilling the standbys", self.role, self.from_standby)
+            self.standby.refill(parallel, init_kwargs)
+        return started
 
     async def restart_replica(self, dp_rank: int, init_kwargs: dict, slots: list[tuple[Any, int]],
                               timeout_s: float = 600.0) -> tuple[list[ShardInfo], list]:
@@ -152,14 +189,17 @@ class WholeModelActor:
         """The Ray node this actor runs on (rank 0's)."""
         return ray.get_runtime_context().get_node_id()
 
-    async def shutdown(self, grace_s: float = 10.0) -> None:
-        """Ask every Workhorse to stop (up to `grace_s` seconds), then kill them all."""
+    async def shutdown(self, grace_s: float = 10.0, keep_standby: bool = False) -> None:
+        """Ask every Workhorse to stop (up to `grace_s` seconds), then kill them all (and the
+        standby processes, unless `keep_standby`: a restart follows)."""
         refs = [s.shutdown.remote() for s in self.shards]
         try:
             await asyncio.wait_for(asyncio.gather(*[_as_future(r) for r in refs], return_exceptions=True), grace_s)
         except asyncio.TimeoutError:
             pass
         self.kill_workhorses()
+        if not keep_standby:
+            self.standby.clear()
 
 
 async def _as_future(ref):

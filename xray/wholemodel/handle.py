@@ -173,7 +173,7 @@ class WholeModel:
                **(env or {})}  # quiet start-up: xray.workhorse.quiet
         kwargs = dict(seed=seed, device=self.device.lower(), threads=threads, **(init_kwargs or {}))
         self._actor = ray.remote(WholeModelActor).options(
-            num_cpus=0, max_concurrency=1000, **_control_plane_placement()).remote(
+            num_cpus=0, max_concurrency=1000, **control_plane_placement()).remote(
             role, workhorse_cls, parallel, kwargs, bundles.slots(), resources, env)
         try:
             self.layout, self.shards = _unwrapped(self._actor.start.remote(start_timeout_s), start_timeout_s + 30)
@@ -363,8 +363,20 @@ class WholeModel:
         log.info("%s: replica %d restarted (ranks %s)", self.role, dp_rank, ranks)
 
     def stop_workhorses(self, grace_s: float = 0.0) -> None:
-        """Stop the Workhorses and keep the WholeModel actor (`restart` starts new ones)."""
-        _unwrapped(self._actor.shutdown.remote(grace_s), grace_s + 20)
+        """Stop the Workhorses and keep the WholeModel actor and its standby processes (`restart`
+        starts new ones)."""
+        _unwrapped(self._actor.shutdown.remote(grace_s, True), grace_s + 20)
+
+    def keep_standby(self, per_node: int, nodes: list[str]) -> dict[str, int]:
+        """Keep `per_node` warm standby processes of this model's Workhorse class on each of `nodes`
+        (Ray node ids; 0 stops them): a restart (`restart`, `Models.replace`, an elastic resize)
+        then builds its shards on those nodes in them instead of cold processes
+        (`xray/wholemodel/standby.py`). Returns node id -> standbys held there."""
+        return _unwrapped(self._actor.keep_standby.remote(per_node, list(nodes)), 60)
+
+    def standby_ready(self) -> bool:
+        """Whether every standby process asked for by `keep_standby` is started and warm."""
+        return _unwrapped(self._actor.standby_ready.remote(), 60)
 
     def shutdown(self, release: bool = True, grace_s: float = 10.0) -> None:
         """Stop the Workhorses (each given `grace_s` seconds to finish its work, then killed) and
@@ -395,7 +407,7 @@ class WholeModel:
 
 
 
-def _control_plane_placement() -> dict:
+def control_plane_placement() -> dict:
     """Where a WholeModel actor goes: on the head node (a sliver of the resource Ray gives only
     the head), outside any device reservation, so it outlives the loss of a Workhorse's node
     and a release of the devices (elastic resizing, `WholeModel.restart`); the head's loss ends

@@ -43,6 +43,16 @@ def free_devices(device: str, threads: int = 1, resources: tuple = ()) -> int:
     return int(min(have.get(k, 0.0) // v for k, v in device_bundle(device, threads, resources).items()))
 
 
+def hosting_nodes(device: str, threads: int = 1, resources: tuple = ()) -> tuple[str, ...]:
+    """The ids of the alive nodes that hold at least one such device (reserved or not): where a
+    group of them may be placed, and so where its standby processes wait (`xray/wholemodel/standby.py`)."""
+    import ray
+
+    need = device_bundle(device, threads, resources)
+    return tuple(sorted(n["NodeID"] for n in ray.nodes()
+                        if n["Alive"] and all(n["Resources"].get(k, 0.0) >= v for k, v in need.items())))
+
+
 def pack_slots(count: int, packs: Packs) -> list[tuple[int, int]]:
     """(pack number, bundle index in that pack's placement group) of each of `count` ranks."""
     slots: dict[int, tuple[int, int]] = {}

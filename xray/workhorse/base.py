@@ -106,13 +106,15 @@ class Workhorse(BusyRecorder):
     """One shard of one model. Subclasses add `setup()` and `@fanout` methods."""
 
     def __init__(self, role: str, rank: int, parallel: ParallelDims, seed: int = 0,
-                 device: str = "cpu", threads: int = 1, **config: Any):
+                 device: str = "cpu", threads: int = 1, standby: bool = False, **config: Any):
         install_filters()  # the libraries' start-up noise stays out of the console (xray.workhorse.quiet)
         self.role, self.rank, self.parallel = role, rank, parallel
         self.device = device.lower()
         self.threads = threads
+        self.standby = standby
+        """A standby process (`xray/wholemodel/standby.py`): warm, in no group, until `become`."""
         cpu_devices = config.pop("cpu_devices", None)
-        if cpu_devices is not None:
+        if cpu_devices is not None and not standby:
             pin_to_cpu_device(cpu_devices[rank], threads)
         self.config = config
         self.seed = shard_seed(seed, role, rank)
@@ -121,7 +123,8 @@ class Workhorse(BusyRecorder):
         try:
             from xray.workhorse.drain import listen
 
-            listen(role, rank)  # SIGTERM: a drain notice to the run, then an exit (xray/workhorse/drain.py)
+            if not standby:  # SIGTERM: a drain notice to the run, then an exit (xray/workhorse/drain.py)
+                listen(role, rank)
         except Exception as exc:  # noqa: BLE001 - outside Ray (a unit test's engine): SIGTERM as usual
             self.log.debug("no drain listener: %s", exc)
         torch.set_num_threads(threads)
@@ -133,6 +136,21 @@ class Workhorse(BusyRecorder):
             np.random.seed(self.seed)
         except ImportError:
             pass
+
+    # -- standby: a process started ahead of need (`xray/wholemodel/standby.py`) ------------------
+    def warm(self) -> int:
+        """Import what `setup` will need, so that a standby process builds its shard in a fraction
+        of a cold start (subclasses: their backend's libraries). Returns this process's pid."""
+        return os.getpid()
+
+    def become(self, rank: int, parallel: ParallelDims, **init_kwargs: Any) -> int:
+        """A standby process takes shard `rank` of layout `parallel`, built with `init_kwargs` (as a
+        new Workhorse's constructor would be); `start` follows. Returns this process's pid."""
+        if not self.standby:
+            raise RuntimeError(f"{self.role} rank {self.rank} is a serving Workhorse, not a standby one")
+        self.__init__(self.role, rank, parallel, **init_kwargs)
+        self.log.info("standby process %d became %s rank %d", os.getpid(), self.role, rank)
+        return os.getpid()
 
     # -- life cycle, called by the WholeModel in this order ------------------------------------
     def address(self) -> tuple[str, int]:

@@ -47,8 +47,10 @@ _held: list = []
 """The driver's handle of the inbox: a named actor lives while a handle of its creator does."""
 
 
-def open_inbox():
-    """This job's inbox (started if none), emptied of what an earlier run left in it."""
+def open_inbox(placement: dict | None = None):
+    """This job's inbox (started if none, with Ray options `placement`: the run puts it on the head
+    node, where the WholeModel actors live, so that no Workhorse node's loss takes it), emptied of
+    what an earlier run left in it."""
     import ray
 
     if _held:  # this process's own (a handle got by name would not keep it alive)
@@ -57,7 +59,8 @@ def open_inbox():
             return _held[0]
         except Exception:  # noqa: BLE001 - of an earlier cluster
             _held.clear()
-    inbox = ray.remote(num_cpus=0)(DrainInbox).options(name=inbox_name(), get_if_exists=True).remote()
+    inbox = ray.remote(num_cpus=0)(DrainInbox).options(name=inbox_name(), get_if_exists=True,
+                                                       **(placement or {})).remote()
     ray.get(inbox.take.remote())
     _held[:] = [inbox]
     return inbox

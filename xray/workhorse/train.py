@@ -85,6 +85,12 @@ class TrainWorkhorse(Workhorse):
         self._ipc_rings: dict[tuple, ipc.IpcRing] = {}  # GPU buffers per set of rollout shards on this GPU
         self._adapter_targets: dict[tuple, bool] = {}  # whether a set of rollout shards serves adapters
 
+    def warm(self) -> int:
+        """A standby process imports its training backend and the libraries `setup` builds with."""
+        module = load_backend(self.config["backend"])
+        getattr(module, "preload", lambda: None)()
+        return super().warm()
+
     def setup(self) -> None:
         cfg = dict(self.config)
         backend = cfg.pop("backend")

@@ -10,4 +10,11 @@ is in `xray/backends/elastic.py`.
 from xray.backends.deepspeed.config import ZeroOptions
 from xray.backends.deepspeed.engine import DeepSpeedEngine, build_engine
 
-__all__ = ["DeepSpeedEngine", "ZeroOptions", "build_engine"]
+__all__ = ["DeepSpeedEngine", "ZeroOptions", "build_engine", "preload"]
+
+
+def preload() -> None:
+    """Import what a build needs beyond this package (transformers' model classes) ahead of it: a
+    standby Workhorse's warm-up (`xray/wholemodel/standby.py`)."""
+    import transformers  # noqa: F401
+    from transformers import AutoModelForCausalLM  # noqa: F401 - the lazy module's model machinery

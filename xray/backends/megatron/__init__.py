@@ -13,8 +13,8 @@ Files, in the order a build goes through them:
     engine.py      MegatronEngine (TrainEngine) and build_engine
 CPU adaptations live in `xray/backends/cpu_compat.py`.
 """
-from xray.backends.megatron.engine import EngineUsageError, MegatronEngine, build_engine
+from xray.backends.megatron.engine import EngineUsageError, MegatronEngine, build_engine, preload
 from xray.backends.megatron.spec import ModelSpec, UnsupportedModelError, check_layout, read_spec
 
 __all__ = ["EngineUsageError", "MegatronEngine", "ModelSpec", "UnsupportedModelError",
-           "build_engine", "check_layout", "read_spec"]
+           "build_engine", "check_layout", "preload", "read_spec"]

@@ -355,6 +355,13 @@ def _import_megatron() -> None:
         torch.compile = compile_now
 
 
+def preload() -> None:
+    """Import what a build needs (megatron-core, transformers' config and safetensors reading)
+    ahead of it: a standby Workhorse's warm-up (`xray/wholemodel/standby.py`)."""
+    _import_megatron()
+    import transformers  # noqa: F401 - the HF directory's config and tokenizer readers
+
+
 def _init_parallel_state(parallel: ParallelDims) -> None:
     _import_megatron()
     from megatron.core import parallel_state as ps
