@@ -190,6 +190,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help="draws the steps of the faults")
     parser.add_argument("--stall-steps", type=int, default=40, help="steps measuring checkpoint_stall")
     parser.add_argument("--config", default=str(DEFAULT_CONFIGS["ppo"]))
+    parser.add_argument("--timeline", help="also write both runs' step end times and the faults to this JSON file")
     args, overrides = parser.parse_known_args()
     if not any(o.startswith("--trainer.save_every") for o in overrides):
         overrides.insert(0, "--trainer.save_every=10")
@@ -209,6 +210,11 @@ def main() -> None:
         ray.shutdown()
         cluster.shutdown()
     f = figures(clean, faulted)
+    if args.timeline:
+        import json
+
+        Path(args.timeline).write_text(json.dumps({"clean": clean["ends"], "faulted": faulted["ends"],
+                                                   "faults": faulted["faults"]}))
     stall = statistics.median(clean["after_snapshot"]) / statistics.median(clean["after_none"]) - 1
     start = faulted["ends"][0][1]
     print(f"faults (s into the run, step in flight): {[(round(t - start, 1), s) for t, s in faulted['faults']]} "

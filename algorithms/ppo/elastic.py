@@ -14,7 +14,11 @@ sizes its bounds allow. Two events move it:
   `trainer.standby_workhorses`) its models' standby processes on the joined node are warm. The group is placed on the
   larger size and its models restore the snapshot in memory of the step just finished (resharded
   by the engines; from disk only where it cannot be read): no step is lost.
-After either, the mini-batch is micro-batch x accumulation x data-parallel size for the new size
+- **drain**: a Workhorse of the group got SIGTERM (a preemption notice, `xray/workhorse/drain.py`)
+  on a node other than the head: Ray is told the node drains, so nothing new is placed there, and
+  at the step boundary the group shrinks onto the devices left (as above, from the snapshot in
+  memory of the step just finished: nothing runs again).
+After any of them, the mini-batch is micro-batch x accumulation x data-parallel size for the new size
 (`PPOTrainer.batches`); the change is logged, and each step's metrics carry the group's device
 count (`elastic/<group>_devices`), the mini-batch and the resizes so far.
 """
@@ -64,7 +68,8 @@ class Elastic:
 
     def _free(self, group: str) -> int:
         first = next(r for r in self.trainer.models.plan.roles if r.group == group)
-        return free_devices(first.device, self.trainer.cfg.threads_per_worker, first.resources)
+        return free_devices(first.device, self.trainer.cfg.threads_per_worker, first.resources,
+                            tuple(getattr(self.trainer.models, "drained", ())))  # not onto a draining node
 
     def metrics(self) -> dict[str, float]:
         out = {f"elastic/{g}_devices": float(self.size(g)) for g in self.ranges}
@@ -90,11 +95,35 @@ class Elastic:
         raise ElasticError(f"elastic group {group!r} needs at least {self.ranges[group].smallest} devices and the "
                            "cluster grants fewer; add nodes, or lower min_gpus in its roles' elasticity")
 
-    async def shrink(self, group: str) -> int:
+    async def shrink(self, group: str, why: str = "a Workhorse or its node was lost") -> int:
         """A Workhorse of `group` died: release it and place it on what the cluster grants now."""
         await asyncio.to_thread(self.trainer.models.release, group)
         await asyncio.sleep(0.5)  # let the cluster count the released devices
-        return await self._place(group, await asyncio.to_thread(self._free, group), "a Workhorse or its node was lost")
+        return await self._place(group, await asyncio.to_thread(self._free, group), why)
+
+    async def drain(self, role: str, rank: int) -> str | None:
+        """Workhorse `rank` of `role` got SIGTERM (its node drains): when `role` is in an elastic
+        group that can lose a device and the Workhorse's node is not the head's, Ray is told the
+        node drains (nothing new lands there; `drain_node`) and the group shrinks onto the devices
+        left; its group then, else None (the caller replaces the model on the same devices)."""
+        from xray.wholemodel.placement import drain_node, head_node
+        from xray.workhorse.drain import GRACE_S
+
+        group = self.group_of(role)
+        if group is None or self.size(group) <= self.ranges[group].smallest:
+            return None
+        models = self.trainer.models
+        try:  # the drained process still serves, for its grace period
+            node = await getattr(models, role).shard_handles()[rank].node_id.remote()
+        except Exception as exc:  # noqa: BLE001 - it is gone already: a replacement on its devices
+            log.warning("elastic: %s rank %d did not say its node (%s)", role, rank, str(exc).splitlines()[0])
+            return None
+        if node == await asyncio.to_thread(head_node) or not await asyncio.to_thread(
+                drain_node, node, GRACE_S, f"xray: {role} rank {rank} got SIGTERM"):
+            return None
+        models.drained.add(node)
+        await self.shrink(group, f"{role} rank {rank} got SIGTERM: its node {node[:8]} drains")
+        return group
 
     def growth(self) -> dict[str, int]:
         """Groups that free devices would let grow, and the size each would take."""

@@ -22,7 +22,9 @@ checkpoint, its buffer and prompts in the making included, with new experience m
 and buffer.
 At most `trainer.max_restarts` recoveries; one more death ends the run with the error.
 A Workhorse that got SIGTERM (`xray/workhorse/drain.py`) is not waited for to die: `replace_drained`
-replaces its model at the step boundary from the step's snapshot in memory, losing nothing.
+replaces its model at the step boundary from the step's snapshot in memory, losing nothing; in an
+elastic group that can lose a device, on a node other than the head, the group shrinks away from
+that node instead (`Elastic.drain`: Ray is told the node drains), from the same snapshot.
 """
 from __future__ import annotations
 
@@ -142,23 +144,32 @@ async def recover_async(exc: WholeModelError, trainer, data, checkpoints, run, r
     return detached
 
 
-async def replace_drained(notices: list[tuple[str, int, int]], trainer, data, checkpoints, run) -> None:
+async def replace_drained(notices: list[tuple[str, int, int]], trainer, data, checkpoints, run,
+                          elastic=None) -> None:
     """Replace each model with a Workhorse that got a drain notice (SIGTERM) after the step that just
-    ended, once that step's snapshot is complete: a trained model, and the others trained with it,
-    restore that snapshot (nothing is lost); a rollout takes the actor's weights, verified."""
+    ended, once that step's snapshot is complete; in an elastic group that can lose it, on a node
+    other than the head, shrink the group away from that node instead (`Elastic.drain`). A trained
+    model, and the others trained with it, restore that snapshot (nothing is lost); a rollout takes
+    the actor's weights, verified."""
     t0 = time.perf_counter()
     await checkpoints.settle()  # the snapshot of the step that ended: complete
     roles = sorted({role for role, _, _ in notices if getattr(trainer.models, role, None) is not None})
     log.warning("drain notice (SIGTERM) from %s; replacing %s after step %d",
                 ", ".join(f"{role} rank {rank} (pid {pid})" for role, rank, pid in notices), ", ".join(roles),
                 trainer.state.step)
-    await replace_models(trainer, roles)
-    if set(roles) & set(trainer.trained):
+    shrunk: set[str] = set()  # elastic groups that shrank away from a draining node
+    for role, rank, _ in notices:
+        group = elastic.group_of(role) if elastic is not None and role in roles else None
+        if group is not None and group not in shrunk and (await elastic.drain(role, rank)) is not None:
+            shrunk.add(group)
+    await replace_models(trainer, [r for r in roles if elastic is None or elastic.group_of(r) not in shrunk])
+    if shrunk or set(roles) & set(trainer.trained):
         source = await back_to_checkpoint(RuntimeError("drain notice"), trainer, data, run, {r: [] for r in roles},
                                           checkpoints)
     else:
         source = "nothing to restore"
         if "rollout" in roles:
             await trainer.resync(data.eval_rows, trainer.state.step)
-    log.warning("%s replaced after a drain notice in %.1f s; at step %d, restored from %s", ", ".join(roles),
-                time.perf_counter() - t0, trainer.state.step, source)
+    log.warning("%s %s after a drain notice in %.1f s; at step %d, restored from %s", ", ".join(roles),
+                f"shrank ({', '.join(sorted(shrunk))})" if shrunk else "replaced", time.perf_counter() - t0,
+                trainer.state.step, source)

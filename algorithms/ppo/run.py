@@ -198,7 +198,7 @@ async def sync_steps(trainer: PPOTrainer, run: RunDir, data: RunData, checkpoint
                 metrics.update(elastic.metrics())
             await on_step(trainer.state.step, metrics)
             if notices := await inbox.take.remote():
-                await replace_drained(notices, trainer, data, checkpoints, run)
+                await replace_drained(notices, trainer, data, checkpoints, run, elastic if elastic.ranges else None)
             if trainer.models.standby:  # standby processes follow the nodes (trainer.standby_workhorses)
                 await asyncio.to_thread(trainer.models.keep_standby)
             if elastic.ranges and trainer.state.step < cfg.trainer.steps and not stop.requested:

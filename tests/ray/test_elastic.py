@@ -16,7 +16,9 @@ import collections
 import itertools
 import json
 import logging
+import os
 import re
+import signal
 
 import pytest
 import yaml
@@ -47,8 +49,8 @@ def head_only():
     cluster.shutdown()
 
 
-def elastic_config(tmp_path, model_dir):
-    path = config(tmp_path, model_dir, "deepspeed-dsinfer")
+def elastic_config(tmp_path, model_dir, backend="deepspeed-dsinfer", steps=10):
+    path = config(tmp_path, model_dir, backend)
     cfg = yaml.safe_load(path.read_text())
     cfg["device_groups"] = {
         "nproc_per_node": 3,
@@ -60,9 +62,11 @@ def elastic_config(tmp_path, model_dir):
              "lr_scaling": "linear"}
     for role in ("actor", "critic"):
         cfg[role]["elasticity"] = block
+    for role in ("actor", "critic", "reference"):  # data-parallel over the group's devices
+        cfg[role].update(tp=1, dp=2)
     cfg["rollout"]["dp"] = 1
     cfg["ppo"].update(rollout_batch_size=12, mini_batch_size=4)
-    cfg["trainer"].update(steps=10, save_every=2)
+    cfg["trainer"].update(steps=steps, save_every=2)
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return path
 
@@ -123,3 +127,59 @@ def test_a_run_starts_small_grows_shrinks_and_grows_again(tmp_path, tiny_model, 
     assert log.count("into the new size from memory") == 2, log[-3000:]  # the grows: no disk
     assert re.search(r"back at step \d+, restored from the in-memory snapshot \(replicated\)", log), log[-3000:]
     assert "WholeModel actor is gone" not in log  # the control planes stayed: only Workhorses restarted
+
+
+async def sigterm_during(trainer, step: int, role: str, node: str, sent: list) -> None:
+    """SIGTERM `role`'s Workhorse on node `node` 0.3 s into step `step` (a preemption notice)."""
+    while trainer.state.step < step - 1:
+        await asyncio.sleep(0.005)
+    await asyncio.sleep(0.3)
+    model = getattr(trainer.models, role)
+    nodes = [await h.node_id.remote() for h in model.shard_handles()]
+    rank = nodes.index(node)
+    pid = await model.shard_handles()[rank].pid.remote()
+    os.kill(pid, signal.SIGTERM)
+    sent.append((rank, pid, trainer.state.step))
+
+
+def test_a_workhorse_sigterm_shrinks_the_run_from_memory(tmp_path, tiny_model, head_only, caplog):
+    """Both nodes from the start (dp=2, megatron-vllm); the actor's Workhorse on the second node gets
+    SIGTERM during step 3: Ray is told that node drains, and at the next step boundary the train
+    group shrinks to dp=1 on the head, restored from that step's snapshot in memory (no disk, no
+    step run again); the drained node's device is not counted free, so the group does not grow back
+    onto it."""
+    from algorithms.ppo.run import ppo_trainer, train
+    from xray.run.outputs import RunDir
+    from xray.train import resolve
+
+    worker = head_only.add_node(**WORKER)
+    head_only.wait_for_nodes()
+    path = elastic_config(tmp_path, tiny_model, "megatron-vllm", steps=6)
+    _, cfg, plan, _, _ = resolve(["ppo", "--backend", "megatron-vllm", "--config", str(path),
+                                  "--ray-address", head_only.address])
+    run = RunDir(tmp_path / "run")
+    caplog.set_level(logging.WARNING)
+    sent: list = []
+    with ppo_trainer(cfg, plan, run, head_only.address) as (trainer, data):
+        assert trainer.models.actor.parallel.dp == 2
+
+        async def main() -> float:
+            term = asyncio.ensure_future(sigterm_during(trainer, 3, "actor", worker.node_id, sent))
+            try:
+                return await train(trainer, run, data, None)
+            finally:
+                term.cancel()
+        asyncio.run(main())
+        assert trainer.models.actor.parallel.dp == 1 and trainer.state.step == 6, sent
+    log = caplog.text
+    (rank, pid, sent_at), = sent
+    after = re.search(rf"drain notice \(SIGTERM\) from actor rank {rank} \(pid {pid}\); replacing actor after step (\d+)", log)
+    assert after and int(after.group(1)) in (sent_at, sent_at + 1), (sent, log[-3000:])  # the step boundary after it
+    k = int(after.group(1))
+    rows = [json.loads(line) for line in (run.path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 7)), [r["step"] for r in rows]  # nothing ran again
+    assert [r["elastic/train_group_devices"] for r in rows] == [2.0] * k + [1.0] * (6 - k), rows
+    assert f"train_group: 2 -> 1 devices (actor rank {rank} got SIGTERM: its node {worker.node_id[:8]} drains)" in log
+    assert re.search(rf"actor shrank \(train_group\) after a drain notice in [\d.]+ s; at step {k}, restored from "
+                     r"the in-memory snapshot", log), log[-3000:]
+    assert "devices joined" not in log and "from disk" not in log and "not granted" not in log

@@ -49,6 +49,8 @@ class Models:
     standby: int = 0
     """Standby processes per node for the models of trained device groups (`trainer.standby_workhorses`)."""
     threads: int = 1
+    drained: set = field(default_factory=set)
+    """Nodes this run told Ray to drain (a Workhorse there got SIGTERM): no standby waits there."""
     _standby_asked: dict = field(default_factory=dict)
     """role -> (its WholeModel, the nodes its standbys were asked for): asked again only on a change."""
 
@@ -101,7 +103,8 @@ class Models:
         ready = True
         for g in sorted(trained if group is None else {group} & trained):
             roles = [r for r in self.plan.roles if r.group == g]
-            nodes = hosting_nodes(roles[0].device, self.threads, roles[0].resources)
+            nodes = tuple(n for n in hosting_nodes(roles[0].device, self.threads, roles[0].resources)
+                          if n not in self.drained)
             for r in roles:
                 model = getattr(self, r.role)
                 if self._standby_asked.get(r.role) != (id(model), nodes):

@@ -34,13 +34,14 @@ def device_bundle(device: str, threads: int = 1, resources: tuple = ()) -> dict[
     return {**({"GPU": 1} if device.upper() == "GPU" else {"CPU": threads}), **dict(resources)}
 
 
-def free_devices(device: str, threads: int = 1, resources: tuple = ()) -> int:
-    """How many more such devices the cluster has unreserved now (summed over nodes: an
-    estimate that a reservation confirms)."""
-    import ray
+def free_devices(device: str, threads: int = 1, resources: tuple = (), exclude: Sequence[str] = ()) -> int:
+    """How many more such devices the cluster has unreserved now, node by node, leaving out the
+    nodes in `exclude` (draining ones): an estimate that a reservation confirms."""
+    from ray._private.state import available_resources_per_node  # Ray's own per-node view
 
-    have = ray.available_resources()
-    return int(min(have.get(k, 0.0) // v for k, v in device_bundle(device, threads, resources).items()))
+    need = device_bundle(device, threads, resources)
+    return sum(int(min(have.get(k, 0.0) // v for k, v in need.items()))
+               for node, have in available_resources_per_node().items() if node not in exclude)
 
 
 def hosting_nodes(device: str, threads: int = 1, resources: tuple = ()) -> tuple[str, ...]:
@@ -51,6 +52,30 @@ def hosting_nodes(device: str, threads: int = 1, resources: tuple = ()) -> tuple
     need = device_bundle(device, threads, resources)
     return tuple(sorted(n["NodeID"] for n in ray.nodes()
                         if n["Alive"] and all(n["Resources"].get(k, 0.0) >= v for k, v in need.items())))
+
+
+def head_node() -> str | None:
+    """The Ray head node's id (the node holding Ray's head-only resource)."""
+    import ray
+
+    return next((n["NodeID"] for n in ray.nodes() if n["Alive"] and "node:__internal_head__" in n["Resources"]), None)
+
+
+def drain_node(node_id: str, deadline_s: float, why: str) -> bool:
+    """Tell Ray that node `node_id` drains (a preemption notice): nothing new is placed there and
+    its devices stop counting as free, while what runs there goes on until it leaves, up to
+    `deadline_s` seconds from now. Whether Ray accepted (it refuses the head node)."""
+    import time
+
+    import ray
+    from ray.core.generated import autoscaler_pb2
+
+    gcs = ray._raylet.GcsClient(address=ray.get_runtime_context().gcs_address)
+    accepted, reason = gcs.drain_node(node_id, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
+                                      why, int((time.time() + deadline_s) * 1000))
+    if not accepted:
+        log.warning("Ray refused to drain node %s: %s", node_id[:8], reason)
+    return bool(accepted)
 
 
 def pack_slots(count: int, packs: Packs) -> list[tuple[int, int]]:

@@ -7,7 +7,7 @@ asked to (`WholeModel.keep_standby`, the run's `trainer.standby_workhorses`) kee
 processes of its Workhorse class on each given node, built as `standby` (no process group, no CPU
 pinning, no SIGTERM listener) and warmed (`Workhorse.warm`: the imports). When it starts shards
 (`WholeModelActor._spawn`: a restart after a loss, an elastic resize), a shard whose device sits on
-a node with a warm standby takes it (`Workhorse.become`) instead of a new process; the pool is
+a node with a warm standby (its warm-up done) takes it (`Workhorse.become`) instead of a new process; the pool is
 refilled in the background afterwards.
 
 Standbys hold no share of the devices: on the CPU the shard's reservation (its placement group
@@ -70,13 +70,13 @@ class Standby:
                                 str(exc).splitlines()[0])
 
     def take(self, node: str) -> Any | None:
-        """A standby on `node` for a new shard (None when there is none): a warm one first, else one
-        still warming (its calls queue behind the warm-up)."""
+        """A warm standby on `node` for a new shard, None when there is none (one still warming is
+        left to warm: its node may be going, and a cold start costs no more than waiting for it)."""
         have = self.pool.get(node, [])
-        if not have:
+        ready = ray.wait([ref for _, ref in have], num_returns=len(have), timeout=0)[0] if have else []
+        entry = next((e for e in have if e[1] in ready), None)
+        if entry is None:
             return None
-        ready, _ = ray.wait([ref for _, ref in have], num_returns=len(have), timeout=0)
-        entry = next((e for e in have if e[1] in ready), have[0])
         have.remove(entry)
         return entry[0]
 
