@@ -388,9 +388,9 @@ class TrainerConfig:
     """Warm standby processes each trained model (and each model sharing its devices) keeps on every
     node that can host its device group (CPU Workhorses; GPU ones start cold): a replacement after a
     loss, a drain or an elastic resize builds its shards in them instead of starting new processes
-    (a tiny model's restart: 3.2 -> 0.6 s on this project's CPU machines), and a group grows onto a
+    (no imports on the critical path; the pool is refilled in the background), and a group grows onto a
     joined node once its standbys there are warm. Each costs a process with its libraries imported
-    (about 0.4 GB of host memory), refilled in the background after use. 0: none."""
+    (about 0.4 GB of host memory), and each refill the CPU of a start. 0: none."""
     on_signal: Literal["finish", "abandon"] = "finish"
     """SIGTERM/SIGINT: `finish` the step under way (within `exit_grace_s`), checkpoint it and exit
     0; `abandon` it at once and exit 0 (the last complete checkpoint stands)."""

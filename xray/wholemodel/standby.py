@@ -1,8 +1,8 @@
 """Standby Workhorses: warm processes a WholeModel keeps on its nodes to replace lost shards fast.
 
 A Workhorse that starts cold spends most of its start importing its libraries (Ray's worker,
-torch, transformers, megatron-core or deepspeed: about 2.4 s of a 3.2 s restart of a tiny model
-on this project's CPU machines), and a replacement restarts every shard of the model. A WholeModel
+torch, transformers, megatron-core or deepspeed), and a replacement restarts every shard of the
+model. A WholeModel
 asked to (`WholeModel.keep_standby`, the run's `trainer.standby_workhorses`) keeps that many
 processes of its Workhorse class on each given node, built as `standby` (no process group, no CPU
 pinning, no SIGTERM listener) and warmed (`Workhorse.warm`: the imports). When it starts shards
