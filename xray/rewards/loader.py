@@ -46,31 +46,36 @@ class RewardFunctionError(RuntimeError):
 
 def load_reward_function(spec: str) -> RewardFn:
     """The callable named by `spec`: `package.module:function`, or `path/to/file.py:function`."""
+    return load_callable(spec, "reward function", "xray.rewards.builtin:exact_answer")
+
+
+def load_callable(spec: str, kind: str, example: str) -> Callable:
+    """The callable (a function or a class) named by `spec`, `package.module:name` or
+    `path/to/file.py:name`; a `RewardSpecError` naming `kind` and the fix otherwise."""
     module_name, sep, attr = spec.rpartition(":")
     if not sep or not module_name or not attr:
-        raise RewardSpecError(f"reward function {spec!r} is not of the form module:function "
-                              "(for example xray.rewards.builtin:exact_answer)")
+        raise RewardSpecError(f"{kind} {spec!r} is not of the form module:function (or module:Class; for example {example})")
     if module_name.endswith(".py"):
-        module = _module_from_file(Path(module_name), spec)
+        module = _module_from_file(Path(module_name), spec, kind)
     else:
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as e:
-            raise RewardSpecError(f"reward function {spec!r}: cannot import module {module_name!r} ({e}); "
-                                  "put it on PYTHONPATH or name a .py file as path/to/file.py:function") from None
+            raise RewardSpecError(f"{kind} {spec!r}: cannot import module {module_name!r} ({e}); "
+                                  "put it on PYTHONPATH or name a .py file as path/to/file.py:name") from None
     fn = getattr(module, attr, None)
     if fn is None:
         public = sorted(n for n in vars(module) if not n.startswith("_") and callable(vars(module)[n]))
-        raise RewardSpecError(f"reward function {spec!r}: module {module_name!r} has no attribute {attr!r}; "
+        raise RewardSpecError(f"{kind} {spec!r}: module {module_name!r} has no attribute {attr!r}; "
                               f"its callables are {public[:20]}")
     if not callable(fn):
-        raise RewardSpecError(f"reward function {spec!r}: {attr!r} is a {type(fn).__name__}, not a function")
+        raise RewardSpecError(f"{kind} {spec!r}: {attr!r} is a {type(fn).__name__}, not a function")
     return fn
 
 
-def _module_from_file(path: Path, spec: str):
+def _module_from_file(path: Path, spec: str, kind: str = "reward function"):
     if not path.is_file():
-        raise RewardSpecError(f"reward function {spec!r}: no file {path}")
+        raise RewardSpecError(f"{kind} {spec!r}: no file {path}")
     module_spec = importlib.util.spec_from_file_location(f"xray_reward_{path.stem}", path)
     module = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(module)

@@ -1,0 +1,81 @@
+"""Tools (`xray/env/tools.py`): Hermes-style calls parsed, the calculator exact and safe, and every
+failure of a call answered as text the model reads."""
+import asyncio
+
+import pytest
+
+from xray.env.tools import ToolCall, ToolError, ToolFormat, ToolRegistry, calculate
+
+pytestmark = pytest.mark.unit
+
+
+def test_calls_are_found_in_order_and_bad_ones_say_why():
+    fmt = ToolFormat()
+    text = ('I will compute. <tool_call>{"name": "calculator", "arguments": {"expression": "2+3"}}</tool_call> and '
+            '<tool_call>{"name": "python", "arguments": "{\\"code\\": \\"print(1)\\"}"}</tool_call>'
+            '<tool_call>{not json}</tool_call><tool_call>["calculator"]</tool_call>')
+    calls = fmt.calls(text)
+    assert calls[:2] == [ToolCall("calculator", {"expression": "2+3"}), ToolCall("python", {"code": "print(1)"})]
+    assert calls[2].startswith("error: the tool call is not valid JSON") and "JSON object" in calls[3]
+    assert fmt.calls("no call here") == []
+    assert fmt.response("5") == "<tool_response>\n5\n</tool_response>"
+    custom = ToolFormat("[CALL]", "[/CALL]", "[OUT]", "[/OUT]")
+    assert custom.calls('[CALL]{"name": "f"}[/CALL]') == [ToolCall("f", {})]
+
+
+@pytest.mark.parametrize("expression, answer", [
+    ("1234 * 5678", "7006652"), ("2 ** 100", "1267650600228229401496703205376"), ("(7 - 10) // 2", "-2"),
+    ("1 / 3", "0.333333333333"), ("0.1 + 0.2", "0.3"), ("-(4 % 3) + 2.5", "1.5"),
+])
+def test_the_calculator_is_exact(expression, answer):
+    assert calculate(expression) == answer
+
+
+@pytest.mark.parametrize("expression, error", [
+    ("__import__('os').system('true')", "only numbers"), ("1 / 0", "division by zero"),
+    ("10 ** 100000", "exponent"), ("9 ** 9999", "digits"), ("2 +", "not an arithmetic expression"),
+])
+def test_the_calculator_refuses_what_is_not_small_arithmetic(expression, error):
+    with pytest.raises((ValueError, ZeroDivisionError), match=error):
+        calculate(expression)
+
+
+def test_every_failure_of_a_call_is_an_answer(tmp_path):
+    async def slow(seconds: float) -> str:
+        await asyncio.sleep(seconds)
+        return "done"
+
+    def broken(x: int) -> str:
+        raise KeyError("missing")
+
+    tools = tmp_path / "my_tools.py"
+    tools.write_text("def shout(text: str) -> str:\n    return text.upper()\n")
+    registry = ToolRegistry.from_specs(["builtin:calculator", f"{tools}:shout"], timeout_s=0.2)
+    registry.register(slow)
+    registry.register(broken)
+
+    async def answers():
+        return await asyncio.gather(*[registry.call(c) for c in (
+            ToolCall("calculator", {"expression": "6 * 7"}), ToolCall("shout", {"text": "hi"}),
+            ToolCall("slow", {"seconds": 5}), ToolCall("broken", {"x": 1}), ToolCall("nope", {}),
+            ToolCall("calculator", {"expr": "1"}), ToolCall("calculator", {"expression": "1/0"}),
+            "error: the tool call is not valid JSON")])
+    out = asyncio.run(answers())
+    assert out[:2] == ["42", "HI"]
+    assert out[2] == "error: slow did not answer within 0.2 s"
+    assert out[3] == "error: broken: KeyError: 'missing'"
+    assert out[4].startswith("error: no tool named 'nope'; the tools are broken, calculator, shout, slow")
+    assert out[5].startswith("error: calculator: ") and "expr" in out[5]
+    assert out[6] == "error: calculator: ZeroDivisionError: division by zero"
+    assert out[7] == "error: the tool call is not valid JSON"
+    with pytest.raises(ToolError, match="two tools are named 'slow'"):
+        registry.register(slow)
+    with pytest.raises(ToolError, match="unknown built-in tool 'builtin:abacus'.*builtin:calculator, builtin:python"):
+        ToolRegistry.from_specs(["builtin:abacus"])
+
+
+def test_the_python_tool_answers_through_the_sandbox():
+    registry = ToolRegistry.from_specs(["builtin:python"])
+    out = asyncio.run(registry.call(ToolCall("python", {"code": "print(sum(range(10)))\nimport socket\n"
+                                                                "socket.create_connection(('1.1.1.1', 80), timeout=1)"})))
+    assert out.startswith("45\n") and "OSError" in out and out.endswith("[exit code 1]"), out

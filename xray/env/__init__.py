@@ -1,0 +1,8 @@
+"""Environments and tools for multi-turn rollouts: what a model acts on between its turns.
+
+    base.py     the `Env` shape (async reset / step), `Guarded` (a failure or a timeout ends the
+                episode with a reason), `load_env`, the built-in `ToolEnv` and `GuessEnv`
+    tools.py    tool calls (Hermes' format by default), `ToolRegistry`, the built-in calculator
+                and Python tools
+    sandbox.py  the Python sandbox (namespaces and limits; how a call ended becomes the observation)
+"""

@@ -1,0 +1,155 @@
+"""Environments: what a model acts on over several turns, and the guard every call goes through.
+
+An environment is a class with two async methods (gymnasium's shape, with text for actions):
+
+    async def reset(self, row: dict) -> Observation
+    async def step(self, action: str) -> tuple[Observation, float, bool, dict]
+
+`reset` starts an episode from a data row (its prompt and columns) and returns the first
+observation; `step` takes the model's turn (its decoded text) and returns the next observation,
+the turn's reward, whether the episode is done, and an info dict. An observation is text (the
+rollout tokenizes it once, appending it to the trajectory's tokens) or token ids (appended as they
+are). One instance serves one episode at a time; the rollout makes one per episode.
+
+`Guarded` runs each call under a timeout: an exception or a timeout ends that episode (never the
+run) with a recorded reason (`EpisodeEnd`: `error` or `timeout`, with the error's text), counted
+in the run's metrics. Environments are named like reward functions: `builtin:NAME` (`BUILTIN`) or
+`path/to/file.py:ClassName` / `module:ClassName` (`load_env`); a class is built with the keyword
+arguments of `env.kwargs` in the config.
+
+Built in: `ToolEnv` (`builtin:tools`), where each turn's tool calls are answered by the registry's
+tools (`xray/env/tools.py`) and an episode ends at the first turn without a call, scored by a reward
+function on that final turn; and `GuessEnv` (`builtin:guess`), a number to find with higher/lower
+answers, rewarded when found.
+"""
+from __future__ import annotations
+
+import asyncio
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable, Union
+
+Observation = Union[str, list[int]]
+
+
+class EnvError(ValueError):
+    """An environment named wrong, or one that breaks the interface: says what to fix."""
+
+
+@dataclass(frozen=True)
+class EpisodeEnd:
+    """Why an episode ended early: `error` (the environment raised) or `timeout` (a call took longer
+    than the guard allows), with the error's text."""
+
+    reason: str
+    detail: str = ""
+
+
+@dataclass
+class Guarded:
+    """An environment's calls under a timeout (seconds per call); a failure becomes an `EpisodeEnd`."""
+
+    env: Any
+    timeout_s: float = 30.0
+
+    async def reset(self, row: dict) -> Observation | EpisodeEnd:
+        return await self._call("reset", row)
+
+    async def step(self, action: str) -> tuple[Observation, float, bool, dict] | EpisodeEnd:
+        out = await self._call("step", action)
+        if isinstance(out, EpisodeEnd):
+            return out
+        if not (isinstance(out, tuple) and len(out) == 4):
+            return EpisodeEnd("error", f"{type(self.env).__name__}.step returned {type(out).__name__}, "
+                                       "not (observation, reward, done, info)")
+        return out
+
+    async def _call(self, method: str, arg: Any) -> Any:
+        try:
+            return await asyncio.wait_for(getattr(self.env, method)(arg), self.timeout_s)
+        except asyncio.TimeoutError:
+            return EpisodeEnd("timeout", f"{type(self.env).__name__}.{method} took more than {self.timeout_s:g} s")
+        except Exception as exc:  # noqa: BLE001 - the episode ends, the run goes on
+            return EpisodeEnd("error", f"{type(self.env).__name__}.{method}: {type(exc).__name__}: {exc}")
+
+
+@dataclass
+class ToolEnv:
+    """Tool use: the prompt is the first observation; each turn's calls are answered (`ToolFormat`),
+    and the first turn without one ends the episode, scored by `reward(row, final_text)`."""
+
+    tools: Any
+    """A `ToolRegistry`."""
+    reward: Callable[[dict, str], float]
+    format: Any = None
+    """A `ToolFormat` (Hermes' by default)."""
+    row: dict = field(default_factory=dict)
+    calls: int = 0
+    """Tool calls made in this episode (the run's metrics count them)."""
+
+    async def reset(self, row: dict) -> Observation:
+        from xray.env.tools import ToolFormat
+
+        self.format = self.format or ToolFormat()
+        self.row, self.calls = row, 0
+        return row["prompt"]
+
+    async def step(self, action: str) -> tuple[Observation, float, bool, dict]:
+        calls = self.format.calls(action)
+        if not calls:
+            return "", float(self.reward(self.row, action)), True, {"tool_calls": self.calls}
+        answers = await asyncio.gather(*[self.tools.call(c) for c in calls])
+        self.calls += len(calls)
+        return "".join(self.format.response(a) for a in answers), 0.0, False, {"tool_calls": self.calls}
+
+
+@dataclass
+class GuessEnv:
+    """Find a whole number in [low, high] (the row's `secret`): each turn's last number is a guess,
+    answered `higher`, `lower` or `correct` (reward 1, done); a turn without a number is told so."""
+
+    low: int = 1
+    high: int = 100
+    secret: int = 0
+    guesses: int = 0
+
+    async def reset(self, row: dict) -> Observation:
+        self.secret, self.guesses = int(row["secret"]), 0
+        return row.get("prompt") or f"Guess my number between {self.low} and {self.high}."
+
+    async def step(self, action: str) -> tuple[Observation, float, bool, dict]:
+        numbers = re.findall(r"-?\d+", action)
+        if not numbers:
+            return " No number in your guess; answer with a number.\n", 0.0, False, {"guesses": self.guesses}
+        guess = int(numbers[-1])
+        self.guesses += 1
+        if guess == self.secret:
+            return "", 1.0, True, {"guesses": self.guesses}
+        return f" {'higher' if guess < self.secret else 'lower'}\n", 0.0, False, {"guesses": self.guesses}
+
+
+BUILTIN: dict[str, type] = {"tools": ToolEnv, "guess": GuessEnv}
+
+
+def load_env(spec: str) -> type:
+    """The environment class named by `spec`: `builtin:NAME`, `module:Class` or `path/to/file.py:Class`;
+    it must have async `reset` and `step`."""
+    import inspect
+
+    from xray.rewards.loader import RewardSpecError, load_callable
+
+    if spec.startswith("builtin:"):
+        name = spec.removeprefix("builtin:")
+        if name not in BUILTIN:
+            raise EnvError(f"unknown built-in environment {spec!r}; choose one of "
+                           f"{', '.join('builtin:' + n for n in sorted(BUILTIN))}")
+        return BUILTIN[name]
+    try:
+        cls = load_callable(spec, "environment", "path/to/env.py:MyEnv")
+    except RewardSpecError as exc:
+        raise EnvError(str(exc)) from None
+    missing = [m for m in ("reset", "step") if not inspect.iscoroutinefunction(getattr(cls, m, None))]
+    if missing:
+        raise EnvError(f"environment {spec!r} needs async methods reset(row) and step(action); "
+                       f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} missing or not async")
+    return cls

@@ -1,0 +1,197 @@
+"""Tools a model calls between its turns: the call format, the registry, and the built-in tools.
+
+A model calls a tool by writing a call in its turn; the default format is Hermes' (Qwen's and
+NousResearch's chat templates use it):
+
+    <tool_call>{"name": "calculator", "arguments": {"expression": "1234 * 5678"}}</tool_call>
+
+`ToolFormat` finds the calls in a turn's text and renders each answer as the observation the model
+reads next (`<tool_response>...</tool_response>`); its tags are configurable. `ToolRegistry` holds
+the tools by name: user functions (sync or async, keyword arguments from the call's `arguments`,
+returning text), loaded from `path/to/file.py:function` or `module:function` as reward functions
+are, and the built-ins `builtin:calculator` (exact arithmetic on integers and fractions, no
+`eval`) and `builtin:python` (the sandbox, `xray/env/sandbox.py`). A call that fails, in any way
+(unknown tool, bad arguments, an exception, a timeout) answers with the error's text: the model
+sees it, the episode goes on.
+"""
+from __future__ import annotations
+
+import ast
+import asyncio
+import inspect
+import json
+import operator
+import re
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import Any, Awaitable, Callable
+
+ToolFn = Callable[..., "str | Awaitable[str]"]
+
+
+class ToolError(ValueError):
+    """A tool registry built wrong (a name twice, an unknown built-in): says what to fix."""
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One call a model wrote: the tool's name and its keyword arguments."""
+
+    name: str
+    arguments: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ToolFormat:
+    """How calls are written and answers shown (Hermes' tags by default)."""
+
+    call_open: str = "<tool_call>"
+    call_close: str = "</tool_call>"
+    response_open: str = "<tool_response>"
+    response_close: str = "</tool_response>"
+
+    def calls(self, text: str) -> list[ToolCall | str]:
+        """The calls in `text`, in order; one that is not a JSON object with a string `name` comes
+        back as the text of what is wrong with it (its answer to the model)."""
+        pattern = re.escape(self.call_open) + r"(.*?)" + re.escape(self.call_close)
+        out: list[ToolCall | str] = []
+        for body in re.findall(pattern, text, flags=re.DOTALL):
+            try:
+                value = json.loads(body)
+            except json.JSONDecodeError as exc:
+                out.append(f"error: the tool call is not valid JSON ({exc.msg} at character {exc.pos})")
+                continue
+            if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+                out.append('error: a tool call is a JSON object {"name": ..., "arguments": {...}}')
+                continue
+            arguments = value.get("arguments", {})
+            if isinstance(arguments, str):  # some templates write the arguments as a JSON string
+                try:
+                    arguments = json.loads(arguments)
+                except json.JSONDecodeError:
+                    pass
+            if not isinstance(arguments, dict):
+                out.append(f"error: the arguments of {value['name']!r} must be a JSON object")
+                continue
+            out.append(ToolCall(value["name"], arguments))
+        return out
+
+    def response(self, text: str) -> str:
+        """An answer as the model reads it."""
+        return f"{self.response_open}\n{text}\n{self.response_close}"
+
+
+class ToolRegistry:
+    """Tools by name; `call` runs one under a timeout and always answers with text."""
+
+    def __init__(self, tools: dict[str, ToolFn] | None = None, timeout_s: float = 30.0):
+        self.tools: dict[str, ToolFn] = {}
+        self.timeout_s = timeout_s
+        for name, fn in (tools or {}).items():
+            self.register(fn, name)
+
+    @classmethod
+    def from_specs(cls, specs: list[str], timeout_s: float = 30.0) -> "ToolRegistry":
+        """`builtin:NAME` or `module:function` / `path/to/file.py:function` for each tool (named by
+        the function's name)."""
+        from xray.rewards.loader import load_callable
+
+        registry = cls(timeout_s=timeout_s)
+        for spec in specs:
+            if spec.startswith("builtin:"):
+                name = spec.removeprefix("builtin:")
+                if name not in BUILTIN:
+                    raise ToolError(f"unknown built-in tool {spec!r}; choose one of "
+                                    f"{', '.join('builtin:' + n for n in sorted(BUILTIN))}")
+                registry.register(BUILTIN[name](), name)
+            else:
+                registry.register(load_callable(spec, "tool", "path/to/tools.py:lookup"))
+        return registry
+
+    def register(self, fn: ToolFn, name: str | None = None) -> None:
+        name = name or getattr(fn, "__name__", None)
+        if not name:
+            raise ToolError(f"tool {fn!r} has no name; pass name=")
+        if name in self.tools:
+            raise ToolError(f"two tools are named {name!r}; rename one")
+        self.tools[name] = fn
+
+    async def call(self, call: ToolCall | str) -> str:
+        """The answer to `call` (a parse error's text answers itself)."""
+        if isinstance(call, str):
+            return call
+        fn = self.tools.get(call.name)
+        if fn is None:
+            return f"error: no tool named {call.name!r}; the tools are {', '.join(sorted(self.tools))}"
+        try:
+            inspect.signature(fn).bind(**call.arguments)
+        except TypeError as exc:
+            return f"error: {call.name}: {exc}"
+        try:
+            if inspect.iscoroutinefunction(fn):
+                result = await asyncio.wait_for(fn(**call.arguments), self.timeout_s)
+            else:  # off the event loop: other episodes go on while it works
+                result = await asyncio.wait_for(asyncio.to_thread(fn, **call.arguments), self.timeout_s)
+            return str(result)
+        except asyncio.TimeoutError:
+            return f"error: {call.name} did not answer within {self.timeout_s:g} s"
+        except Exception as exc:  # noqa: BLE001 - any failure is the model's observation
+            return f"error: {call.name}: {type(exc).__name__}: {exc}"
+
+
+# -- built-in tools ----------------------------------------------------------------------------
+_OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+              ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
+MAX_DIGITS = 1000
+"""The calculator refuses results longer than this (and powers whose exponent passes 10,000)."""
+
+
+def calculate(expression: str) -> str:
+    """Exact arithmetic on integers and decimals: + - * / // % ** and parentheses. A whole result is
+    written in full; another to 12 significant digits."""
+    try:
+        tree = ast.parse(expression.strip(), mode="eval")
+    except SyntaxError:
+        raise ValueError(f"not an arithmetic expression: {expression!r}") from None
+    value = _evaluate(tree.body)
+    return str(value.numerator) if value.denominator == 1 else format(float(value), ".12g")
+
+
+def _evaluate(node: ast.AST) -> Fraction:
+    if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
+        return Fraction(str(node.value))
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+        value = _evaluate(node.operand)
+        return -value if isinstance(node.op, ast.USub) else value
+    if isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS:
+        left, right = _evaluate(node.left), _evaluate(node.right)
+        if isinstance(node.op, ast.Pow) and (right.denominator != 1 or abs(right) > 10_000):
+            raise ValueError("powers take a whole exponent of at most 10000")
+        if isinstance(node.op, (ast.Div, ast.FloorDiv, ast.Mod)) and right == 0:
+            raise ZeroDivisionError("division by zero")
+        value = Fraction(_OPERATORS[type(node.op)](left, right))
+        if len(str(value.numerator)) > MAX_DIGITS:
+            raise ValueError(f"the result has more than {MAX_DIGITS} digits")
+        return value
+    raise ValueError(f"only numbers and + - * / // % ** ( ) are allowed, not {ast.dump(node)[:60]}")
+
+
+def _calculator() -> ToolFn:
+    def calculator(expression: str) -> str:
+        """Evaluate an arithmetic expression exactly."""
+        return calculate(expression)
+    return calculator
+
+
+def _python() -> ToolFn:
+    from xray.env.sandbox import PythonSandbox
+
+    sandbox = PythonSandbox()
+
+    async def python(code: str) -> str:
+        """Run a Python program in a sandbox; its output, or why it stopped."""
+        return (await sandbox.run(code)).observation()
+    return python
+
+
+BUILTIN: dict[str, Callable[[], ToolFn]] = {"calculator": _calculator, "python": _python}
