@@ -16,12 +16,15 @@ from xray.data.batch import Batch
 
 def pack_sequences(prompt_ids: Sequence[list[int]], response_ids: Sequence[list[int]], pad_id: int = 0,
                    response_logprobs: Sequence[list[float]] | None = None,
-                   response_versions: Sequence[list[int]] | None = None) -> Batch:
+                   response_versions: Sequence[list[int]] | None = None,
+                   response_masks: Sequence[list[int]] | None = None) -> Batch:
     """INPUT_IDS / ATTENTION_MASK `[B, T]` and LOSS_MASK `[B, T-1]` (1 where token t+1 belongs to
     the response), plus list columns PROMPT_IDS and RESPONSE_IDS; with `response_logprobs` (the
     sampler's log-prob of each response token) also BEHAVIOUR_LOGPROBS `[B, T-1]` at LOSS_MASK, and
     with `response_versions` (the weight version that sampled each response token: a partial
-    rollout's tokens span versions) BEHAVIOUR_VERSIONS `[B, T-1]` likewise."""
+    rollout's tokens span versions) BEHAVIOUR_VERSIONS `[B, T-1]` likewise. With `response_masks`
+    (a multi-turn trajectory: 1 on the model's tokens, 0 on the environment's observations,
+    `xray/data/trajectory.py`) LOSS_MASK is 1 only on the model's tokens."""
     if len(prompt_ids) != len(response_ids):
         raise ValueError(f"{len(prompt_ids)} prompts but {len(response_ids)} responses; pair each prompt "
                          "with exactly one response (repeat prompts for several samples)")
@@ -36,6 +39,11 @@ def pack_sequences(prompt_ids: Sequence[list[int]], response_ids: Sequence[list[
         ids[i, :len(s)] = torch.tensor(s, dtype=torch.long)
         attn[i, :len(s)] = 1
         loss_mask[i, len(p) - 1:len(s) - 1] = 1.0
+        if response_masks is not None:
+            mask = list(response_masks[i])
+            if len(mask) != len(s) - len(p):
+                raise ValueError(f"row {i}: its response mask has {len(mask)} entries for {len(s) - len(p)} tokens")
+            loss_mask[i, len(p) - 1:len(s) - 1] = torch.tensor(mask, dtype=torch.float32)
     tensors = {C.INPUT_IDS: ids, C.ATTENTION_MASK: attn, C.LOSS_MASK: loss_mask}
     if response_logprobs is not None:
         behaviour = torch.zeros(len(seqs), width - 1, dtype=torch.float32)
