@@ -59,6 +59,8 @@ class Trajectory:
     """Why it ended (`ENDS`); empty while it goes on."""
     detail: str = ""
     """The environment's error text, when it ended on one."""
+    info: dict = field(default_factory=dict)
+    """The environment's info after its last step (tool calls made, guesses...)."""
 
     def add_turn(self, ids: Sequence[int], logprobs: Sequence[float]) -> None:
         """A model turn: the engine's token ids and their log-probs, as produced."""
