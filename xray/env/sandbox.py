@@ -152,13 +152,12 @@ class PythonSandbox:
         over = asyncio.Event()
 
         async def pump(name: str, stream: asyncio.StreamReader) -> None:
-            while data := await stream.read(65536):
+            while data := await stream.read(65536):  # to the end: a pipe left unread would keep wait() waiting
                 keep = data[:max(budget[0], 0)]
                 chunks[name].append(keep)
                 budget[0] -= len(data)
                 if budget[0] < 0:
                     over.set()
-                    return
 
         pumps = asyncio.gather(pump("stdout", proc.stdout), pump("stderr", proc.stderr))
         stopper = asyncio.ensure_future(over.wait())
