@@ -2,13 +2,12 @@
 
 A Workhorse that starts cold spends most of its start importing its libraries (Ray's worker,
 torch, transformers, megatron-core or deepspeed), and a replacement restarts every shard of the
-model. A WholeModel
-asked to (`WholeModel.keep_standby`, the run's `trainer.standby_workhorses`) keeps that many
-processes of its Workhorse class on each given node, built as `standby` (no process group, no CPU
-pinning, no SIGTERM listener) and warmed (`Workhorse.warm`: the imports). When it starts shards
-(`WholeModelActor._spawn`: a restart after a loss, an elastic resize), a shard whose device sits on
-a node with a warm standby (its warm-up done) takes it (`Workhorse.become`) instead of a new process; the pool is
-refilled in the background afterwards.
+model. A WholeModel asked to (`WholeModel.keep_standby`, the run's `trainer.standby_workhorses`)
+keeps that many processes of its Workhorse class on each given node, built as `standby` (no
+process group, no CPU pinning, no SIGTERM listener) and warmed (`Workhorse.warm`: the imports).
+When it starts shards (`WholeModelActor._spawn`: a restart after a loss, an elastic resize), a
+shard whose device sits on a node with a warm standby (its warm-up done) takes it
+(`Workhorse.become`) instead of a new process; the pool is refilled in the background afterwards.
 
 Standbys hold no share of the devices: on the CPU the shard's reservation (its placement group
 bundle) holds its cores, and the standby works inside it once it became the shard. A GPU shard
