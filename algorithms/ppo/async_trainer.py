@@ -57,6 +57,9 @@ class AsyncTrainer:
         self.staged: dict = {}
         """The latest published version, per pushing trainer (a new maker loads it first)."""
         self.model_dir = model_dir
+        self.rollback = (0, -1)
+        """(rollbacks so far, the version the last went back to): versions above it were discarded
+        (`recover`); every load names it (`ExperienceMaker.load`)."""
         self.taken = step
         """The last step whose groups were taken from the buffer."""
         self.publish_start()
@@ -116,12 +119,13 @@ class AsyncTrainer:
             str(held.directory / role), **self.snapshots.held_for(held.directory, role)) for role in self.t.trained])
         self.t.kl.load_state_dict(held.trainer_state["kl"])
         self.t.state.step = held.step
-        await self.buffer.rewind.remote(held.step, self.taken - held.step)  # their groups: made again
+        self.rollback = (self.rollback[0] + 1, held.step)  # versions above it now name other weights
+        await self.buffer.rewind.remote(held.step, self.taken - held.step, self.rollback[0])  # made again
         self.taken = held.step
         self.snapshots.forget_after(held.step)
         self.metrics = {s: m for s, m in self.metrics.items() if s <= held.step}
         from xray.sync.weights import random_probe  # publish the restored weights (a new maker's first
-        # version); the makers take them where they hold no newer one
+        # version); a maker holding a discarded version loads them first, whatever is on its way
         self.push(*random_probe(self.model_dir, models.actor.parallel.dp, 1, seed=held.step))
         return {"step": held.step, "kl": self.t.kl.state_dict(),
                 "source": "memory" if set(sources) == {"memory"} else "disk"}
@@ -133,6 +137,10 @@ class AsyncTrainer:
     def latest(self) -> dict:
         """The latest published version, per maker (what a replacement loads first)."""
         return {i: self.staged[d] for i, d in enumerate(self.pusher)}
+
+    def epoch(self) -> tuple[int, int]:
+        """`rollback`: what a replaced maker's first load names."""
+        return self.rollback
 
     def publish_start(self) -> None:
         """Publish the weights the run starts from (what the rollout holds already), so that a
@@ -222,7 +230,7 @@ class AsyncTrainer:
         self.t.synced = True
         self.staged = {d: stage(actor, version, cfg, sequences, prompt_lens, replica=d)
                        for d in sorted(set(self.pusher))}
-        loads = [asyncio.ensure_future(_settled(m.load.remote(self.staged[self.pusher[i]])))
+        loads = [asyncio.ensure_future(_settled(m.load.remote(self.staged[self.pusher[i]], *self.rollback)))
                  for i, m in enumerate(self.makers)]
         self.pushes.append({"version": version, "published": time.time(), "loads": loads})
 

@@ -24,6 +24,9 @@ making (leased, not yet put) and the scored groups waiting to be trained on.
   A group older than `max_staleness` when taken is queued again as a prompt (`on_stale: wait`:
   nothing lost, made again with newer weights) or dropped and counted (`drop`: its prompt lost).
 - A lost maker's leases are queued again (`requeue`): nothing lost, nothing trained twice.
+- A trainer that lost its Workhorses goes back to a snapshot (`rewind`): the versions after it
+  are discarded, and a group with tokens they sampled (queued, or put by a maker that had not
+  yet loaded the restored weights) is queued again as a prompt.
 
 `ExperienceBuffer` is the policy, plain and unit-tested; `BufferActor` serves it as an
 asynchronous Ray actor (its `lease` and `take` may wait).
@@ -52,6 +55,11 @@ class Group:
     """The prompt row, to make it again if it comes out too stale."""
     key: int = 0
     """The lease of its prompt (identifies it across a checkpoint)."""
+    newest: int = -1
+    """The newest weight version that sampled any of its tokens."""
+    epoch: int = 0
+    """The trainer's rollbacks its maker had loaded when its tokens were last sampled: a version
+    number names other weights after a rollback (`ExperienceBuffer.rewind`)."""
 
 
 @dataclass
@@ -94,6 +102,12 @@ class ExperienceBuffer:
     """Groups put under a lease that was no longer held (its maker had been replaced): ignored."""
     drawn: list = field(default_factory=list)
     """Rows drawn from the sampler and not yet leased."""
+    epoch: int = 0
+    """The trainer's rollbacks so far (`rewind`)."""
+    floors: dict = field(default_factory=dict)
+    """Rollback epoch -> the version the trainer went back to: a group sampled before that
+    rollback by a newer version was sampled by weights the trainer discarded."""
+    requeued_rollback: int = 0
 
     def __post_init__(self) -> None:
         if self.share < 1 or self.max_staleness < 0 or self.capacity < 1:
@@ -142,6 +156,10 @@ class ExperienceBuffer:
                 self.late += 1
                 continue
             self.running[held.trainer] -= 1
+            if self.discarded(g):  # made again with the weights the trainer went back to
+                self.rows.appendleft(g.row)
+                self.requeued_rollback += 1
+                continue
             self.accepted[held.trainer] += 1
             self.queues[held.trainer].append(g)
             accepted += 1
@@ -169,11 +187,24 @@ class ExperienceBuffer:
             del queue[:self.share]
         return taken
 
-    def rewind(self, version: int, steps: int) -> None:
-        """The trainer went back to `version` after taking `steps` steps' groups it never trained on
-        (its loss): admission counts them as never accepted, so the makers make them again."""
-        self.version = version
+    def rewind(self, version: int, steps: int, epoch: int) -> None:
+        """The trainer went back to `version` (its rollback number `epoch`) after taking `steps`
+        steps' groups it never trained on (its loss): admission counts them as never accepted, so
+        the makers make them again. Versions above `version` now name other weights: the groups
+        sampled by them, queued or put later, are made again (`discarded`)."""
+        self.version, self.epoch = version, epoch
+        self.floors[epoch] = version
         self.accepted = [max(0, a - steps * self.share) for a in self.accepted]
+        for d, queue in enumerate(self.queues):
+            gone = [g for g in queue if self.discarded(g)]
+            queue[:] = [g for g in queue if not self.discarded(g)]
+            self.rows.extendleft(reversed([g.row for g in gone]))
+            self.accepted[d] = max(0, self.accepted[d] - len(gone))
+            self.requeued_rollback += len(gone)
+
+    def discarded(self, g: Group) -> bool:
+        """Whether some of `g`'s tokens were sampled by a version that a later rollback discarded."""
+        return any(g.newest > floor for epoch, floor in self.floors.items() if epoch > g.epoch)
 
     def requeue(self, maker: int) -> int:
         """Queue the prompts `maker` was making again (it was lost), first in line; how many."""
@@ -187,7 +218,8 @@ class ExperienceBuffer:
         ready = sum(len(q) for q in self.queues)
         return {"async/buffer_fill": ready / (self.capacity * self.share * self.trainers),
                 "async/prompts_in_flight": float(sum(self.running)),
-                "async/dropped": float(self.dropped), "async/requeued_stale": float(self.requeued_stale)}
+                "async/dropped": float(self.dropped), "async/requeued_stale": float(self.requeued_stale),
+                "async/requeued_rollback": float(self.requeued_rollback)}
 
 
 class BufferActor:
@@ -246,10 +278,10 @@ class BufferActor:
                     return found
                 await changed.wait()
 
-    async def rewind(self, version: int, steps: int) -> None:
+    async def rewind(self, version: int, steps: int, epoch: int) -> None:
         changed = self._condition()
         async with changed:
-            self.buffer.rewind(version, steps)
+            self.buffer.rewind(version, steps, epoch)
             changed.notify_all()
 
     async def requeue(self, maker: int) -> int:

@@ -264,10 +264,10 @@ class Detached:
     async def _start_makers(self, which: list[int]) -> dict:
         """New makers `which` (the old ones stopped), at the trainer's latest published version,
         which they load first; that version, per maker."""
-        latest = await self.learner.latest.remote()
+        latest, rollback = await self.learner.latest.remote(), await self.learner.epoch.remote()
         for i in which:
             self.makers[i] = self._maker(i, -1)
-            await _unwrapped(self.makers[i].load.remote(latest[i]))
+            await _unwrapped(self.makers[i].load.remote(latest[i], *rollback))
             self.runs[i] = asyncio.ensure_future(self.makers[i].run.remote())
         await self.learner.set_makers.remote(self.makers)
         return latest

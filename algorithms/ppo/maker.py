@@ -50,6 +50,9 @@ class Sample:
     versions: list = field(default_factory=list)
     """Per response token, the weight version that sampled it."""
     done: bool = False
+    epoch: int = 0
+    """The trainer's rollbacks this maker had loaded when its tokens were checked last: after a
+    rollback, its tokens sampled by discarded versions are cut (`_roll_back`)."""
 
 
 class ExperienceMaker:
@@ -63,7 +66,16 @@ class ExperienceMaker:
         a, r = cfg.async_, cfg.rollout
         self.segment = a.segment_tokens or r.max_new_tokens
         self.max_in_flight = a.max_in_flight or share
-        self.version = self.latest = version
+        self.version = version
+        self.latest = (0, version)
+        """The newest (rollback epoch, version) published to this maker."""
+        self.epoch = 0
+        """The trainer's rollbacks this maker has loaded: a version number names other weights
+        after a rollback (`algorithms.ppo.buffer.ExperienceBuffer.rewind`)."""
+        self.active: list[Sample] = []
+        """Samples generating."""
+        self.pending: dict[int, list[Sample]] = {}
+        """Lease key -> its samples, until all have ended (then it is scored)."""
         self.engine: asyncio.Lock | None = None
         self.freed: asyncio.Event | None = None
         self.ready: list = []
@@ -108,7 +120,7 @@ class ExperienceMaker:
             self.task.cancel()
 
     async def _loop(self) -> None:
-        active: list[Sample] = []
+        active = self.active
         scoring: set[asyncio.Task] = set()
         try:
             while True:
@@ -155,7 +167,8 @@ class ExperienceMaker:
             leased = lease.result()
         n = self.cfg.rollout.n_samples
         for key, row in leased:
-            active.extend(Sample(key, row) for _ in range(n))
+            self.pending[key] = [Sample(key, row, epoch=self.epoch) for _ in range(n)]
+            active.extend(self.pending[key])
         self.in_flight += len(leased)
 
     async def _segment(self, active: list[Sample]) -> list[list[Sample]]:
@@ -183,11 +196,8 @@ class ExperienceMaker:
             s.logprobs += [float(x) for x in lps[:keep]]
             s.versions += [version] * keep
             s.done = len(s.response) >= limit or (reason == "stop" and keep == len(ids))
-        ended = {s.key for s in active if s.done}
-        groups: dict[int, list[Sample]] = {}
-        for s in active:
-            groups.setdefault(s.key, []).append(s)
-        return [g for key, g in groups.items() if key in ended and all(s.done for s in g)]
+        ended = {s.key for s in active if s.done}  # a group ends with its last sample, in any segment
+        return [self.pending.pop(key) for key in sorted(ended) if all(s.done for s in self.pending[key])]
 
     async def _score(self, groups: list[list[Sample]]) -> None:
         """The reference's log-probs of the ended groups' samples (one call), each group's reward,
@@ -293,22 +303,31 @@ class ExperienceMaker:
             versions = [v for s in group for v in s.versions]
             self.partial += sum(len(set(s.versions)) > 1 for s in group)
             entries.append(Group([ref, *rows], min(versions, default=self.version), self.index,
-                                 int(mask[rows[0]:rows[1]].sum()), group[0].row, group[0].key))
+                                 int(mask[rows[0]:rows[1]].sum()), group[0].row, group[0].key,
+                                 newest=max(versions, default=self.version), epoch=min(s.epoch for s in group)))
         self.bytes += whole.nbytes()
         self.samples += first
         self.in_flight -= len(entries)
         self._freed().set()
         await self.buffer.put.remote(entries)
 
-    async def load(self, staged) -> tuple | None:
+    async def load(self, staged, epoch: int = 0, floor: int = -1) -> tuple | None:
         """Load a published weight version into the engine between two segments, verified
         (`xray.sync.deliver`); (its SyncReport, when loaded: wall-clock seconds), or None when a
-        newer version arrived meanwhile (that one is loaded instead). A failure stops the loop."""
+        newer version arrived meanwhile (that one is loaded instead) or the trainer has since
+        rolled back past it. A failure stops the loop.
+
+        `epoch` counts the trainer's rollbacks (`AsyncTrainer.recover`), the last of which went back
+        to version `floor`: at the first load of a newer epoch, the samples in the making lose
+        their tokens sampled by newer versions (`_roll_back`), and an engine holding one of those
+        loads this version whatever else is on its way."""
         from xray.sync import deliver
 
         from xray.wholemodel.errors import WholeModelError
 
-        self.latest = max(self.latest, staged.version)
+        if epoch < self.epoch:
+            return None
+        self.latest = max(self.latest, (epoch, staged.version))
         try:
             await staged.export
         except WholeModelError as lost:  # the trainer lost its actor while exporting: nothing was loaded,
@@ -317,7 +336,12 @@ class ExperienceMaker:
             return None
         try:
             async with self._lock():
-                if staged.version < self.latest or staged.version <= self.version:
+                if epoch < self.epoch:
+                    return None
+                discarded = epoch > self.epoch and self.version > floor
+                if epoch > self.epoch:
+                    self._roll_back(floor, epoch)
+                if not discarded and ((epoch, staged.version) < self.latest or staged.version <= self.version):
                     return None
                 work = self._begin()
                 report = await deliver(staged, self.rollout, self.cfg.sync)
@@ -329,6 +353,22 @@ class ExperienceMaker:
             raise
         await self.buffer.set_maker_version.remote(self.index, self.version)
         return report, time.time()
+
+    def _roll_back(self, floor: int, epoch: int) -> None:
+        """The trainer went back to version `floor` (its rollback `epoch`): the groups in the making
+        lose their tokens sampled by newer versions (a prefix stays: versions never decrease
+        along a sample) and go on from there; a sample that had ended and lost tokens generates
+        again. Groups already being scored keep their epoch: the buffer re-makes them if needed."""
+        self.epoch = epoch
+        for group in self.pending.values():
+            for s in group:
+                keep = sum(v <= floor for v in s.versions)
+                if keep < len(s.versions):
+                    del s.response[keep:], s.logprobs[keep:], s.versions[keep:]
+                    if s.done:
+                        s.done = False
+                        self.active.append(s)
+                s.epoch = epoch
 
     def stats(self) -> dict:
         """The busy intervals since the last call, those under way up to now (merged; the caller clips

@@ -110,6 +110,41 @@ def test_a_lost_makers_prompts_are_queued_again_once():
     assert sorted(g.row["n"] for g in buf.queues[0]) == [0, 1, 2, 3]
 
 
+def test_a_rollback_makes_again_what_discarded_versions_sampled():
+    """The trainer went back to version 3 (rollback 1): version-4 groups queued or put by a maker
+    that had not loaded the restored weights are made again; the same groups of rollback 1 stay."""
+    buf = ExperienceBuffer(share=2, feeds=[[0]], draw=prompts(), max_staleness=2, capacity=4, version=3)
+    leased = buf.lease(0, 4, 3)
+    buf.put([Group(["r"], 3, 0, 3, r, k, newest=v) for (k, r), v in zip(leased[:2], (3, 4))])
+    buf.rewind(3, 0, epoch=1)
+    assert [g.row["n"] for g in buf.queues[0]] == [0] and [r["n"] for r in buf.rows] == [1]
+    assert buf.requeued_rollback == 1 and buf.accepted == [3 * 2 + 1]
+    (k2, r2), (k3, r3) = leased[2:]
+    assert buf.put([Group(["r"], 4, 0, 3, r2, k2, newest=4, epoch=0)]) == 0  # sampled by discarded weights
+    assert buf.put([Group(["r"], 3, 0, 3, r3, k3, newest=4, epoch=1)]) == 1  # version 4 of rollback 1
+    assert [r["n"] for r in buf.rows] == [2, 1] and buf.requeued_rollback == 2 and buf.running == [0]
+    assert buf.stats()["async/requeued_rollback"] == 2.0
+
+
+def test_a_rollback_cuts_the_discarded_tokens_of_the_samples_in_the_making():
+    from types import SimpleNamespace
+
+    from algorithms.ppo.maker import ExperienceMaker, Sample
+
+    cfg = SimpleNamespace(async_=SimpleNamespace(segment_tokens=2, max_in_flight=0),
+                          rollout=SimpleNamespace(max_new_tokens=6))
+    maker = ExperienceMaker(0, None, None, None, None, cfg, [], 0, share=2, version=4)
+    going = Sample(1, {}, [5, 6, 7], [-0.1, -0.2, -0.3], [3, 3, 4])
+    ended = Sample(1, {}, [8, 9], [-0.4, -0.5], [4, 4], done=True)  # its group waits for `going`
+    kept = Sample(2, {}, [1], [-0.6], [3], done=True)
+    maker.pending, maker.active = {1: [going, ended], 2: [kept]}, [going]
+    maker._roll_back(3, 1)
+    assert (going.response, going.logprobs, going.versions) == ([5, 6], [-0.1, -0.2], [3, 3])
+    assert ended.response == [] and not ended.done and maker.active == [going, ended]
+    assert kept.done and kept.response == [1]
+    assert {s.epoch for g in maker.pending.values() for s in g} == {1} and maker.epoch == 1
+
+
 def test_buffer_takes_each_trainers_share():
     buf = ExperienceBuffer(share=1, feeds=[[0], [1]], draw=prompts(), max_staleness=0, capacity=2)
     a = buf.lease(0, 1, 0)
