@@ -65,12 +65,14 @@ def per_token(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def returns_to_go(rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
-    """`G_t = r_t + gamma * G_{t+1}` over each row's response positions `[B, T-1]` (0 elsewhere)."""
+    """`G_t = r_t + gamma * G_{t+1}` over each row's response positions `[B, T-1]` (0 elsewhere);
+    `t + 1` is the next model token: a multi-turn episode's observations (holes in the mask) pass
+    the return on, undiscounted."""
     m = mask.to(rewards.dtype)
     out, running = torch.zeros_like(rewards), torch.zeros_like(rewards[:, 0])
     for t in reversed(range(rewards.shape[1])):
-        running = (rewards[:, t] + gamma * running) * m[:, t]
-        out[:, t] = running
+        running = torch.where(m[:, t] > 0, rewards[:, t] * m[:, t] + gamma * running, running)
+        out[:, t] = running * m[:, t]
     return out
 
 

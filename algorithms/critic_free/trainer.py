@@ -88,10 +88,10 @@ class CriticFreeTrainer(PPOTrainer):
         t, step, m = PhaseTimer(), self.state.step + 1, self.models
         with t("generate"):
             await self.wake_rollout()
-            gen = m.rollout.generate([r["prompt_ids"] for r in rows], self.sampling(step), pad_id=self.pad_id)
+            gen = await self.rollout(rows, self.sampling(step))
             forwards = ([] if self.on_policy else [m.actor.forward(gen)]) + \
                 ([reference_forward(m, gen)] if self.kl_in != "none" else [])
-            exp = await gen
+            exp = gen if isinstance(gen, Batch) else await gen
         await self.sleep_rollout(t)
         rows = [rows[i // self.cfg.rollout.n_samples] for i in range(len(exp))]
         with t("score"):

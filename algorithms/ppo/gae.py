@@ -1,9 +1,12 @@
 """Generalised advantage estimation (Schulman et al. 2016) over the response positions, and
 advantage whitening, with trlX's semantics.
 
-Layout: `[B, T-1]` tensors, `mask` = `LOSS_MASK`, one contiguous response span per row (prompt
-before it, right padding after it). The value after a row's last response token is 0 (the
-episode ends there), so padding never leaks into an advantage.
+Layout: `[B, T-1]` tensors, `mask` = `LOSS_MASK`: a row's response positions (prompt before
+them, right padding after). A multi-turn episode's mask has holes, its observations: the
+recursion runs over the model's tokens only, skipping them (the next value of a turn's last token
+is the first value of the next turn), so a reward at the episode's end reaches every turn. The
+value after a row's last response token is 0 (the episode ends there), so padding never leaks
+into an advantage.
 
     delta[t] = r[t] + gamma * V[t+1] - V[t]
     A[t]     = delta[t] + gamma * lam * A[t+1]
@@ -24,12 +27,13 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
     rewards = rewards * m
     advantages = torch.zeros_like(values)
     last = torch.zeros_like(values[:, 0])
-    steps = values.shape[1]
-    for t in reversed(range(steps)):
-        next_value = values[:, t + 1] if t + 1 < steps else torch.zeros_like(last)
+    next_value = torch.zeros_like(last)  # of the next model token (0 after the last)
+    for t in reversed(range(values.shape[1])):
+        here = m[:, t] > 0
         delta = rewards[:, t] + gamma * next_value - values[:, t]
-        last = (delta + gamma * lam * last) * m[:, t]
-        advantages[:, t] = last
+        last = torch.where(here, delta + gamma * lam * last, last)  # an observation passes it on
+        next_value = torch.where(here, values[:, t], next_value)
+        advantages[:, t] = last * m[:, t]
     returns = (advantages + values) * m
     return advantages.detach(), returns.detach()
 

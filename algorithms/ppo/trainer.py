@@ -143,6 +143,9 @@ class PPOTrainer:
         """Without `overlap_sync`: (probe sequences, the actor's forward over them), queued by
         `train` right behind the step's last update; the next `sync` takes it if its probe is the
         same (a step that failed between the two leaves a stale one, which is dropped)."""
+        self.episodes = None
+        """With `env.name`: the step's samples are episodes (`algorithms.ppo.episodes.EpisodeSamples`,
+        set by `make_trainer`)."""
 
     def losses(self) -> dict[str, Any]:
         """Each trained role's loss function."""
@@ -162,9 +165,9 @@ class PPOTrainer:
         t, step, m = PhaseTimer(), self.state.step + 1, self.models
         with t("generate"):
             await self.wake_rollout()
-            gen = m.rollout.generate([r["prompt_ids"] for r in rows], self.sampling(step), pad_id=self.pad_id)
+            gen = await self.rollout(rows, self.sampling(step))
             forwards = m.actor.forward(gen), reference_forward(m, gen), m.critic.forward(gen)
-            exp = await gen
+            exp = gen if isinstance(gen, Batch) else await gen
         await self.sleep_rollout(t)
         rows = [rows[i // self.cfg.rollout.n_samples] for i in range(len(exp))]
         with t("score"):
@@ -181,6 +184,13 @@ class PPOTrainer:
             train = await self.train(train_batch, step, probe=self.early_probe(exp))
         return await self.finish_step(step, t, exp, scores, mask, kl_metrics(old[C.LOGPROBS], ref[C.LOGPROBS], mask),
                                       train, gap)
+
+    async def rollout(self, rows: list[dict], sampling: dict[str, Any]):
+        """The samples of prompt `rows`: the rollout's generation, pending (its forwards queue
+        behind it); or, with an environment, the episodes' Batch (`self.episodes`)."""
+        if self.episodes is not None:
+            return await self.episodes.play(rows, sampling)
+        return self.models.rollout.generate([r["prompt_ids"] for r in rows], sampling, pad_id=self.pad_id)
 
     def behaviour(self, exp: Batch) -> dict[str, torch.Tensor]:
         """The rollout's log-probs of its samples as a train-batch column, where the policy loss
@@ -256,7 +266,8 @@ class PPOTrainer:
                 "sync/held_exact": float(report.held_exact), "sync/held_functional": float(report.held_functional),
                 "sync/unchecked": float(report.unchecked),
                 "sync/verify_s": report.verify_s, "sync/version": float(report.version), **t.seconds,
-                "tokens_per_s": tokens / max(1e-9, sum(t.seconds.values()))}
+                "tokens_per_s": tokens / max(1e-9, sum(t.seconds.values())),
+                **(self.episodes.metrics if self.episodes is not None else {})}
 
     async def sleep_rollout(self, t: PhaseTimer) -> None:
         """Free the rollout engine's GPU memory for the trained roles (`time/rollout_sleep_s`);
@@ -275,7 +286,9 @@ class PPOTrainer:
     async def score(self, rows: list[dict], generated: Batch, pending) -> "tuple[torch.Tensor, torch.Tensor | None]":
         """Scores of the generated responses: a reward WholeModel scores the rollout's answer by
         reference (`ascore`); a Python function runs in a worker thread, off the event loop, and
-        an `async def` one is awaited on it."""
+        an `async def` one is awaited on it; episodes come with their environment's rewards."""
+        if self.episodes is not None:
+            return self.episodes.scores(generated)
         if hasattr(self.score_fn, "ascore"):
             return await self.score_fn.ascore(rows, pending)
         if getattr(self.score_fn, "is_async", False):  # an `async def` reward function: every sample at once
@@ -362,9 +375,8 @@ class PPOTrainer:
     async def evaluate(self, rows: list[dict]) -> float:
         """Mean score of greedy responses on held-out `rows` (accuracy for a 0/1 reward)."""
         await self.wake_rollout()
-        pending = self.models.rollout.generate([r["prompt_ids"] for r in rows], self.sampling(0, greedy=True),
-                                               pad_id=self.pad_id)
-        scores, keep = await self.score(rows, await pending, pending)
+        pending = await self.rollout(rows, self.sampling(0, greedy=True))
+        scores, keep = await self.score(rows, pending if isinstance(pending, Batch) else await pending, pending)
         if keep is not None:
             scores = scores[keep.bool()]
         return float(scores.mean()) if len(scores) else 0.0

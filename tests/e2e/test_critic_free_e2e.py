@@ -10,7 +10,10 @@ of options: Dr. GRPO (no std scaling, `seq-mean-token-sum`, clip-higher, KL loss
 actor and rollout share devices: the actor's probe queued behind its last update, before the
 push, and still verified); REINFORCE++ with a guard
 bound below any approx KL, so every update is skipped on both engines and the weights stay; GRPO
-on-policy (one epoch of one mini-batch, no KL): no actor forward before training, ratio exactly 1.
+on-policy (one epoch of one mini-batch, no KL): no actor forward before training, ratio exactly 1;
+and GRPO on multi-turn episodes (`env`): each sample a guessing game over up to 3 turns (the
+engines sized for the episodes), its model tokens checked end to end against the actor's
+log-probs, its observations out of the loss.
 """
 import asyncio
 import dataclasses
@@ -47,6 +50,8 @@ def critic_free_config(tmp_path: Path, model_dir: Path, backend: str):
     cfg["data"]["eval_size"] = 8
     cfg["reward"]["function"] = "tests.e2e.test_critic_free_e2e:digit_share"  # the untrained model scores 0 on arith
     cfg["trainer"].update(steps=3, save_every=2)
+    cfg["env"] = {"name": "tests.e2e.test_critic_free_e2e:AnswerGuess", "max_turns": 3, "max_turn_tokens": 4,
+                  "max_tokens": 24}  # only the episodes variant plays it; the engines have its room
     path = tmp_path / "critic_free.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return load_config(path)
@@ -57,18 +62,40 @@ def digit_share(prompts: list[str], completions: list[str], **_) -> list[float]:
     return [sum(c.isdigit() for c in text) / max(1, len(text)) for text in completions]
 
 
+class AnswerGuess:
+    """The guessing game on an arithmetic prompt: the secret is its answer; each turn earns its
+    digit share (graded, as `digit_share`), and the answer itself 1 (the episode ends)."""
+
+    async def reset(self, row: dict) -> str:
+        self.answer = int(row["answer"])
+        return row["prompt"]
+
+    async def step(self, action: str):
+        digits = "".join(c for c in action if c.isdigit())
+        reward = len(digits) / max(1, len(action))
+        if not digits:
+            return " no number", reward, False, {}
+        if int(digits) == self.answer:
+            return "", 1.0 + reward, True, {}
+        return " higher" if int(digits) < self.answer else " lower", reward, False, {}
+
+
 VARIANTS = {  # run: (algorithm, ppo overrides, critic_free overrides)
     "grpo": ("grpo", {"loss_agg_mode": "seq-mean-token-sum", "cliprange_high": 0.28}, {"scale_by_std": False}),
     "rloo": ("rloo", {"target_kl": 1e-9}, {}),
     "reinforce_pp": ("reinforce_pp", {"max_approx_kl": -1.0}, {}),
     "grpo-on-policy": ("grpo", {"ppo_epochs": 1, "mini_batch_size": 8}, {"kl_in": "none"}),
+    "grpo-episodes": ("grpo", {}, {}),
 }
 
 
 def variant(cfg, name: str):
+    from xray.config.env import EnvConfig
+
     _, ppo, critic_free = VARIANTS[name]
     return dataclasses.replace(cfg, ppo=dataclasses.replace(cfg.ppo, **ppo),
-                               critic_free=dataclasses.replace(cfg.critic_free, **critic_free))
+                               critic_free=dataclasses.replace(cfg.critic_free, **critic_free),
+                               env=cfg.env if name.endswith("episodes") else EnvConfig())
 
 
 @pytest.mark.parametrize("backend", ["megatron-vllm", "deepspeed-dsinfer"])
@@ -93,11 +120,33 @@ def test_grpo_rloo_reinforce_pp_three_steps_each(tmp_path, tiny_model, backend):
             run.close()
             check_run(algo, tmp_path / algo, before, backend)
             assert trainer.queued_probe is None  # each sync took the probe its step queued
+            if algo.endswith("episodes"):  # its evaluation is the episodes' mean return
+                check_episodes(trainer, tmp_path / algo)
+                continue
             evals.append((trainer.state.eval_before, eval_after))
         # greedy evaluations of the same weights agree: a run's first is its predecessor's last,
         # and REINFORCE++, whose every update was skipped, ends where it began
         assert all(evals[i][0] == evals[i - 1][1] for i in range(1, len(evals))), evals
         assert evals[list(VARIANTS).index("reinforce_pp")][0] == evals[list(VARIANTS).index("reinforce_pp")][1]
+
+
+def check_episodes(trainer, run: Path) -> None:
+    """Each step's 8 samples were episodes, some of several turns, checked end to end (the actor's
+    log-probs of the model's tokens equal the engine's), observations out of the loss."""
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    for row in rows:
+        assert sum(v for k, v in row.items() if k.startswith("episode/ends_")) == 8, row
+        assert row["episode/turns"] >= 1 and row["episode/generate_calls"] >= 1, row
+        assert row["rollout_logprob_gap_max"] <= FP32_PROBE, row
+    assert any(row["episode/turns"] > 1 for row in rows), rows  # observations were in the trajectories
+    last = trainer.episodes.last
+    assert len(last) == 8 and any(0 in t.mask for t in last)
+    from xray.data.trajectory import pack_trajectories
+
+    batch = pack_trajectories(last)
+    for i, t in enumerate(last):  # the loss mask: exactly the model's tokens of each trajectory
+        response = batch["loss_mask"][i][len(t.prompt_ids) - 1:][:len(t.mask)]
+        assert response.tolist() == [float(m) for m in t.mask], (t.mask, response)
 
 
 def check_run(algo: str, run: Path, before: dict, backend: str) -> None:

@@ -63,3 +63,10 @@ def test_reinforce_pp_returns_to_go_then_global_whitening():
     var, mean = torch.var_mean(values)
     torch.testing.assert_close(adv[mask.bool()], (values - mean) / torch.sqrt(var + 1e-8), rtol=1e-5, atol=1e-6)
     assert adv[~mask.bool()].abs().max() == 0
+
+
+def test_returns_to_go_skip_a_multi_turn_episodes_observations():
+    mask = torch.tensor([[0, 1, 1, 0, 0, 1, 1, 0]], dtype=torch.float32)
+    rewards = torch.tensor([[9.0, 0.5, 0.0, 9.0, 9.0, 0.0, 1.0, 9.0]])  # off-mask rewards are ignored
+    g = returns_to_go(rewards, mask, gamma=0.5)
+    assert g.tolist() == [[0.0, 0.5 + 0.5 * (0.5 * 0.5), 0.5 * 0.5, 0.0, 0.0, 0.5, 1.0, 0.0]]

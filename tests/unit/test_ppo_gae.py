@@ -92,3 +92,17 @@ def test_masked_stats():
     assert masked_var(x, mask, unbiased=False).item() == pytest.approx(8.0 / 3.0)
     with pytest.raises(ValueError, match="at least 2"):
         masked_var(x, torch.tensor([[1., 0.], [0., 0.]]))
+
+
+def test_gae_skips_a_multi_turn_episodes_observations():
+    """Holes in the mask (observations) are skipped: the advantages of the model's tokens equal
+    those of the same tokens laid out without the holes, and the final reward reaches turn one."""
+    g = torch.Generator().manual_seed(0)
+    mask = torch.tensor([[0, 1, 1, 0, 0, 1, 1, 1, 0, 0]], dtype=torch.float32)  # prompt, turn, obs, turn, pad
+    values, rewards = torch.randn(1, 10, generator=g), torch.zeros(1, 10)
+    rewards[0, 7] = 1.0
+    adv, ret = gae(rewards, values, mask, gamma=0.9, lam=0.8)
+    keep = mask[0] > 0
+    dense_adv, dense_ret = gae(rewards[:, keep], values[:, keep], torch.ones(1, int(keep.sum())), gamma=0.9, lam=0.8)
+    assert torch.allclose(adv[:, keep], dense_adv) and torch.allclose(ret[:, keep], dense_ret)
+    assert (adv[:, ~keep] == 0).all() and adv[0, 1] != 0

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional, Union
 
 from xray.backends.elastic import ElasticityConfig
+from xray.config.env import EnvConfig
 from xray.config.lora import LoraConfig
 from xray.config.optim import OptimConfig
 from xray.config.placement import DeviceGroups
@@ -448,6 +449,8 @@ class RunConfig:
     """The generation engine."""
     reward: RewardConfig = field(default_factory=RewardConfig)
     """The score."""
+    env: EnvConfig = field(default_factory=EnvConfig)
+    """Multi-turn episodes against an environment, instead of one completion per sample."""
     ppo: PPOConfig = field(default_factory=PPOConfig)
     """PPO's hyper-parameters (the critic-free algorithms read most of them too)."""
     critic_free: CriticFreeConfig = field(default_factory=CriticFreeConfig)

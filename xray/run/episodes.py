@@ -11,8 +11,11 @@ each call guarded by a timeout) and returns token-exact trajectories (`xray/data
 - the observation is tokenized alone (text) or taken as ids, and appended; the episode ends when
   the environment says done, at a limit (`TrajectoryLimits`), or on the environment's failure
   (`EpisodeEnd`: recorded, counted, never the run's end).
-A turn stops at the engine's stop tokens (the tokenizer's end-of-sequence and, for tool use, the
-token closing a call): pass them in `sampling["stop_token_ids"]`.
+A turn stops at the engine's stop tokens (the tokenizer's end-of-sequence: pass them in
+`sampling["stop_token_ids"]`), and at the first of the environment's `stop` strings (a tool call's
+closing tag, say), whatever the engine: the turn keeps its tokens up to the one that completes it
+(those after it are dropped, with their log-probs; sampling is causal, so the kept ones are exactly
+what the engine sampled).
 """
 from __future__ import annotations
 
@@ -82,14 +85,36 @@ class EpisodeRunner:
         self.calls += 1
         sampling = dict(self.sampling, n=1, max_new_tokens=max(rooms),
                         seed=self.sampling.get("seed", 0) * 1_000_003 + self.calls)
-        out = await self.rollout.generate([t.ids for t in batch], sampling)
+        prompts = [t.ids for t in batch]
+        dp = getattr(getattr(self.rollout, "parallel", None), "dp", 1)  # every replica takes an equal part:
+        prompts += [prompts[0]] * (-len(prompts) % dp)  # copies of the first fill the last (answers dropped)
+        out = await self.rollout.generate(prompts, sampling)
         self.stats["generate_calls"] += 1
         for t, i, room, ids, logprobs in zip(batch, indices, rooms, out[C.RESPONSE_IDS], out[RESPONSE_LOGPROBS]):
-            ids, logprobs = [int(x) for x in ids[:room]], [float(x) for x in logprobs[:room]]
+            keep = self.cut(ids[:room], getattr(envs[i].env, "stop", ()))
+            ids, logprobs = [int(x) for x in ids[:keep]], [float(x) for x in logprobs[:keep]]
             t.add_turn(ids, logprobs)
             self.stats["turns"] += 1
             text = self.tokenizer.decode(ids, skip_special_tokens=True)
             waiting[asyncio.ensure_future(envs[i].step(text))] = (i, time.perf_counter())
+
+    def cut(self, ids: list[int], stops) -> int:
+        """How many of a turn's tokens it keeps: up to the token that completes the first of the
+        `stops` strings in its text; all of them when none occurs."""
+        if not stops:
+            return len(ids)
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        ends = [text.find(s) + len(s) for s in stops if s and s in text]
+        if not ends:
+            return len(ids)
+        lo, hi = 1, len(ids)  # the fewest tokens whose text reaches the stop's end
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if len(self.tokenizer.decode(ids[:mid], skip_special_tokens=True)) >= min(ends):
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
 
     def _observe(self, t: Trajectory, result: Any) -> bool:
         """The environment's answer to the last turn; whether the episode goes on."""

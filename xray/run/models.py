@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional
 
 from xray.config.batches import TRAINED, role_lr, role_parallel, train_batches
+from xray.config.env import response_tokens
 from xray.config.packing import node_packs
 from xray.config.plan import Plan, RolePlan, rollout_sleeps
 from xray.config.schema import RunConfig
@@ -198,7 +199,7 @@ def role_init_kwargs(cfg: RunConfig, role: str, backend: str, model_dir: str) ->
     if role in ("rollout", "sampler"):
         r = cfg.rollout
         kwargs = dict(backend=backend, model_dir=model_dir, dtype=r.dtype or cfg.model.dtype,
-                      max_model_len=cfg.data.max_prompt_tokens + r.max_new_tokens + 8)
+                      max_model_len=cfg.data.max_prompt_tokens + response_tokens(cfg) + 8)
         if backend == "vllm":
             kwargs.update(kv_cache_gib=r.kv_cache_gib, gpu_memory_utilization=r.gpu_memory_utilization,
                           quantization=r.quantization)  # the plan refused it for any other backend
@@ -233,11 +234,11 @@ def check_layouts(cfg: RunConfig, plan: Plan, model_dir: str) -> None:
     config_file = Path(model_dir) / "config.json"
     if config_file.is_file():
         limit = json.loads(config_file.read_text()).get("max_position_embeddings")
-        needed = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens + 8  # the rollout's max_model_len
+        needed = cfg.data.max_prompt_tokens + response_tokens(cfg) + 8  # the rollout's max_model_len
+        room = "env.max_tokens" if cfg.env.name else "rollout.max_new_tokens"
         if limit is not None and needed > limit:
-            raise ConfigError(f"data.max_prompt_tokens + rollout.max_new_tokens + 8 = {needed} exceeds the model's "
-                              f"max_position_embeddings={limit}; lower rollout.max_new_tokens or "
-                              "data.max_prompt_tokens")
+            raise ConfigError(f"data.max_prompt_tokens + {room} + 8 = {needed} exceeds the model's "
+                              f"max_position_embeddings={limit}; lower {room} or data.max_prompt_tokens")
     for r in plan.roles:
         if r.backend != "megatron":
             continue

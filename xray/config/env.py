@@ -1,0 +1,53 @@
+"""The `env` section of a run config: multi-turn episodes instead of single completions.
+
+Sits in the config layer. With `env.name` set, every rollout of a PPO, GRPO, RLOO or REINFORCE++
+step is an episode against that environment (`xray/env/base.py`), played by the episode runner
+(`xray/run/episodes.py`) on the rollout engine: the model's turns and the environment's
+observations make one token-exact trajectory, trained on the model's tokens only, scored by the
+environment's rewards (summed) instead of `reward.function`. Unset: one completion per sample,
+as before.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+@dataclass(frozen=True)
+class EnvConfig:
+    """Multi-turn episodes against an environment (tools, games, judges)."""
+
+    name: Optional[str] = None
+    """The environment: `builtin:calculator`, `builtin:guess`, `builtin:tools`, or a class as
+    `path/to/env.py:MyEnv` / `module:MyEnv` with async `reset(row)` and `step(action)`, scoring
+    the episodes with its rewards (the `reward` section is not read); null: one completion per
+    sample, scored by `reward`."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments the environment class is built with (one instance per episode)."""
+    max_turns: int = 4
+    """Model turns per episode at most."""
+    max_turn_tokens: int = 32
+    """Tokens one model turn may generate (the rollout's `max_new_tokens` does not apply)."""
+    max_tokens: int = 128
+    """Tokens after the prompt per episode at most, the model's and the observations'; the
+    rollout engine's context is sized for the prompt and these."""
+    timeout_s: float = 30.0
+    """Seconds each `reset` or `step` may take; beyond, or on an exception, the episode ends
+    (counted in `episode/ends_timeout`, `episode/ends_error`) and is left out of the loss."""
+
+    def check(self) -> None:
+        """Raise ValueError on settings that cannot work, saying the fix."""
+        for name in ("max_turns", "max_turn_tokens", "max_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"env.{name}={getattr(self, name)}; give 1 or more")
+        if self.max_turn_tokens > self.max_tokens:
+            raise ValueError(f"env.max_turn_tokens={self.max_turn_tokens} exceeds env.max_tokens={self.max_tokens}; "
+                             "raise env.max_tokens or lower env.max_turn_tokens")
+        if self.timeout_s <= 0:
+            raise ValueError(f"env.timeout_s={self.timeout_s}; give a positive number of seconds")
+
+
+def response_tokens(cfg: Any) -> int:
+    """Tokens a run's rollout writes after a prompt at most (a `RunConfig`): a whole episode's
+    (`env.max_tokens`) with an environment, else one completion's (`rollout.max_new_tokens`)."""
+    return cfg.env.max_tokens if cfg.env.name else cfg.rollout.max_new_tokens
