@@ -138,9 +138,7 @@ def check_sigterm_then_resume(run: Path, path: Path, cfg: dict, backend: str) ->
 
 
 @pytest.mark.parametrize("trainers, backend", [  # each shape and each pair once with a resume
-    (1, "megatron-vllm"), (2, "deepspeed-dsinfer"),
-    pytest.param(1, "deepspeed-dsinfer", marks=pytest.mark.slow),
-    pytest.param(2, "megatron-vllm", marks=pytest.mark.slow)])
+    (1, "megatron-vllm"), (2, "deepspeed-dsinfer")])
 def test_two_makers_six_steps_and_resume(tmp_path, tiny_model, backend, trainers, request):
     from safetensors.torch import load_file
 
