@@ -1,5 +1,5 @@
-"""Tools (`xray/env/tools.py`): Hermes-style calls parsed, the calculator exact and safe, and every
-failure of a call answered as text the model reads."""
+"""Tools (`xray/env/tools.py`): Hermes-style and compact calls parsed and written, the calculator
+exact and safe, and every failure of a call answered as text the model reads."""
 import asyncio
 
 import pytest
@@ -21,6 +21,42 @@ def test_calls_are_found_in_order_and_bad_ones_say_why():
     assert fmt.response("5") == "<tool_response>\n5\n</tool_response>"
     custom = ToolFormat("[CALL]", "[/CALL]", "[OUT]", "[/OUT]")
     assert custom.calls('[CALL]{"name": "f"}[/CALL]') == [ToolCall("f", {})]
+
+
+def test_compact_calls_use_only_the_character_vocabulary_and_reach_the_tool():
+    from xray.data.tokenizer import CHARS
+
+    fmt = ToolFormat(style="compact")
+    text = ("so <tool_call>calculator: 123*456</tool_call><tool_call> python :print(1)</tool_call>"
+            "<tool_call>no colon</tool_call>")
+    calls = fmt.calls(text)
+    assert calls[:2] == [ToolCall("calculator", text="123*456"), ToolCall("python", text="print(1)")]
+    assert calls[2] == "error: a tool call is NAME: ARGUMENT, e.g. calculator: 12*34"
+    assert fmt.calls('<tool_call>{"name": "calculator"}</tool_call>')[0].startswith("error: a tool call is NAME")
+    written = fmt.write(ToolCall("calculator", text="123*456"))
+    assert written == "<tool_call>calculator: 123*456</tool_call>" and fmt.calls(written) == [calls[0]]
+    assert fmt.response("56088") == "<tool_response>56088</tool_response>"
+    assert set(written + fmt.response("56088")) <= set(CHARS)
+    assert ToolFormat(style="compact", response_separator=" ").response("7") == "<tool_response> 7 </tool_response>"
+    assert ToolFormat(response_separator="").response("7") == "<tool_response>7</tool_response>"
+    hermes = ToolFormat()  # the default is unchanged, and writes what it parses
+    call = ToolCall("calculator", {"expression": "2+3"})
+    assert hermes.calls(hermes.write(call)) == [call]
+    assert hermes.response("5") == "<tool_response>\n5\n</tool_response>"
+    registry = ToolRegistry.from_specs(["builtin:calculator"])
+    assert asyncio.run(registry.call(calls[0])) == "56088"
+    assert asyncio.run(registry.call(ToolCall("calculator", text="1+"))).startswith("error: calculator: ValueError")
+
+    class Remote:  # an object with an async __call__ is awaited, not run in a thread
+        async def __call__(self, expression: str) -> str:
+            await asyncio.sleep(0)
+            return f"remote {expression}"
+    registry.register(Remote(), "remote")
+    assert asyncio.run(registry.call(ToolCall("remote", text="1"))) == "remote 1"
+    with pytest.raises(ToolError, match="unknown tool-call style 'json'.*'compact'"):
+        ToolFormat(style="json")
+    with pytest.raises(ToolError, match="one text argument"):
+        fmt.write(ToolCall("calculator", {"expression": "1"}))
 
 
 @pytest.mark.parametrize("expression, answer", [

@@ -2,7 +2,9 @@
 
     base.py     the `Env` shape (async reset / step), `Guarded` (a failure or a timeout ends the
                 episode with a reason), `load_env`, the built-in `ToolEnv` and `GuessEnv`
-    tools.py    tool calls (Hermes' format by default), `ToolRegistry`, the built-in calculator
-                and Python tools
+    tools.py    tool calls (Hermes' JSON format by default, or compact), `ToolRegistry`, the
+                built-in calculator and Python tools
+    tasks.py    built-in tool-use tasks: `builtin:calculator` (seeded arithmetic prompts, the
+                environment, tool-use demonstrations for a warm start)
     sandbox.py  the Python sandbox (namespaces and limits; how a call ended becomes the observation)
 """

@@ -19,8 +19,9 @@ arguments of `env.kwargs` in the config.
 
 Built in: `ToolEnv` (`builtin:tools`), where each turn's tool calls are answered by the registry's
 tools (`xray/env/tools.py`) and an episode ends at the first turn without a call, scored by a reward
-function on that final turn; and `GuessEnv` (`builtin:guess`), a number to find with higher/lower
-answers, rewarded when found.
+function on that final turn; `GuessEnv` (`builtin:guess`), a number to find with higher/lower
+answers, rewarded when found; and `builtin:calculator`, arithmetic answered with the calculator
+tool in the compact call format (`xray/env/tasks.py`).
 """
 from __future__ import annotations
 
@@ -87,6 +88,14 @@ class ToolEnv:
     calls: int = 0
     """Tool calls made in this episode (the run's metrics count them)."""
 
+    @property
+    def stop(self) -> tuple[str, ...]:
+        """Where a model turn ends (`xray/run/episodes.py`): a call's closing tag, so that the tool
+        answers before the model writes on."""
+        from xray.env.tools import ToolFormat
+
+        return ((self.format or ToolFormat()).call_close,)
+
     async def reset(self, row: dict) -> Observation:
         from xray.env.tools import ToolFormat
 
@@ -128,7 +137,8 @@ class GuessEnv:
         return f" {'higher' if guess < self.secret else 'lower'}\n", 0.0, False, {"guesses": self.guesses}
 
 
-BUILTIN: dict[str, type] = {"tools": ToolEnv, "guess": GuessEnv}
+BUILTIN: dict[str, type | str] = {"tools": ToolEnv, "guess": GuessEnv, "calculator": "xray.env.tasks:CalculatorEnv"}
+"""Built-in environments: a class, or `module:Class` imported on first use (a task built on these)."""
 
 
 def load_env(spec: str) -> type:
@@ -143,7 +153,13 @@ def load_env(spec: str) -> type:
         if name not in BUILTIN:
             raise EnvError(f"unknown built-in environment {spec!r}; choose one of "
                            f"{', '.join('builtin:' + n for n in sorted(BUILTIN))}")
-        return BUILTIN[name]
+        found = BUILTIN[name]
+        if isinstance(found, str):
+            import importlib
+
+            module, attr = found.split(":")
+            found = getattr(importlib.import_module(module), attr)
+        return found
     try:
         cls = load_callable(spec, "environment", "path/to/env.py:MyEnv")
     except RewardSpecError as exc:

@@ -6,13 +6,19 @@ NousResearch's chat templates use it):
     <tool_call>{"name": "calculator", "arguments": {"expression": "1234 * 5678"}}</tool_call>
 
 `ToolFormat` finds the calls in a turn's text and renders each answer as the observation the model
-reads next (`<tool_response>...</tool_response>`); its tags are configurable. `ToolRegistry` holds
-the tools by name: user functions (sync or async, keyword arguments from the call's `arguments`,
-returning text), loaded from `path/to/file.py:function` or `module:function` as reward functions
-are, and the built-ins `builtin:calculator` (exact arithmetic on integers and fractions, no
-`eval`) and `builtin:python` (the sandbox, `xray/env/sandbox.py`). A call that fails, in any way
-(unknown tool, bad arguments, an exception, a timeout) answers with the error's text: the model
-sees it, the episode goes on.
+reads next (`<tool_response>...</tool_response>`); its tags are configurable. Its `compact` style
+is for vocabularies without braces or newline (the built-in character tokenizer): a call is the
+tool's name, a colon and its one argument as text, and an answer has nothing around it:
+
+    <tool_call>calculator: 1234*5678</tool_call>    ->    <tool_response>7006652</tool_response>
+
+`ToolRegistry` holds the tools by name: user functions (sync or async, or objects with an async
+`__call__`; keyword arguments from the call's `arguments`, or a compact call's text as the one
+positional argument; returning text), loaded from `path/to/file.py:function` or `module:function`
+as reward functions are, and the built-ins `builtin:calculator` (exact arithmetic on integers and
+fractions, no `eval`) and `builtin:python` (the sandbox, `xray/env/sandbox.py`). A call that fails,
+in any way (unknown tool, bad arguments, an exception, a timeout) answers with the error's text:
+the model sees it, the episode goes on.
 """
 from __future__ import annotations
 
@@ -35,50 +41,93 @@ class ToolError(ValueError):
 
 @dataclass(frozen=True)
 class ToolCall:
-    """One call a model wrote: the tool's name and its keyword arguments."""
+    """One call a model wrote: the tool's name and its keyword arguments, or (a compact call) its
+    one argument as text."""
 
     name: str
     arguments: dict = field(default_factory=dict)
+    text: str | None = None
+    """A compact call's argument, passed as the tool's one positional argument (None: keywords)."""
+
+
+STYLES = ("hermes", "compact")
+"""`hermes`: a JSON object per call; `compact`: `NAME: ARGUMENT` per call."""
 
 
 @dataclass(frozen=True)
 class ToolFormat:
-    """How calls are written and answers shown (Hermes' tags by default)."""
+    """How calls are written and answers shown (Hermes' tags and JSON calls by default)."""
 
     call_open: str = "<tool_call>"
     call_close: str = "</tool_call>"
     response_open: str = "<tool_response>"
     response_close: str = "</tool_response>"
+    style: str = "hermes"
+    """How a call's body is written: `hermes` (JSON) or `compact` (`NAME: ARGUMENT`)."""
+    response_separator: str | None = None
+    """Text between an answer and its tags; None: a newline for `hermes`, nothing for `compact`."""
+
+    def __post_init__(self) -> None:
+        if self.style not in STYLES:
+            raise ToolError(f"unknown tool-call style {self.style!r}; use 'hermes' (JSON calls) or "
+                            "'compact' (NAME: ARGUMENT, for vocabularies without braces)")
+
+    @property
+    def separator(self) -> str:
+        if self.response_separator is not None:
+            return self.response_separator
+        return "\n" if self.style == "hermes" else ""
 
     def calls(self, text: str) -> list[ToolCall | str]:
-        """The calls in `text`, in order; one that is not a JSON object with a string `name` comes
-        back as the text of what is wrong with it (its answer to the model)."""
+        """The calls in `text`, in order; one written wrong (not a JSON object with a string `name`;
+        in the compact style, no `NAME:`) comes back as the text of what is wrong with it (its
+        answer to the model)."""
         pattern = re.escape(self.call_open) + r"(.*?)" + re.escape(self.call_close)
-        out: list[ToolCall | str] = []
-        for body in re.findall(pattern, text, flags=re.DOTALL):
-            try:
-                value = json.loads(body)
-            except json.JSONDecodeError as exc:
-                out.append(f"error: the tool call is not valid JSON ({exc.msg} at character {exc.pos})")
-                continue
-            if not isinstance(value, dict) or not isinstance(value.get("name"), str):
-                out.append('error: a tool call is a JSON object {"name": ..., "arguments": {...}}')
-                continue
-            arguments = value.get("arguments", {})
-            if isinstance(arguments, str):  # some templates write the arguments as a JSON string
-                try:
-                    arguments = json.loads(arguments)
-                except json.JSONDecodeError:
-                    pass
-            if not isinstance(arguments, dict):
-                out.append(f"error: the arguments of {value['name']!r} must be a JSON object")
-                continue
-            out.append(ToolCall(value["name"], arguments))
-        return out
+        parse = _hermes_call if self.style == "hermes" else _compact_call
+        return [parse(body) for body in re.findall(pattern, text, flags=re.DOTALL)]
+
+    def write(self, call: ToolCall) -> str:
+        """`call` as a model writes it (a demonstration's text)."""
+        if self.style == "compact":
+            if call.text is None:
+                raise ToolError(f"a compact call has one text argument; build ToolCall({call.name!r}, text=...)")
+            return f"{self.call_open}{call.name}: {call.text}{self.call_close}"
+        body = json.dumps({"name": call.name, "arguments": call.arguments})
+        return f"{self.call_open}{body}{self.call_close}"
 
     def response(self, text: str) -> str:
         """An answer as the model reads it."""
-        return f"{self.response_open}\n{text}\n{self.response_close}"
+        sep = self.separator
+        return f"{self.response_open}{sep}{text}{sep}{self.response_close}"
+
+
+def _hermes_call(body: str) -> ToolCall | str:
+    """A JSON call body: `{"name": ..., "arguments": {...}}`, or what is wrong with it."""
+    try:
+        value = json.loads(body)
+    except json.JSONDecodeError as exc:
+        return f"error: the tool call is not valid JSON ({exc.msg} at character {exc.pos})"
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return 'error: a tool call is a JSON object {"name": ..., "arguments": {...}}'
+    arguments = value.get("arguments", {})
+    if isinstance(arguments, str):  # some templates write the arguments as a JSON string
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            pass
+    if not isinstance(arguments, dict):
+        return f"error: the arguments of {value['name']!r} must be a JSON object"
+    return ToolCall(value["name"], arguments)
+
+
+def _compact_call(body: str) -> ToolCall | str:
+    """A compact call body: `NAME: ARGUMENT` (the argument is the text after the first colon,
+    stripped), or what is wrong with it."""
+    name, colon, argument = body.partition(":")
+    name = name.strip()
+    if not colon or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+        return "error: a tool call is NAME: ARGUMENT, e.g. calculator: 12*34"
+    return ToolCall(name, text=argument.strip())
 
 
 class ToolRegistry:
@@ -123,15 +172,16 @@ class ToolRegistry:
         fn = self.tools.get(call.name)
         if fn is None:
             return f"error: no tool named {call.name!r}; the tools are {', '.join(sorted(self.tools))}"
+        args = () if call.text is None else (call.text,)
         try:
-            inspect.signature(fn).bind(**call.arguments)
+            inspect.signature(fn).bind(*args, **call.arguments)
         except TypeError as exc:
             return f"error: {call.name}: {exc}"
         try:
-            if inspect.iscoroutinefunction(fn):
-                result = await asyncio.wait_for(fn(**call.arguments), self.timeout_s)
+            if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None)):
+                result = await asyncio.wait_for(fn(*args, **call.arguments), self.timeout_s)
             else:  # off the event loop: other episodes go on while it works
-                result = await asyncio.wait_for(asyncio.to_thread(fn, **call.arguments), self.timeout_s)
+                result = await asyncio.wait_for(asyncio.to_thread(fn, *args, **call.arguments), self.timeout_s)
             return str(result)
         except asyncio.TimeoutError:
             return f"error: {call.name} did not answer within {self.timeout_s:g} s"
