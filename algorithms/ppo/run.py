@@ -33,15 +33,19 @@ from xray.run.inputs import BUILTIN_MODEL, RunData, prepare
 
 log = logging.getLogger(__name__)
 def make_trainer(algo: str, cfg: RunConfig, models, score, data: RunData) -> PPOTrainer:
-    """The trainer of `algo`: PPO, or a critic-free one (`algorithms.critic_free`); with `env.name`,
-    its samples are episodes (`algorithms.ppo.episodes`)."""
+    """The trainer of `algo`: PPO, or a critic-free one (`algorithms.critic_free`); with `env.name`
+    or `env.agent`, its samples are episodes (`algorithms.ppo.episodes`, `algorithms.ppo.agents`)."""
     if algo == "ppo":
         trainer = PPOTrainer(cfg, models, score, data.pad_id, data.stop_ids)
     else:
         from algorithms.critic_free.trainer import CriticFreeTrainer
 
         trainer = CriticFreeTrainer(cfg, models, score, data.pad_id, data.stop_ids, algo)
-    if cfg.env.name:
+    if cfg.env.agent:
+        from algorithms.ppo.agents import AgentSamples
+
+        trainer.episodes = AgentSamples(cfg, models.rollout, data.tokenizer, data.pad_id)
+    elif cfg.env.name:
         from algorithms.ppo.episodes import EpisodeSamples
 
         trainer.episodes = EpisodeSamples(cfg, models.rollout, data.tokenizer, data.pad_id)

@@ -13,7 +13,8 @@ bound below any approx KL, so every update is skipped on both engines and the we
 on-policy (one epoch of one mini-batch, no KL): no actor forward before training, ratio exactly 1;
 and GRPO on multi-turn episodes (`env`): each sample a guessing game over up to 3 turns (the
 engines sized for the episodes), its model tokens checked end to end against the actor's
-log-probs, its observations out of the loss.
+log-probs, its observations out of the loss; the same with agent code written with the `openai`
+client (`env.agent`), through the run's OpenAI-compatible endpoint.
 """
 import asyncio
 import dataclasses
@@ -62,6 +63,24 @@ def digit_share(prompts: list[str], completions: list[str], **_) -> list[float]:
     return [sum(c.isdigit() for c in text) / max(1, len(text)) for text in completions]
 
 
+def openai_agent(row: dict, base_url: str) -> float:
+    """Agent code as its author writes it, with the `openai` client: ask, and while the answer has
+    no digit, say so and ask again (3 turns at most); the reward is `AnswerGuess`'s."""
+    import openai
+
+    client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0)
+    messages, reward = [{"role": "user", "content": row["prompt"]}], 0.0
+    for _ in range(3):
+        text = client.chat.completions.create(model="policy", messages=messages, max_tokens=4).choices[0].message.content
+        digits = "".join(c for c in text if c.isdigit())
+        reward += len(digits) / max(1, len(text)) + float(digits == row["answer"])
+        if digits:
+            break
+        messages += [{"role": "assistant", "content": text}, {"role": "user", "content": " no number"}]
+    client.close()
+    return reward
+
+
 class AnswerGuess:
     """The guessing game on an arithmetic prompt: the secret is its answer; each turn earns its
     digit share (graded, as `digit_share`), and the answer itself 1 (the episode ends)."""
@@ -86,6 +105,7 @@ VARIANTS = {  # run: (algorithm, ppo overrides, critic_free overrides)
     "reinforce_pp": ("reinforce_pp", {"max_approx_kl": -1.0}, {}),
     "grpo-on-policy": ("grpo", {"ppo_epochs": 1, "mini_batch_size": 8}, {"kl_in": "none"}),
     "grpo-episodes": ("grpo", {}, {}),
+    "grpo-agent": ("grpo", {}, {}),
 }
 
 
@@ -93,9 +113,10 @@ def variant(cfg, name: str):
     from xray.config.env import EnvConfig
 
     _, ppo, critic_free = VARIANTS[name]
+    env = {"grpo-episodes": cfg.env, "grpo-agent": dataclasses.replace(
+        cfg.env, name=None, agent="tests.e2e.test_critic_free_e2e:openai_agent")}.get(name, EnvConfig())
     return dataclasses.replace(cfg, ppo=dataclasses.replace(cfg.ppo, **ppo),
-                               critic_free=dataclasses.replace(cfg.critic_free, **critic_free),
-                               env=cfg.env if name.endswith("episodes") else EnvConfig())
+                               critic_free=dataclasses.replace(cfg.critic_free, **critic_free), env=env)
 
 
 @pytest.mark.parametrize("backend", ["megatron-vllm", "deepspeed-dsinfer"])
@@ -120,7 +141,7 @@ def test_grpo_rloo_reinforce_pp_three_steps_each(tmp_path, tiny_model, backend):
             run.close()
             check_run(algo, tmp_path / algo, before, backend)
             assert trainer.queued_probe is None  # each sync took the probe its step queued
-            if algo.endswith("episodes"):  # its evaluation is the episodes' mean return
+            if algo in ("grpo-episodes", "grpo-agent"):  # its evaluation is the episodes' mean return
                 check_episodes(trainer, tmp_path / algo)
                 continue
             evals.append((trainer.state.eval_before, eval_after))
@@ -136,6 +157,7 @@ def check_episodes(trainer, run: Path) -> None:
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     for row in rows:
         assert sum(v for k, v in row.items() if k.startswith("episode/ends_")) == 8, row
+        assert "episode/ends_error" not in row and "episode/ends_timeout" not in row, row
         assert row["episode/turns"] >= 1 and row["episode/generate_calls"] >= 1, row
         assert row["rollout_logprob_gap_max"] <= FP32_PROBE, row
     assert any(row["episode/turns"] > 1 for row in rows), rows  # observations were in the trajectories

@@ -22,6 +22,11 @@ class EnvConfig:
     `path/to/env.py:MyEnv` / `module:MyEnv` with async `reset(row)` and `step(action)`, scoring
     the episodes with its rewards (the `reward` section is not read); null: one completion per
     sample, scored by `reward`."""
+    agent: Optional[str] = None
+    """Instead of `name`: your agent code, `path/to/agent.py:run` or `module:run`, a function
+    `run(row, base_url) -> reward` (or `async def`) that talks to the run's OpenAI-compatible
+    endpoint (`trainer.agent_endpoint`) at `base_url` with the `openai` client, once per sample;
+    its session's tokens are the sample, its return the reward."""
     kwargs: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments the environment class is built with (one instance per episode)."""
     max_turns: int = 4
@@ -35,8 +40,16 @@ class EnvConfig:
     """Seconds each `reset` or `step` may take; beyond, or on an exception, the episode ends
     (counted in `episode/ends_timeout`, `episode/ends_error`) and is left out of the loss."""
 
+    @property
+    def episodes(self) -> bool:
+        """Whether a run's samples are episodes (an environment's or an agent's)."""
+        return bool(self.name or self.agent)
+
     def check(self) -> None:
         """Raise ValueError on settings that cannot work, saying the fix."""
+        if self.name and self.agent:
+            raise ValueError("env.name and env.agent are both set; an episode is played by an environment or by "
+                             "your agent code: unset one")
         for name in ("max_turns", "max_turn_tokens", "max_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"env.{name}={getattr(self, name)}; give 1 or more")
@@ -50,4 +63,4 @@ class EnvConfig:
 def response_tokens(cfg: Any) -> int:
     """Tokens a run's rollout writes after a prompt at most (a `RunConfig`): a whole episode's
     (`env.max_tokens`) with an environment, else one completion's (`rollout.max_new_tokens`)."""
-    return cfg.env.max_tokens if cfg.env.name else cfg.rollout.max_new_tokens
+    return cfg.env.max_tokens if cfg.env.episodes else cfg.rollout.max_new_tokens

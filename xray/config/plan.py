@@ -421,18 +421,19 @@ def _elastic_plans(cfg: RunConfig, algo: str) -> tuple[ElasticPlan, ...]:
 
 
 def _check_env(cfg: RunConfig, algo: str) -> None:
-    """Episodes (`env.name`) are played by PPO and the critic-free steps of a synchronous run."""
+    """Episodes (`env.name` or `env.agent`) are played by PPO and the critic-free steps of a
+    synchronous run."""
     try:
         cfg.env.check()
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     if algo not in ("ppo", *CRITIC_FREE):
-        raise ConfigError(f"env.name is set but {algo} plays no episodes; unset env.name, or run ppo, "
+        raise ConfigError(f"env.name or env.agent is set but {algo} plays no episodes; unset it, or run ppo, "
                           f"{', '.join(CRITIC_FREE)}")
     if cfg.trainer.mode != "sync":
-        raise ConfigError("env.name: episodes are played by synchronous runs only so far; set trainer.mode=sync")
+        raise ConfigError("env: episodes are played by synchronous runs only so far; set trainer.mode=sync")
     if cfg.reward.model:
-        raise ConfigError("env.name: the environment's rewards score the episodes; set reward.model=null")
+        raise ConfigError("env: the environment's or agent's rewards score the episodes; set reward.model=null")
 
 
 def plan_run(cfg: RunConfig, backend: str, algo: str = "ppo") -> Plan:
@@ -445,7 +446,7 @@ def plan_run(cfg: RunConfig, backend: str, algo: str = "ppo") -> Plan:
         _check_critic_free(cfg, algo)
     if algo == "sample":
         _check_sample(cfg)
-    if cfg.env.name:
+    if cfg.env.episodes:
         _check_env(cfg, algo)
     if algo in ("ppo", *CRITIC_FREE) and cfg.trainer.report and "jsonl" not in cfg.trainer.loggers:
         raise ConfigError("trainer.report draws the metrics of metrics.jsonl: keep jsonl in trainer.loggers, "

@@ -376,6 +376,10 @@ class TrainerConfig:
     """`sync`: the lockstep PPO step. `async`: makers and trainer run detached (see `async`)."""
     steps: int = 20
     """PPO steps (trainer steps in async mode)."""
+    agent_endpoint: str = "127.0.0.1:0"
+    """`host:port` of the OpenAI-compatible chat-completions endpoint the run serves from its
+    rollout engine while `env.agent` plays episodes (port 0: any free one); each episode's agent
+    gets its session's base URL."""
     save_every: int = 10
     """Flash-checkpoint every this many steps (0: never; a signal still takes one): a short copy into host memory,
     written to disk in the background; it becomes the latest once all of it is on disk."""

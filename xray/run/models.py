@@ -235,7 +235,7 @@ def check_layouts(cfg: RunConfig, plan: Plan, model_dir: str) -> None:
     if config_file.is_file():
         limit = json.loads(config_file.read_text()).get("max_position_embeddings")
         needed = cfg.data.max_prompt_tokens + response_tokens(cfg) + 8  # the rollout's max_model_len
-        room = "env.max_tokens" if cfg.env.name else "rollout.max_new_tokens"
+        room = "env.max_tokens" if cfg.env.episodes else "rollout.max_new_tokens"
         if limit is not None and needed > limit:
             raise ConfigError(f"data.max_prompt_tokens + {room} + 8 = {needed} exceeds the model's "
                               f"max_position_embeddings={limit}; lower {room} or data.max_prompt_tokens")
