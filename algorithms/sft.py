@@ -31,10 +31,12 @@ log = logging.getLogger(__name__)
 
 def sft_rows(pairs: list[tuple[list[int], list[int]]], batch_size: int, step: int, seed: int,
              pad_id: int) -> Batch:
-    """A seeded random batch of (prompt ids, target ids) pairs as training tensors."""
+    """A seeded random batch of (prompt ids, target ids) pairs as training tensors; a pair may
+    carry a third entry, the target's loss mask (a demonstration's tool answers are not trained)."""
     g = torch.Generator().manual_seed(seed * 1000003 + step)
     rows = torch.randint(len(pairs), (batch_size,), generator=g).tolist()
-    return pack_sequences([pairs[i][0] for i in rows], [pairs[i][1] for i in rows], pad_id)
+    masks = [pairs[i][2] for i in rows] if len(pairs[0]) > 2 else None
+    return pack_sequences([pairs[i][0] for i in rows], [pairs[i][1] for i in rows], pad_id, response_masks=masks)
 
 
 @contextmanager

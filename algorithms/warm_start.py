@@ -1,8 +1,8 @@
 """The default job's model: the built-in tiny Llama, warm-started by supervised fine-tuning.
 
 `model.path: builtin:tiny-llama` names a seeded tiny Llama (`xray.builtin.tiny_llama`) that this
-module fine-tunes on the built-in task's answers (`algorithms.sft`, on the run's own training
-backend) so that RL starts from a model that is sometimes right. The result is cached under
+module fine-tunes on the built-in task's answers, or a tool-use task's demonstrations (`algorithms.sft`,
+on the run's own training backend) so that RL starts from a model that is sometimes right. The result is cached under
 `~/.cache/xray/builtin/<key>` (or `$XRAY_CACHE`), keyed by everything that shapes it, so later
 runs skip the warm start. Every command resolves `model.path` through `model_dir` here.
 """
@@ -16,7 +16,9 @@ import os
 import shutil
 from pathlib import Path
 
+from xray.builtin.tasks import get_task
 from xray.builtin.tiny_llama import BUILTIN_MODEL, build_base_model, builtin_spec
+from xray.config.env import EnvConfig
 from xray.config.plan import Plan, plan_run
 from xray.config.schema import RunConfig
 from xray.config.typed import to_dict
@@ -36,6 +38,9 @@ def warm_start_key(cfg: RunConfig, train_backend: str) -> str:
                "data": cfg.data.path, "eval_size": cfg.data.eval_size, "backend": train_backend,
                "actor": {"micro": cfg.actor.micro_batch_size, "tp": cfg.actor.tp, "pp": cfg.actor.pp,
                          "dp": cfg.actor.dp}, "version": 1}
+    task = get_task(cfg.data.path) if cfg.data.path.startswith("builtin:") else None
+    if hasattr(task, "demonstrations"):  # what its demonstrations are made of shapes it too
+        shaping["task"] = repr(task)
     return hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -56,11 +61,15 @@ def build_builtin_model(cfg: RunConfig, plan: Plan, run: RunDir, ray_address: st
         log.info("warm-started model from cache: %s", target)
         return target
     # the warm start trains every weight, also for a LoRA run (which then trains adapters on it)
-    cfg = dataclasses.replace(cfg, actor=dataclasses.replace(cfg.actor, lora=None))
+    cfg = dataclasses.replace(cfg, actor=dataclasses.replace(cfg.actor, lora=None), env=EnvConfig())  # no episodes
     base = build_base_model(run.path / "base-model", cfg.seed)
     tokenizer = load_tokenizer(str(base))
     train, _ = load_prompt_splits(cfg.data, tokenizer, run.path / "data")
-    pairs = answer_pairs(train.prompt_ids, train.extras[cfg.data.answer_field], tokenizer)
+    task = get_task(cfg.data.path) if cfg.data.path.startswith("builtin:") else None
+    if hasattr(task, "demonstrations"):  # a tool-use task: whole episodes, the model's turns trained
+        pairs = task.demonstrations(train.prompts, train.extras, tokenizer)
+    else:
+        pairs = answer_pairs(train.prompt_ids, train.extras[cfg.data.answer_field], tokenizer)
     log.info("warm start: %d supervised steps on %d prompts", cfg.sft.steps, len(pairs))
     sft_dir = RunDir(run.path / "warm-start")
     out = run_sft(cfg, plan_run(cfg, plan.backend, "sft"), pairs, str(base), sft_dir, tokenizer.pad_token_id or 0,

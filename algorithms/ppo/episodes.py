@@ -88,6 +88,9 @@ class EpisodeSamples:
         out.update({f"episode/ends_{end}": float(count) for end, count in sorted(ends.items())})
         return out
 
+    async def close(self) -> None:
+        """Nothing to release (an agent's endpoint is: `AgentSamples.close`)."""
+
     def scores(self, exp: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The last play's scores (its episodes' returns) and which samples enter the loss."""
         return exp[C.SCORES], self.keep

@@ -101,8 +101,11 @@ async def train(trainer: PPOTrainer, run: RunDir, data: RunData, resume: str | N
         detached = Detached(trainer, data, str(run.path))
     if latest is not None:
         await resume_from(trainer, latest, data, detached)
+    details = {}  # an episode run's: the evaluations' episode metrics (tool-call share, turns, ends)
     if trainer.state.eval_before is None:
         trainer.state.eval_before = await trainer.evaluate(data.eval_rows)
+        if trainer.episodes is not None:
+            details["episodes_before"] = dict(trainer.episodes.metrics)
     log.info("eval before training: %.3f", trainer.state.eval_before)
     checkpoints = FlashCheckpoints(run, trainer.models, trainer.trained)
     stop = GracefulStop(cfg.trainer.on_signal, cfg.trainer.exit_grace_s).install()
@@ -117,7 +120,11 @@ async def train(trainer: PPOTrainer, run: RunDir, data: RunData, resume: str | N
         stop.uninstall()
     await checkpoints.finish()
     eval_after = await trainer.evaluate(data.eval_rows)
-    run.write_evals(trainer.state.eval_before, eval_after, trainer.state.step)
+    if trainer.episodes is not None:
+        details["episodes_after"] = dict(trainer.episodes.metrics)
+    run.write_evals(trainer.state.eval_before, eval_after, trainer.state.step, details)
+    if trainer.episodes is not None:
+        await trainer.episodes.close()  # an agent endpoint stops serving (a later run starts it again)
     await asyncio.to_thread(export_actor, trainer.models.actor, cfg.actor.lora, data.model_dir, run.path / "final")
     return eval_after
 

@@ -144,8 +144,8 @@ class PPOTrainer:
         `train` right behind the step's last update; the next `sync` takes it if its probe is the
         same (a step that failed between the two leaves a stale one, which is dropped)."""
         self.episodes = None
-        """With `env.name`: the step's samples are episodes (`algorithms.ppo.episodes.EpisodeSamples`,
-        set by `make_trainer`)."""
+        """With `env.name` or `env.agent`: the step's samples are episodes
+        (`algorithms.ppo.episodes.EpisodeSamples`, set by `make_trainer`)."""
 
     def losses(self) -> dict[str, Any]:
         """Each trained role's loss function."""

@@ -161,6 +161,9 @@ def check_episodes(trainer, run: Path) -> None:
         assert row["episode/turns"] >= 1 and row["episode/generate_calls"] >= 1, row
         assert row["rollout_logprob_gap_max"] <= FP32_PROBE, row
     assert any(row["episode/turns"] > 1 for row in rows), rows  # observations were in the trajectories
+    evals = json.loads((run / "eval.json").read_text())  # the evaluations' episodes, before and after
+    assert all(0.0 <= evals[k]["episode/tool_call_share"] <= 1.0 and evals[k]["episode/turns"] >= 1
+               for k in ("episodes_before", "episodes_after")), evals
     last = trainer.episodes.last
     assert len(last) == 8 and any(0 in t.mask for t in last)
     from xray.data.trajectory import pack_trajectories

@@ -66,3 +66,58 @@ def test_demonstrations_mask_the_prompt_and_the_tool_answer():
     assert tokenizer.decode(model) == "<tool_call>calculator: 4821*37</tool_call></s>178377</s>"
     assert tokenizer.decode([i for i, m in zip(ids, mask) if not m], skip_special_tokens=True) == (
         "q: 4821*37=?" + COMPACT.response("178377"))
+
+
+def test_the_data_task_writes_its_splits_and_mixes_tool_use_with_direct_answers(tmp_path):
+    """`data.path: builtin:calculator`: disjoint seeded splits with the columns the environment
+    reads; the warm start's demonstrations are about half whole tool-use episodes (the tool's
+    answer out of the loss) and half the answer at once."""
+    import json
+
+    from xray.builtin.tasks import get_task
+    from xray.data.tokenizer import build_char_tokenizer
+
+    task = get_task("builtin:calculator")
+    files = task.write(tmp_path, eval_size=100)
+    train = [json.loads(line) for line in files.train.read_text().splitlines()]
+    held = [json.loads(line) for line in files.eval.read_text().splitlines()]
+    assert len(held) == 100 and len(train) == task.count - 100
+    assert held + train == task.rows()  # seeded: the same rows every time, the first held out
+    assert set(train[0]) == {"prompt", "answer", "expression"}
+    tok = build_char_tokenizer()
+    rows = train[:200]
+    demos = task.demonstrations([r["prompt"] for r in rows], {k: [r[k] for r in rows] for k in ("answer", "expression")},
+                                tok)
+    tool = [d for d in demos if tok.decode(d[1]).startswith("<tool_call>")]
+    assert 70 <= len(tool) <= 130, len(tool)
+    for (prompt, rest, mask), row in zip(demos, rows):
+        assert tok.decode(prompt, skip_special_tokens=True) == row["prompt"] and len(rest) == len(mask)
+        text = tok.decode(rest, skip_special_tokens=True)
+        if text.startswith("<tool_call>"):
+            response = tok(f"<tool_response>{row['answer']}</tool_response>", add_special_tokens=False).input_ids
+            start = next(i for i in range(len(rest)) if rest[i:i + len(response)] == response)
+            assert set(mask[start:start + len(response)]) == {0} and mask[-1] == 1
+        else:
+            assert text == row["answer"] and set(mask) == {1} and rest[-1] == tok.eos_token_id
+
+
+def test_a_warm_start_batch_trains_the_demonstrations_model_turns_only():
+    from algorithms.sft import sft_rows
+    from xray.data import columns as C
+
+    pairs = [([1, 5], [6, 7, 8, 9], [1, 0, 0, 1]), ([1, 4, 4], [2, 3], [1, 1])]
+    batch = sft_rows(pairs, batch_size=8, step=1, seed=0, pad_id=0)
+    for row in range(8):
+        prompt, rest, mask = next(p for p in pairs if batch[C.INPUT_IDS][row, :len(p[0]) + len(p[1])].tolist() == p[0] + p[1])
+        start = len(prompt) - 1
+        assert batch[C.LOSS_MASK][row, start:start + len(rest)].tolist() == [float(m) for m in mask]
+        assert batch[C.LOSS_MASK][row].sum() == sum(mask)
+    plain = sft_rows([(p, r) for p, r, _ in pairs], batch_size=8, step=1, seed=0, pad_id=0)
+    assert plain[C.LOSS_MASK].sum() == sum(len(pairs[i][1]) for i in _rows(plain, pairs))
+
+
+def _rows(batch, pairs):
+    from xray.data import columns as C
+
+    return [next(i for i, p in enumerate(pairs) if batch[C.INPUT_IDS][row, :len(p[0]) + len(p[1])].tolist() == p[0] + p[1])
+            for row in range(len(batch))]

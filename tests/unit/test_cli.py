@@ -95,7 +95,7 @@ def test_every_shipped_config_resolves_and_plans(path):
         assert [(r.role, r.backend, r.ranks) for r in plan.roles] == [("sampler", "vllm", (0, 1)),
                                                                      ("orm", "fn-reward", (2, 3))]
         return
-    algos = ("grpo", "rloo", "reinforce_pp") if path.name.startswith("critic_free") else ("ppo",)
+    algos = ("grpo", "rloo", "reinforce_pp") if path.name.startswith(("critic_free", "grpo")) else ("ppo",)
     for algo in algos:
         _, cfg, plan, _, _ = resolve([algo, "--config", str(path)])
         assert plan.roles and cfg.trainer.steps > 0

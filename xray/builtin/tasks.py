@@ -14,7 +14,7 @@ from typing import Protocol
 
 # name -> "module:attribute" of the task object, imported on first use
 TASKS = {"arith": "xray.builtin.arith:ARITH", "arith_small": "xray.builtin.arith:ARITH_SMALL",
-         "reverse": "xray.builtin.reverse:REVERSE"}
+         "reverse": "xray.builtin.reverse:REVERSE", "calculator": "xray.builtin.calculator:CALCULATOR"}
 
 
 class TaskError(ValueError):

@@ -47,9 +47,11 @@ class RunDir:
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
         self.loggers.log(step, metrics)
 
-    def write_evals(self, before: float, after: float, step: int) -> None:
-        """The evaluations before and after training (the latter after step `step`)."""
-        (self.path / EVAL_FILE).write_text(json.dumps({"eval_before": before, "eval_after": after, "step": step}))
+    def write_evals(self, before: float, after: float, step: int, details: dict | None = None) -> None:
+        """The evaluations before and after training (the latter after step `step`), with `details`
+        (an episode run's: its episodes' metrics at each)."""
+        (self.path / EVAL_FILE).write_text(json.dumps({"eval_before": before, "eval_after": after, "step": step,
+                                                       **(details or {})}))
 
     def checkpoint_dir(self, step: int) -> Path:
         return self.checkpoints / f"step-{step:06d}"
