@@ -171,7 +171,7 @@ def check_episodes(trainer, run: Path) -> None:
     assert all(0.0 <= evals[k]["episode/tool_call_share"] <= 1.0 and evals[k]["episode/turns"] >= 1
                for k in ("episodes_before", "episodes_after")), evals
     last = trainer.episodes.last
-    assert len(last) == 8 and any(0 in t.mask for t in last)
+    assert len(last) == 8  # the final evaluation's (greedy: may all end in one turn; the steps had several)
     from xray.data.trajectory import pack_trajectories
 
     batch = pack_trajectories(last)
