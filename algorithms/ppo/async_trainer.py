@@ -23,6 +23,7 @@ import time
 import torch
 
 from algorithms.ppo.buffer import fetch
+from algorithms.ppo.maker_episodes import episode_metrics
 from algorithms.ppo.kl_estimators import kl_metrics
 from algorithms.ppo.trainer import PPOTrainer, ppo_targets
 from xray.data import columns as C
@@ -195,11 +196,13 @@ class AsyncTrainer:
                 **(await self.buffer.stats.remote())}
 
     async def maker_busy(self, start: float, end: float) -> dict[str, float]:
-        """The makers' mean busy share of [start, end], from their measured intervals."""
+        """The makers' mean busy share of [start, end], from their measured intervals; with episodes,
+        those that ended meanwhile (`episode/*`)."""
         stats = await asyncio.gather(*[m.stats.remote() for m in self.makers], return_exceptions=True)
         live = [s for s in stats if isinstance(s, dict)]
         busy = sum(max(0.0, min(b, end) - max(a, start)) for s in live for a, b in s["busy"])
-        return {"async/maker_busy": busy / ((end - start) * max(1, len(live)))}
+        return {"async/maker_busy": busy / ((end - start) * max(1, len(live))),
+                **episode_metrics([s["episodes"] for s in live if "episodes" in s])}
 
     def check_fresh(self, proximal: torch.Tensor, exp: Batch, mask: torch.Tensor) -> dict[str, float]:
         """The end-to-end check of the makers' syncs, for free: the tokens sampled with the weights

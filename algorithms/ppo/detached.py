@@ -32,6 +32,9 @@ from xray.config.graph import build_graph
 from xray.wholemodel.errors import WholeModelError
 
 log = logging.getLogger(__name__)
+STOP_GRACE_S = 30.0
+"""How long a failing run waits for the trainer to finish its step (it may be waiting on experience
+that will not come) before stopping it."""
 
 
 class MakerLost(RuntimeError):
@@ -78,7 +81,7 @@ class Detached:
         slowdown = float(slow.split(":")[1]) if slow and int(slow.split(":")[0]) == i else 1.0
         return ray.remote(ExperienceMaker).options(num_cpus=0, max_concurrency=1000).remote(
             i, m.rollout.replica(i), m.reference, t.score_fn, self.buffer, t.cfg, t.stop_ids, t.pad_id,
-            self.share, version, slowdown)
+            self.share, version, slowdown, self.data.tokenizer if t.cfg.env.name else None)
 
     def start(self) -> None:
         """Start the makers' loops and the trainer (from the driver's trainer state)."""
@@ -142,7 +145,8 @@ class Detached:
         ends (the last after the trainer stopped: its checkpoint sees it at rest). A signal stops
         the trainer after the step under way, whose metrics are still passed on: every step it
         trained is logged before the run's last checkpoint. Makers that fail meanwhile are
-        replaced; a failure of the trainer is raised."""
+        replaced; a failure of the trainer is raised, as is `MakerLost` once makers failed too
+        often (the trainer, maybe waiting for their experience, is then given `STOP_GRACE_S`)."""
         running = asyncio.ensure_future(self.learner.run.remote(until))
         self.trainer_runs += 1
         try:
@@ -156,10 +160,16 @@ class Detached:
                     await self.pull_state()
                 await on_step(step, metrics)
             await _unwrapped(running)
-        finally:
-            if not running.done():
-                self.learner.request_stop.remote()
-                await asyncio.gather(running, return_exceptions=True)
+        except BaseException:  # the trainer may wait on the buffer for makers that are gone: do not wait long
+            await self._stop_trainer(running, STOP_GRACE_S)
+            raise
+
+    async def _stop_trainer(self, running: asyncio.Future, wait_s: float) -> None:
+        """Ask the trainer to end its `run` after the step under way and wait for it, at most
+        `wait_s` (`stop` kills it after that)."""
+        if not running.done():
+            self.learner.request_stop.remote()
+            await asyncio.wait([running], timeout=wait_s)
 
     async def metrics_of(self, step: int, stop) -> dict | None:
         """Step `step`'s metrics from the trainer (None: it stopped before it), replacing the

@@ -19,6 +19,10 @@ tokens it has, as exact ids: nothing is re-tokenized.
 The experience stays between the engine, this actor, the object store and the trainer: nothing
 of it passes through the run's driver.
 
+With `env.name` the loop plays each leased prompt's samples as multi-turn episodes instead
+(`algorithms.ppo.maker_episodes`: many in flight, their turns batched on the engine, weight loads
+between two turns).
+
 Test hook: `slowdown` (`XRAY_MAKER_SLOWDOWN="<maker>:<factor>"` in the driver's environment,
 `algorithms.ppo.detached`) holds the engine `factor` times as long as each segment took: a slow
 replica, for the head-of-line and partial-rollout tests.
@@ -59,7 +63,7 @@ class ExperienceMaker:
     """One maker's loop and its engine's weight loads (a Ray actor: `ray.remote(ExperienceMaker)`)."""
 
     def __init__(self, index: int, rollout, reference, score_fn, buffer, cfg, stop_ids: list[int],
-                 pad_id: int, share: int, version: int, slowdown: float = 1.0):
+                 pad_id: int, share: int, version: int, slowdown: float = 1.0, tokenizer=None):
         self.index, self.rollout, self.reference = index, rollout, reference
         self.score_fn, self.buffer, self.cfg = score_fn, buffer, cfg
         self.stop_ids, self.pad_id = stop_ids, pad_id
@@ -94,6 +98,9 @@ class ExperienceMaker:
         self.error: BaseException | None = None
         self.task: asyncio.Future | None = None
         self.slowdown = slowdown
+        self.tokenizer = tokenizer
+        self.episodes = None
+        """With `env.name`: the loop plays episodes (`algorithms.ppo.maker_episodes`)."""
 
     def _freed(self) -> asyncio.Event:
         if self.freed is None:
@@ -120,6 +127,11 @@ class ExperienceMaker:
             self.task.cancel()
 
     async def _loop(self) -> None:
+        if self.cfg.env.name:
+            from algorithms.ppo.maker_episodes import EpisodeMaking
+
+            self.episodes = EpisodeMaking(self, self.tokenizer)
+            return await self.episodes.loop()
         active = self.active
         scoring: set[asyncio.Task] = set()
         try:
@@ -383,7 +395,7 @@ class ExperienceMaker:
                 merged.append([a, b])
         return {"busy": [tuple(m) for m in merged], "samples": self.samples, "version": self.version,
                 "partial": self.partial, "in_flight": self.in_flight, "segments": self.segments,
-                "bytes": self.bytes}
+                "bytes": self.bytes, **({"episodes": self.episodes.take_counts()} if self.episodes else {})}
 
     def pid(self) -> int:
         return os.getpid()

@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.e2e.answer_guess import ANSWER_GUESS
 from tests.e2e.test_ppo_e2e import FP32_PROBE, check_held
 
 pytestmark = pytest.mark.e2e
@@ -51,8 +52,7 @@ def critic_free_config(tmp_path: Path, model_dir: Path, backend: str):
     cfg["data"]["eval_size"] = 8
     cfg["reward"]["function"] = "tests.e2e.test_critic_free_e2e:digit_share"  # the untrained model scores 0 on arith
     cfg["trainer"].update(steps=3, save_every=2)
-    cfg["env"] = {"name": "tests.e2e.test_critic_free_e2e:AnswerGuess", "max_turns": 3, "max_turn_tokens": 4,
-                  "max_tokens": 24}  # only the episodes variant plays it; the engines have its room
+    cfg["env"] = dict(ANSWER_GUESS)  # only the episodes variant plays it; the engines have its room
     path = tmp_path / "critic_free.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return load_config(path)
@@ -79,24 +79,6 @@ def openai_agent(row: dict, base_url: str) -> float:
         messages += [{"role": "assistant", "content": text}, {"role": "user", "content": " no number"}]
     client.close()
     return reward
-
-
-class AnswerGuess:
-    """The guessing game on an arithmetic prompt: the secret is its answer; each turn earns its
-    digit share (graded, as `digit_share`), and the answer itself 1 (the episode ends)."""
-
-    async def reset(self, row: dict) -> str:
-        self.answer = int(row["answer"])
-        return row["prompt"]
-
-    async def step(self, action: str):
-        digits = "".join(c for c in action if c.isdigit())
-        reward = len(digits) / max(1, len(action))
-        if not digits:
-            return " no number", reward, False, {}
-        if int(digits) == self.answer:
-            return "", 1.0 + reward, True, {}
-        return " higher" if int(digits) < self.answer else " lower", reward, False, {}
 
 
 VARIANTS = {  # run: (algorithm, ppo overrides, critic_free overrides)

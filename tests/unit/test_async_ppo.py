@@ -145,6 +145,51 @@ def test_a_rollback_cuts_the_discarded_tokens_of_the_samples_in_the_making():
     assert {s.epoch for g in maker.pending.values() for s in g} == {1} and maker.epoch == 1
 
 
+def test_a_makers_episode_turns_share_one_call_and_record_their_version():
+    """Turns of several leases' episodes queued together go in one generate call (padded to the
+    replica's dp), each gets its part with the version that sampled it; a load between two calls
+    shows in the next call's version."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from algorithms.ppo.maker import ExperienceMaker
+    from algorithms.ppo.maker_episodes import TurnBatcher, episode_metrics
+    from xray.backends.sampling import FINISH_REASON, RESPONSE_LOGPROBS, WEIGHT_VERSION
+
+    calls = []
+
+    class Replica:  # answers each prompt with its last token + 1
+        parallel = SimpleNamespace(dp=2)
+
+        async def generate(self, prompts, sampling):
+            calls.append(len(prompts))
+            await asyncio.sleep(0.01)
+            return {C.RESPONSE_IDS: [[p[-1] + 1] for p in prompts], RESPONSE_LOGPROBS: [[-0.5]] * len(prompts),
+                    FINISH_REASON: ["length"] * len(prompts)}
+
+    cfg = SimpleNamespace(async_=SimpleNamespace(segment_tokens=0, max_in_flight=0),
+                          rollout=SimpleNamespace(max_new_tokens=4))
+    maker = ExperienceMaker(1, Replica(), None, None, None, cfg, [], 0, share=2, version=3)
+    turns = TurnBatcher(maker)
+
+    async def play():
+        first = await asyncio.gather(turns.generate([[1], [2]], {"max_new_tokens": 2}),
+                                     turns.generate([[7]], {"max_new_tokens": 3}))
+        maker.version = 4  # a load between two calls
+        return first, await turns.generate([[9]], {"max_new_tokens": 1})
+
+    (a, b), c = asyncio.run(play())
+    assert calls == [4, 2]  # 3 turns in one call, padded to dp=2; then 1, padded
+    assert a[C.RESPONSE_IDS] == [[2], [3]] and b[C.RESPONSE_IDS] == [[8]] and c[C.RESPONSE_IDS] == [[10]]
+    assert (a[WEIGHT_VERSION], b[WEIGHT_VERSION], c[WEIGHT_VERSION]) == (3, 3, 4) and len(maker.busy) == 2
+    assert episode_metrics([{}]) == {}
+    got = episode_metrics([{"episodes": 2, "turns": 5, "tool_calls": 1, "tool_episodes": 1, "ends_done": 2,
+                            "env_wait_s": 0.5, "generate_calls": 3}, {"episodes": 2, "turns": 3, "ends_max_turns": 2}])
+    assert got == {"episode/turns": 2.0, "episode/tool_calls": 0.25, "episode/tool_call_share": 0.25,
+                   "episode/env_wait_s": 0.5, "episode/generate_calls": 3, "episode/episodes": 4,
+                   "episode/ends_done": 2, "episode/ends_max_turns": 2}
+
+
 def test_buffer_takes_each_trainers_share():
     buf = ExperienceBuffer(share=1, feeds=[[0], [1]], draw=prompts(), max_staleness=0, capacity=2)
     a = buf.lease(0, 1, 0)

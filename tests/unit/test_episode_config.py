@@ -16,7 +16,8 @@ def test_env_settings_are_checked_with_the_fix():
     assert response_tokens(good) == 64 and response_tokens(load_config(DEFAULT)) == 6  # the rollout's otherwise
     for overrides, fix in [(["--env.max_turn_tokens=200"], "raise env.max_tokens"),
                            (["--env.max_turns=0"], "give 1 or more"),
-                           (["--trainer.mode=async"], "set trainer.mode=sync")]:
+                           (["--env.name=null", "--env.agent=agent.py:run", "--trainer.mode=async"],
+                            "set trainer.mode=sync")]:
         cfg = load_config(DEFAULT, ["--env.name=builtin:guess", *overrides])
         with pytest.raises(ConfigError, match=fix):
             plan_run(cfg, "megatron-vllm")

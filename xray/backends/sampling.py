@@ -15,6 +15,7 @@ from xray.data.batch import Batch
 
 RESPONSE_LOGPROBS = "response_logprobs"  # list of B lists of float: log p of each response token
 FINISH_REASON = "finish_reason"          # list of B str: "stop" (eos or a stop token) or "length"
+WEIGHT_VERSION = "weight_version"        # int, where the caller knows it: the weight version that generated
 
 
 class SamplingError(ValueError):

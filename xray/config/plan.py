@@ -422,7 +422,7 @@ def _elastic_plans(cfg: RunConfig, algo: str) -> tuple[ElasticPlan, ...]:
 
 def _check_env(cfg: RunConfig, algo: str) -> None:
     """Episodes (`env.name` or `env.agent`) are played by PPO and the critic-free steps of a
-    synchronous run."""
+    synchronous run; an environment's (`env.name`) also by an asynchronous run's makers."""
     try:
         cfg.env.check()
     except ValueError as exc:
@@ -430,8 +430,10 @@ def _check_env(cfg: RunConfig, algo: str) -> None:
     if algo not in ("ppo", *CRITIC_FREE):
         raise ConfigError(f"env.name or env.agent is set but {algo} plays no episodes; unset it, or run ppo, "
                           f"{', '.join(CRITIC_FREE)}")
-    if cfg.trainer.mode != "sync":
-        raise ConfigError("env: episodes are played by synchronous runs only so far; set trainer.mode=sync")
+    if cfg.trainer.mode != "sync" and cfg.env.agent:
+        raise ConfigError("env.agent: an agent's episodes are played by synchronous runs only so far (the "
+                          "endpoint serves the driver's rollout); set trainer.mode=sync, or give an environment "
+                          "class in env.name, whose episodes the makers of an asynchronous run play")
     if cfg.reward.model:
         raise ConfigError("env: the environment's or agent's rewards score the episodes; set reward.model=null")
 

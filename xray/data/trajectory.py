@@ -51,6 +51,10 @@ class Trajectory:
     """Per token of `tokens`: 1 the model's, 0 an observation's."""
     logprobs: list[float] = field(default_factory=list)
     """Per token of `tokens`: the engine's log-prob of a model token, 0.0 on observations."""
+    versions: list[int] = field(default_factory=list)
+    """Per token of `tokens`: the weight version of the engine that produced the turn (an
+    observation: the turn's before it); all 0 unless the engine reports one (an asynchronous
+    run's maker: weights change between turns)."""
     turns: list[tuple[int, int]] = field(default_factory=list)
     """(start, end) of each model turn in `tokens`."""
     rewards: list[float] = field(default_factory=list)
@@ -62,14 +66,15 @@ class Trajectory:
     info: dict = field(default_factory=dict)
     """The environment's info after its last step (tool calls made, guesses...)."""
 
-    def add_turn(self, ids: Sequence[int], logprobs: Sequence[float]) -> None:
-        """A model turn: the engine's token ids and their log-probs, as produced."""
+    def add_turn(self, ids: Sequence[int], logprobs: Sequence[float], version: int = 0) -> None:
+        """A model turn: the engine's token ids and their log-probs, as produced (by weight `version`)."""
         if len(ids) != len(logprobs):
             raise ValueError(f"a model turn of {len(ids)} tokens came with {len(logprobs)} log-probs")
         start = len(self.tokens)
         self.tokens += list(ids)
         self.mask += [1] * len(ids)
         self.logprobs += [float(x) for x in logprobs]
+        self.versions += [int(version)] * len(ids)
         self.turns.append((start, len(self.tokens)))
 
     def add_observation(self, ids: Sequence[int]) -> None:
@@ -77,6 +82,7 @@ class Trajectory:
         self.tokens += list(ids)
         self.mask += [0] * len(ids)
         self.logprobs += [0.0] * len(ids)
+        self.versions += [self.versions[-1] if self.versions else 0] * len(ids)
 
     def room(self, limits: TrajectoryLimits) -> int:
         """Tokens the next model turn may generate (0: the trajectory is full)."""
@@ -100,10 +106,12 @@ class Trajectory:
         return float(sum(self.rewards))
 
 
-def pack_trajectories(trajectories: Sequence[Trajectory], pad_id: int = 0) -> Batch:
-    """The training layout of `trajectories` (module docstring), with SCORES their returns."""
+def pack_trajectories(trajectories: Sequence[Trajectory], pad_id: int = 0, versions: bool = False) -> Batch:
+    """The training layout of `trajectories` (module docstring), with SCORES their returns; with
+    `versions`, BEHAVIOUR_VERSIONS from each token's weight version."""
     batch = pack_sequences([t.prompt_ids for t in trajectories], [t.tokens for t in trajectories], pad_id,
                            response_logprobs=[t.logprobs for t in trajectories],
+                           response_versions=[t.versions for t in trajectories] if versions else None,
                            response_masks=[t.mask for t in trajectories])
     batch[C.SCORES] = torch.tensor([t.score for t in trajectories], dtype=torch.float32)
     return batch

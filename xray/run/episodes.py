@@ -11,7 +11,9 @@ each call guarded by a timeout) and returns token-exact trajectories (`xray/data
 - the observation is tokenized alone (text) or taken as ids, and appended; the episode ends when
   the environment says done, at a limit (`TrajectoryLimits`), or on the environment's failure
   (`EpisodeEnd`: recorded, counted, never the run's end).
-A turn stops at the engine's stop tokens (the tokenizer's end-of-sequence: pass them in
+`rollout` is a WholeModel, or anything with its `generate` (an asynchronous run's maker batches
+the turns of its episodes across runs and reports the weight version of each call,
+`algorithms/ppo/maker_episodes.py`). A turn stops at the engine's stop tokens (the tokenizer's end-of-sequence: pass them in
 `sampling["stop_token_ids"]`), and at the first of the environment's `stop` strings (a tool call's
 closing tag, say), whatever the engine: the turn keeps its tokens up to the one that completes it
 (those after it are dropped, with their log-probs; sampling is causal, so the kept ones are exactly
@@ -78,7 +80,7 @@ class EpisodeRunner:
                     waiting: dict[asyncio.Future, tuple[int, float]]) -> None:
         """One model turn for each trajectory of `batch` (one engine call); each turn's text goes to
         its environment's `step`, as a task."""
-        from xray.backends.sampling import RESPONSE_LOGPROBS
+        from xray.backends.sampling import RESPONSE_LOGPROBS, WEIGHT_VERSION
         from xray.data import columns as C
 
         rooms = [t.room(self.limits) for t in batch]
@@ -89,11 +91,12 @@ class EpisodeRunner:
         dp = getattr(getattr(self.rollout, "parallel", None), "dp", 1)  # every replica takes an equal part:
         prompts += [prompts[0]] * (-len(prompts) % dp)  # copies of the first fill the last (answers dropped)
         out = await self.rollout.generate(prompts, sampling)
+        version = int(out.get(WEIGHT_VERSION, 0)) if isinstance(out, dict) else 0
         self.stats["generate_calls"] += 1
         for t, i, room, ids, logprobs in zip(batch, indices, rooms, out[C.RESPONSE_IDS], out[RESPONSE_LOGPROBS]):
             keep = self.cut(ids[:room], getattr(envs[i].env, "stop", ()))
             ids, logprobs = [int(x) for x in ids[:keep]], [float(x) for x in logprobs[:keep]]
-            t.add_turn(ids, logprobs)
+            t.add_turn(ids, logprobs, version)
             self.stats["turns"] += 1
             text = self.tokenizer.decode(ids, skip_special_tokens=True)
             waiting[asyncio.ensure_future(envs[i].step(text))] = (i, time.perf_counter())
