@@ -41,3 +41,14 @@ def test_grpo_loop_by_hand_raises_the_reward(tmp_path):
     assert len(history) == 20
     first, last, rose = ast.literal_eval(r[2])
     assert rose and last > first + 0.3  # the share of 7s: ~0.15 in the first 5 steps, ~1 in the last 5
+
+
+def test_my_environment_notebook_plays_checks_and_trains_on_episodes(tmp_path):
+    r = run_notebook("my_environment", tmp_path)
+    prompt, turns, rewards, end = ast.literal_eval(r[1])
+    assert prompt == "1+2=" and len(turns) == len(rewards) == 2 and end == "done"
+    assert r[2] == "(True, True)"  # the actor's log-probs equal the engine's; observations out of the loss
+    history = ast.literal_eval(r[3])
+    assert len(history) == 20
+    first, last, turns = ast.literal_eval(r[4])
+    assert all(b > a + 0.3 for a, b in zip(first, last)), (first, last)  # both turns learned, the 9s from the observation

@@ -56,6 +56,28 @@ class Flaky:
         return "ok"  # not a 4-tuple
 
 
+def test_tool_env_is_built_from_a_configs_kwargs(tmp_path):
+    """`env.name: builtin:tools` with `env.kwargs`: tool specs, a reward function's spec (sync or
+    async, given the row's columns), the call style by name."""
+    judge = tmp_path / "judge.py"
+    judge.write_text("async def near(prompts, completions, answer, **_):\n"
+                     "    return [float(abs(int(c) - int(a)) <= 1) for c, a in zip(completions, answer)]\n")
+    row = {"prompt": "q: 12*3=?", "answer": "36"}
+    for reward, final, want in [("xray.rewards.builtin:exact_answer", "36", 1.0), (f"{judge}:near", "35", 1.0),
+                                ("xray.rewards.builtin:exact_answer", "35", 0.0)]:
+        env = load_env("builtin:tools")(tools=["builtin:calculator"], reward=reward, format="compact",
+                                        tool_timeout_s=5.0)
+
+        async def episode():
+            await env.reset(row)
+            return await env.step("<tool_call>calculator: 12*3</tool_call>"), await env.step(final)
+        (observation, _, done, _), (_, score, ended, info) = run(episode())
+        assert observation == "<tool_response>36</tool_response>" and not done
+        assert (score, ended, info) == (want, True, {"tool_calls": 1}), reward
+    with pytest.raises(EnvError, match="builtin:tools reward"):
+        ToolEnv(tools=[], reward="no_such_module:fn")
+
+
 def test_a_failing_or_slow_environment_ends_the_episode_with_a_reason():
     env = Guarded(Flaky(), timeout_s=0.2)
     assert run(env.reset({})) == "start"

@@ -28,7 +28,9 @@ class EnvConfig:
     endpoint (`trainer.agent_endpoint`) at `base_url` with the `openai` client, once per sample;
     its session's tokens are the sample, its return the reward."""
     kwargs: dict[str, Any] = field(default_factory=dict)
-    """Keyword arguments the environment class is built with (one instance per episode)."""
+    """Keyword arguments the environment class is built with (one instance per episode);
+    `builtin:tools` takes `tools` (tool specs), `reward` (a reward function's spec), `format`
+    (`hermes`, `compact`) and `tool_timeout_s`."""
     max_turns: int = 4
     """Model turns per episode at most."""
     max_turn_tokens: int = 32

@@ -26,6 +26,7 @@ tool in the compact call format (`xray/env/tasks.py`).
 from __future__ import annotations
 
 import asyncio
+import inspect
 import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Union
@@ -77,16 +78,37 @@ class Guarded:
 @dataclass
 class ToolEnv:
     """Tool use: the prompt is the first observation; each turn's calls are answered (`ToolFormat`),
-    and the first turn without one ends the episode, scored by `reward(row, final_text)`."""
+    and the first turn without one ends the episode, scored by `reward(row, final_text)`.
+
+    From a config (`env.name: builtin:tools`, these in `env.kwargs`): `tools` a list of tool specs
+    (`builtin:calculator`, `builtin:python`, `path/to/tools.py:lookup`), `reward` a reward
+    function's spec (`xray.rewards.builtin:exact_answer`: called as a run calls it, with the
+    prompt, the final turn's text and the row's other columns; `async def` too), `format` a tool-call
+    style (`hermes`, `compact`) or a dict of `ToolFormat` fields, `tool_timeout_s` each call's bound."""
 
     tools: Any
-    """A `ToolRegistry`."""
-    reward: Callable[[dict, str], float]
+    """A `ToolRegistry`, or a list of tool specs."""
+    reward: Any
+    """`reward(row, final_text) -> float` (or awaitable), or a reward function's spec."""
     format: Any = None
-    """A `ToolFormat` (Hermes' by default)."""
+    """A `ToolFormat` (Hermes' by default), a style name, or a dict of its fields."""
+    tool_timeout_s: float = 30.0
+    """Each tool call's bound, when `tools` are specs."""
     row: dict = field(default_factory=dict)
     calls: int = 0
     """Tool calls made in this episode (the run's metrics count them)."""
+
+    def __post_init__(self) -> None:
+        from xray.env.tools import ToolFormat, ToolRegistry
+
+        if isinstance(self.tools, (list, tuple)):
+            self.tools = ToolRegistry.from_specs(list(self.tools), self.tool_timeout_s)
+        if isinstance(self.reward, str):
+            self.reward = _final_turn_reward(self.reward)
+        if isinstance(self.format, str):
+            self.format = ToolFormat(style=self.format)
+        elif isinstance(self.format, dict):
+            self.format = ToolFormat(**self.format)
 
     @property
     def stop(self) -> tuple[str, ...]:
@@ -106,7 +128,10 @@ class ToolEnv:
     async def step(self, action: str) -> tuple[Observation, float, bool, dict]:
         calls = self.format.calls(action)
         if not calls:
-            return "", float(self.reward(self.row, action)), True, {"tool_calls": self.calls}
+            score = self.reward(self.row, action)
+            if inspect.isawaitable(score):
+                score = await score
+            return "", float(score), True, {"tool_calls": self.calls}
         answers = await asyncio.gather(*[self.tools.call(c) for c in calls])
         self.calls += len(calls)
         return "".join(self.format.response(a) for a in answers), 0.0, False, {"tool_calls": self.calls}
@@ -137,6 +162,27 @@ class GuessEnv:
         return f" {'higher' if guess < self.secret else 'lower'}\n", 0.0, False, {"guesses": self.guesses}
 
 
+def _final_turn_reward(spec: str) -> Callable[[dict, str], Any]:
+    """A reward function (`prompts, completions, **columns -> scores`, `xray/rewards`) named by
+    `spec`, as `ToolEnv`'s `reward(row, final_text)` (awaitable when the function is `async def`)."""
+    from xray.rewards.loader import RewardSpecError, load_reward_function
+
+    try:
+        fn = load_reward_function(spec)
+    except RewardSpecError as exc:
+        raise EnvError(f"builtin:tools reward: {exc}") from None
+
+    def call(row: dict, text: str):
+        columns = {k: [v] for k, v in row.items() if k not in ("prompt", "prompt_ids")}
+        out = fn([row.get("prompt", "")], [text], **columns)
+        if inspect.isawaitable(out):
+            async def first():
+                return (await out)[0]
+            return first()
+        return out[0]
+    return call
+
+
 BUILTIN: dict[str, type | str] = {"tools": ToolEnv, "guess": GuessEnv, "calculator": "xray.env.tasks:CalculatorEnv"}
 """Built-in environments: a class, or `module:Class` imported on first use (a task built on these)."""
 
@@ -144,8 +190,6 @@ BUILTIN: dict[str, type | str] = {"tools": ToolEnv, "guess": GuessEnv, "calculat
 def load_env(spec: str) -> type:
     """The environment class named by `spec`: `builtin:NAME`, `module:Class` or `path/to/file.py:Class`;
     it must have async `reset` and `step`."""
-    import inspect
-
     from xray.rewards.loader import RewardSpecError, load_callable
 
     if spec.startswith("builtin:"):
