@@ -194,14 +194,7 @@ class ExperienceMaker:
         self.segments += 1
         sampling = rollout_sampling(self.cfg, self.stop_ids, 1_000_003 * (self.index + 1) + self.segments)
         sampling.update(n=1, max_new_tokens=budget)
-        prompts = [s.row["prompt_ids"] + s.response for s in active]
-        async with self._lock():
-            start, work = time.time(), self._begin()
-            version = self.version
-            out = await self.rollout.generate(prompts, sampling)
-            if self.slowdown > 1.0:
-                await asyncio.sleep((self.slowdown - 1.0) * (time.time() - start))
-            self._end(work)
+        out, version = await self.generate([s.row["prompt_ids"] + s.response for s in active], sampling)
         for s, ids, lps, reason in zip(active, out[C.RESPONSE_IDS], out[RESPONSE_LOGPROBS], out[FINISH_REASON]):
             keep = min(len(ids), limit - len(s.response))
             s.response += [int(t) for t in ids[:keep]]
@@ -210,6 +203,18 @@ class ExperienceMaker:
             s.done = len(s.response) >= limit or (reason == "stop" and keep == len(ids))
         ended = {s.key for s in active if s.done}  # a group ends with its last sample, in any segment
         return [self.pending.pop(key) for key in sorted(ended) if all(s.done for s in self.pending[key])]
+
+    async def generate(self, prompts: list[list[int]], sampling: dict) -> tuple:
+        """One generate call on the engine, between weight loads (the engine's lock), counted as
+        busy; (its answer, the weight version that generated it)."""
+        async with self._lock():
+            start, work = time.time(), self._begin()
+            version = self.version
+            out = await self.rollout.generate(prompts, sampling)
+            if self.slowdown > 1.0:
+                await asyncio.sleep((self.slowdown - 1.0) * (time.time() - start))
+            self._end(work)
+        return out, version
 
     async def _score(self, groups: list[list[Sample]]) -> None:
         """The reference's log-probs of the ended groups' samples (one call), each group's reward,

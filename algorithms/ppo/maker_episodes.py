@@ -79,8 +79,6 @@ class TurnBatcher:
         """One generate call for the queued turns (padded with copies of the first prompt to a
         multiple of the replica's dp), under the engine lock; each turn's part of the answer, with
         the weight version that produced it."""
-        import time
-
         from xray.backends.sampling import FINISH_REASON, RESPONSE_LOGPROBS, WEIGHT_VERSION
 
         m = self.maker
@@ -89,13 +87,7 @@ class TurnBatcher:
         self.calls += 1
         sampling = dict(batch[0][1], max_new_tokens=max(s["max_new_tokens"] for _, s, _ in batch),
                         seed=1_000_003 * (m.index + 1) + self.calls)
-        async with m._lock():
-            start, work = time.time(), m._begin()
-            version = m.version
-            out = await m.rollout.generate(prompts, sampling)
-            if m.slowdown > 1.0:
-                await asyncio.sleep((m.slowdown - 1.0) * (time.time() - start))
-            m._end(work)
+        out, version = await m.generate(prompts, sampling)
         m.segments += 1
         parts, first = [], 0
         for ps, _, _ in batch:
