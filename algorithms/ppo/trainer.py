@@ -41,7 +41,9 @@ from algorithms.ppo.rewards import kl_penalized_rewards, shape_scores
 from xray.config.batches import TRAINED, TrainBatches, train_batches
 from xray.config.schema import RunConfig
 from xray.data import columns as C
+from xray.data.balance import balanced_order, row_cost
 from xray.data.batch import Batch
+from xray.data.lengths import with_totals
 from xray.run.models import Models, reference_forward
 from xray.sync import sync_weights
 from xray.sync.weights import WeightSyncError, pad_sequences, probe_tolerance
@@ -84,6 +86,16 @@ def mini_batch_rows(n: int, mini_batch_size: int, parts: int, seed: int) -> list
     orders = [p * size + torch.randperm(size, generator=torch.Generator().manual_seed(seed + 104_729 * p))
               for p in range(parts)]
     return [torch.cat([order[start:start + share] for order in orders]) for start in range(0, size, share)]
+
+
+def balanced_rows(exp: Batch, rows: torch.Tensor, replicas: int, hidden_size: int = 0) -> torch.Tensor:
+    """A mini-batch's `rows` reordered so that each of `replicas` consecutive equal slices (what
+    each data-parallel replica trains) costs about the same (`xray.data.balance`: Karmarkar-Karp
+    on tokens and attention); as they are with one replica."""
+    if replicas <= 1 or len(rows) % replicas:
+        return rows
+    lengths = exp[C.ATTENTION_MASK].index_select(0, rows).sum(1).tolist()
+    return rows[balanced_order([row_cost(int(n), hidden_size) for n in lengths], replicas)]
 
 
 def ppo_targets(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
@@ -301,15 +313,20 @@ class PPOTrainer:
         is queued on each at once: each model runs its steps in order, back to back. With
         `ppo.target_kl`, epoch by epoch: no further epoch once one's mean approx KL exceeds it.
         `parts`: `exp` is that many equal parts, one per actor replica in dp order (an asynchronous
-        run's trainers), and each replica's slice of every mini-batch comes from its own part.
+        run's trainers), and each replica's slice of every mini-batch comes from its own part;
+        with one part, a mini-batch's rows go to the actor's replicas by cost (`balanced_rows`).
+        Each mini-batch carries its loss totals (`with_totals`): the loss is its mean, however
+        its rows are spread over replicas and micro-batches.
         `probe` (`early_probe`): the next sync's probe, queued on the actor behind the last update."""
         ppo, b, losses = self.cfg.ppo, self.batches(), self.losses()
         queued: list[list] = []  # per mini-batch, each role's answer
+        dp = self.models.actor.parallel.dp if parts == 1 else 1  # parts: each replica's rows are its own
         for epoch in range(ppo.ppo_epochs):
-            this_epoch = [[getattr(self.models, role).train_step(exp.index(rows), loss, b.micro_of(role))
+            this_epoch = [[getattr(self.models, role).train_step(mini, loss, b.micro_of(role))
                            for role, loss in losses.items()]
                           for rows in mini_batch_rows(len(exp), b.mini_batch_size, parts,
-                                                      self.cfg.seed * 7919 + step * 31 + epoch)]
+                                                      self.cfg.seed * 7919 + step * 31 + epoch)
+                          for mini in [with_totals(exp.index(balanced_rows(exp, rows, dp, self.hidden_size())))]]
             queued.extend(this_epoch)
             if ppo.target_kl is not None and epoch + 1 < ppo.ppo_epochs:
                 actor = [(await calls[0])["approx_kl"] for calls in this_epoch]
@@ -324,6 +341,16 @@ class PPOTrainer:
         means["ppo/epochs"] = float(epoch + 1)
         means["actor/updates_skipped"] = float(sum(s["actor/update_skipped"] for s in stats))
         return means
+
+    def hidden_size(self) -> int:
+        """The actor's width, for the cost model of `balanced_rows` (0 when unknown: tokens only)."""
+        if not hasattr(self, "_hidden"):
+            import json
+            from pathlib import Path
+
+            config = Path(str(getattr(self.models.actor, "init_kwargs", {}).get("model_dir", ""))) / "config.json"
+            self._hidden = int(json.loads(config.read_text()).get("hidden_size", 0)) if config.is_file() else 0
+        return self._hidden
 
     def probe_size(self) -> int:
         """Probe sequences per sync: at least 4, divisible by the actor's and rollout's dp. A vLLM

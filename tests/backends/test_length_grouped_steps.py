@@ -3,7 +3,9 @@
 the same step taken as one micro-batch, on Megatron tp=2 and pp=2 (untrimmed: one activation
 shape per pipeline) and DeepSpeed ZeRO-3 dp=2. The unit tests (`tests/unit/test_length_groups.py`)
 show the arithmetic; these show that the engines run micro-batches of different widths and
-accumulate them as the arithmetic assumes."""
+accumulate them as the arithmetic assumes. On ZeRO-3 dp=2, a mini-batch carrying its totals
+(`with_totals`) takes the same step with its rows as they come and as `balanced_rows` assigns them
+to the replicas."""
 from __future__ import annotations
 
 import pytest
@@ -39,8 +41,16 @@ def _steps(rank, world_size, model_dir, backend, dims):
 
     parallel = ParallelDims(*dims)
     loss = PolicyLoss(on_policy=True)  # the policy gradient, -A grad log p, token-mean over the slice
+    from algorithms.ppo.trainer import balanced_rows
+    from xray.data.lengths import with_totals
+
     out = {}
-    for micro in (2, None):
+    whole = _batch()
+    variants = [(2, whole, False), (None, whole, False)]
+    if parallel.dp > 1:  # the mini-batch's totals, its rows as they come and as balanced over the replicas
+        variants += [("totals", whole, True),
+                     ("balanced", whole.index(balanced_rows(whole, torch.arange(len(whole)), parallel.dp)), True)]
+    for micro, batch, totals in variants:
         if backend == "megatron":
             from megatron.core import parallel_state
 
@@ -49,8 +59,8 @@ def _steps(rank, world_size, model_dir, backend, dims):
         else:
             from xray.backends.deepspeed.engine import build_engine
             engine = build_engine(model_dir, parallel, "actor", OPTIM, seed=0, zero_stage=3)
-        part = _batch().split(parallel.dp)[engine.shard_info().dp_rank]
-        metrics = engine.train_step(part, loss, micro or len(part))
+        part = (with_totals(batch) if totals else batch).split(parallel.dp)[engine.shard_info().dp_rank]
+        metrics = engine.train_step(part, loss, 2 if totals else micro or len(part))
         out[micro or "whole"] = (metrics["loss"], metrics["grad_norm"])
         if backend == "megatron":
             parallel_state.destroy_model_parallel()
@@ -67,3 +77,8 @@ def test_grouped_micro_batches_take_the_whole_slices_step(tmp_path, backend, dim
         assert whole_norm > 0 and abs(whole_loss) > 1e-4
         assert loss == pytest.approx(whole_loss, rel=1e-5, abs=1e-7)
         assert norm == pytest.approx(whole_norm, rel=1e-5)
+        if backend == "deepspeed":  # the replicas' tokens differ (55 and 63): with the mini-batch's totals, the
+            # step is its mean whichever replica holds which row; each slice's own mean is another step
+            (loss_t, norm_t), (loss_b, norm_b) = rank["totals"], rank["balanced"]
+            assert loss_b == pytest.approx(loss_t, rel=1e-5, abs=1e-7) and norm_b == pytest.approx(norm_t, rel=1e-5)
+            assert abs(norm_t - whole_norm) > 1e-3 * whole_norm

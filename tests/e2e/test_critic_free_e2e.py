@@ -11,10 +11,12 @@ actor and rollout share devices: the actor's probe queued behind its last update
 push, and still verified); REINFORCE++ with a guard
 bound below any approx KL, so every update is skipped on both engines and the weights stay; GRPO
 on-policy (one epoch of one mini-batch, no KL): no actor forward before training, ratio exactly 1;
-and GRPO on multi-turn episodes: on deepspeed-dsinfer each sample a guessing game over up to 3
-turns (`env.name`; the engines sized for the episodes), on megatron-vllm agent code written with
-the `openai` client (`env.agent`) through the run's OpenAI-compatible endpoint; each episode's
-model tokens checked end to end against the actor's log-probs, its observations out of the loss.
+and each on multi-turn episodes, once over the two pairs: GRPO on deepspeed-dsinfer with each
+sample a guessing game over up to 3 turns (`env.name`; the engines sized for the episodes) and on
+megatron-vllm with agent code written with the `openai` client (`env.agent`) through the run's
+OpenAI-compatible endpoint, RLOO on megatron-vllm and REINFORCE++ on deepspeed-dsinfer on the game;
+each episode's model tokens checked end to end against the actor's log-probs, its observations out
+of the loss. (PPO with its critic plays it in the asynchronous e2e.)
 """
 import asyncio
 import dataclasses
@@ -88,19 +90,23 @@ VARIANTS = {  # run: (algorithm, ppo overrides, critic_free overrides)
     "grpo-on-policy": ("grpo", {"ppo_epochs": 1, "mini_batch_size": 8}, {"kl_in": "none"}),
     "grpo-episodes": ("grpo", {}, {}),
     "grpo-agent": ("grpo", {}, {}),
+    "rloo-episodes": ("rloo", {}, {}),
+    "reinforce_pp-episodes": ("reinforce_pp", {}, {}),
 }
 
 
-ONE_PAIR = {"megatron-vllm": "grpo-episodes", "deepspeed-dsinfer": "grpo-agent"}
-"""The episode variant each backend pair leaves out (the suite's budget)."""
+EPISODES_ON = {"grpo-episodes": "deepspeed-dsinfer", "grpo-agent": "megatron-vllm",
+               "rloo-episodes": "megatron-vllm", "reinforce_pp-episodes": "deepspeed-dsinfer"}
+"""The backend pair each episode variant runs on (once: the suite's budget)."""
 
 
 def variant(cfg, name: str):
     from xray.config.env import EnvConfig
 
     _, ppo, critic_free = VARIANTS[name]
-    env = {"grpo-episodes": cfg.env, "grpo-agent": dataclasses.replace(
-        cfg.env, name=None, agent="tests.e2e.test_critic_free_e2e:openai_agent")}.get(name, EnvConfig())
+    env = cfg.env if name.endswith("-episodes") else EnvConfig()
+    if name == "grpo-agent":
+        env = dataclasses.replace(cfg.env, name=None, agent="tests.e2e.test_critic_free_e2e:openai_agent")
     return dataclasses.replace(cfg, ppo=dataclasses.replace(cfg.ppo, **ppo),
                                critic_free=dataclasses.replace(cfg.critic_free, **critic_free), env=env)
 
@@ -118,8 +124,8 @@ def test_grpo_rloo_reinforce_pp_three_steps_each(tmp_path, tiny_model, backend):
         assert first.models.critic is None
         evals = []  # (before, after) of each run; each starts from the weights the one before ended on
         for algo, (name, _, _) in VARIANTS.items():
-            if algo == ONE_PAIR.get(backend):
-                continue  # episodes run once per pair: the environment's on one, the agent's on the other
+            if EPISODES_ON.get(algo, backend) != backend:
+                continue  # each episode variant runs on one pair
             trainer = make_trainer(name, variant(cfg, algo), first.models, first.score_fn, data)
             assert trainer.on_policy == (algo == "grpo-on-policy")
             trainer.overlap_sync = algo != "rloo"  # rloo: a colocated layout's sync (`early_probe`)
@@ -129,7 +135,7 @@ def test_grpo_rloo_reinforce_pp_three_steps_each(tmp_path, tiny_model, backend):
             run.close()
             check_run(algo, tmp_path / algo, before, backend)
             assert trainer.queued_probe is None  # each sync took the probe its step queued
-            if algo in ("grpo-episodes", "grpo-agent"):  # its evaluation is the episodes' mean return
+            if algo in EPISODES_ON:  # its evaluation is the episodes' mean return
                 check_episodes(trainer, tmp_path / algo)
                 continue
             evals.append((trainer.state.eval_before, eval_after))

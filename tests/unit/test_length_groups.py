@@ -95,3 +95,38 @@ def test_grouped_trimmed_micro_batches_give_the_whole_slice_gradient(loss_fn):
         # each micro-batch's own token mean weighs the rows of short micro-batches more
         own = [Batch(mb.tensors, mb.lists, {}) for mb in grouped_micro_batches(batch, 2)]
         assert float((_gradient(model, own, loss_fn) - whole).abs().max()) > 1e-2 * float(whole.abs().max())
+
+
+@pytest.mark.parametrize("loss_fn", [PolicyLoss(cliprange=0.2), PolicyLoss(loss_agg_mode="seq-mean-token-mean"),
+                                     ValueLoss(vf_coef=1.0)], ids=["token-mean", "seq-mean-token-mean", "value"])
+def test_replicas_averaging_their_slices_give_the_mini_batch_gradient_whatever_rows_each_holds(loss_fn):
+    """A mini-batch with its totals (`with_totals`) cut into 2 data-parallel slices: the mean of
+    the slices' gradients (the engines' all-reduce) is the whole mini-batch's, for the rows split
+    as they come and as `balanced_rows` assigns them; without the totals a slice divides by its own."""
+    from algorithms.ppo.trainer import balanced_rows
+    from xray.data.lengths import TOTALS, with_totals
+
+    model = _model()
+    batch = _batch(seed=2)
+    whole = _gradient(model, [batch], loss_fn)
+    for rows in (torch.arange(8), balanced_rows(batch, torch.arange(8), 2)):
+        mini = with_totals(batch.index(rows))
+        assert mini.meta[TOTALS] == (float(batch[C.LOSS_MASK].sum()), 8.0)
+        slices = mini.split(2)
+        averaged = sum(_gradient(model, grouped_micro_batches(s, 2, replicas=2), loss_fn) for s in slices) / 2
+        torch.testing.assert_close(averaged, whole, rtol=1e-4, atol=1e-6)
+    own = batch.split(2)  # each slice's own denominators: another mean where the slices' tokens differ
+    averaged = sum(_gradient(model, grouped_micro_batches(s, 2), loss_fn) for s in own) / 2
+    if getattr(loss_fn, "loss_agg_mode", "token-mean") == "token-mean":
+        assert float((averaged - whole).abs().max()) > 1e-3 * float(whole.abs().max())
+
+
+def test_balanced_rows_even_the_replicas_tokens():
+    from algorithms.ppo.trainer import balanced_rows
+
+    batch = _batch()
+    rows = torch.arange(8)
+    order = balanced_rows(batch, rows, 2)
+    tokens = [int(batch[C.ATTENTION_MASK][order[i * 4:(i + 1) * 4]].sum()) for i in range(2)]
+    assert sorted(order.tolist()) == list(range(8)) and abs(tokens[0] - tokens[1]) <= 1, tokens  # 62 tokens in all
+    assert balanced_rows(batch, rows, 1).tolist() == rows.tolist()

@@ -1,8 +1,10 @@
 """Balanced partitions of a batch's rows: which rows go to which data-parallel rank (or micro-batch)
 so that each part costs about the same.
 
-Sits in the data layer, beside length grouping (`xray/data/lengths.py`); the trainer will order a
-mini-batch's rows with it before the data-parallel slice (issue 42). Why: data-parallel ranks wait
+Sits in the data layer, beside length grouping (`xray/data/lengths.py`); the PPO and critic-free
+trainers order each mini-batch's rows with it before the data-parallel slice
+(`algorithms.ppo.trainer.balanced_rows`), which the mini-batch's loss totals make exact
+(`xray.data.lengths.with_totals`). Why: data-parallel ranks wait
 for each other at every gradient reduction, so a step lasts as long as its most expensive rank.
 Equal row counts are not equal work when lengths vary: with one row in eight four times as long,
 one rank may get most of the long rows.

@@ -12,7 +12,10 @@ micro-batch would then weigh rows differently. So every micro-batch carries the 
 its meta under `NORM` (a `LossNorm`): the loss tokens and the rows with a loss token, each divided
 by the number of micro-batches. A loss that divides its micro-batch's sums by these, accumulated
 as every engine accumulates (the mean over micro-batches), is the mean over the whole slice:
-the same number however the rows are grouped.
+the same number however the rows are grouped. A mini-batch sent to data-parallel replicas carries
+its own totals (`with_totals`, the trainer's): each slice then divides by those, and the replicas'
+averaged gradient is the whole mini-batch's mean, whichever replica trains which row (so the
+trainer may assign rows to replicas by cost, `xray/data/balance.py`).
 
 A loss function opts in with a true `by_length` attribute (`xray.backends.base.LossFn`); engines
 call `train_micro_batches`, which falls back to consecutive chunks for any other loss (a reward
@@ -30,6 +33,10 @@ from xray.data.batch import Batch, BatchError
 
 NORM = "loss_norm"
 """Meta key of a grouped micro-batch: its `LossNorm`."""
+TOTALS = "loss_totals"
+"""Meta key of a mini-batch sent to data-parallel replicas (`with_totals`): the whole mini-batch's
+(loss tokens, rows with a loss token), so that each replica's slice divides by those rather than
+its own: the loss is the mean over the whole mini-batch whichever replica trains which row."""
 
 
 @dataclass(frozen=True)
@@ -42,10 +49,22 @@ class LossNorm:
     """Rows of the slice with at least one loss token / micro-batches (1.0 when none)."""
 
 
-def grouped_micro_batches(batch: Batch, size: int, trim: bool = True) -> list[Batch]:
+def with_totals(batch: Batch) -> Batch:
+    """`batch` (a whole mini-batch) with its loss totals in meta (`TOTALS`); the same columns."""
+    mask = batch[C.LOSS_MASK]
+    out = Batch(dict(batch.tensors), dict(batch.lists), dict(batch.meta))
+    out.meta[TOTALS] = (float(mask.sum()), float((mask.sum(1) > 0).sum()))
+    return out
+
+
+def grouped_micro_batches(batch: Batch, size: int, trim: bool = True, replicas: int = 1) -> list[Batch]:
     """`batch` in micro-batches of `size` rows, longest rows first, each with its `LossNorm` in
     meta and (with `trim`) its columns cut to its longest row. Needs ATTENTION_MASK and LOSS_MASK.
-    `trim=False` keeps one width for all (a pipeline schedule sends one activation shape)."""
+    `trim=False` keeps one width for all (a pipeline schedule sends one activation shape).
+
+    The denominators are the slice's own totals; or, when the batch carries its mini-batch's
+    (`TOTALS`, it is one of `replicas` data-parallel slices whose gradients are averaged), those
+    divided by `replicas` as well: the averaged gradient is then the whole mini-batch's mean."""
     n = len(batch)
     if size < 1 or n % size:
         raise BatchError(f"micro-batch size {size} does not divide the batch of {n} rows; "
@@ -58,9 +77,12 @@ def grouped_micro_batches(batch: Batch, size: int, trim: bool = True) -> list[Ba
     lengths = batch[C.ATTENTION_MASK].sum(1)
     order = torch.argsort(lengths, descending=True, stable=True)
     mask = batch[C.LOSS_MASK]
-    tokens = float(mask.sum())
-    rows = float((mask.sum(1) > 0).sum())
-    norm = LossNorm(tokens / parts if tokens else 1.0, rows / parts if rows else 1.0)
+    if TOTALS in batch.meta:
+        tokens, rows = batch.meta[TOTALS]
+        parts_total = parts * replicas
+    else:
+        tokens, rows, parts_total = float(mask.sum()), float((mask.sum(1) > 0).sum()), parts
+    norm = LossNorm(tokens / parts_total if tokens else 1.0, rows / parts_total if rows else 1.0)
     micro = []
     for i in range(parts):
         idx = order[i * size:(i + 1) * size]
@@ -84,11 +106,12 @@ def trimmed(batch: Batch, length: int) -> Batch:
     return Batch(tensors, dict(batch.lists), dict(batch.meta))
 
 
-def train_micro_batches(batch: Batch, loss_fn: Any, size: int, trim: bool = True) -> list[Batch]:
+def train_micro_batches(batch: Batch, loss_fn: Any, size: int, trim: bool = True, replicas: int = 1) -> list[Batch]:
     """A train step's micro-batches: length-grouped when `loss_fn.by_length` is true, else
-    consecutive chunks of `size` rows."""
+    consecutive chunks of `size` rows. `replicas`: the data-parallel replicas averaging the
+    gradients (`grouped_micro_batches`)."""
     if getattr(loss_fn, "by_length", False):
-        return grouped_micro_batches(batch, size, trim)
+        return grouped_micro_batches(batch, size, trim, replicas)
     return batch.chunks(size)
 
 

@@ -103,7 +103,8 @@ class DeepSpeedEngine(TrainEngine):
     def train_step(self, batch: Batch, loss_fn: LossFn, micro_batch_size: int) -> dict[str, float]:
         if self.optimizer is None:
             raise EngineSetupError(f"the {self.role} engine has no optimizer; build an actor or critic to train")
-        micro = [mb.to(self._device()) for mb in train_micro_batches(batch, loss_fn, micro_batch_size)]
+        micro = [mb.to(self._device()) for mb in train_micro_batches(batch, loss_fn, micro_batch_size,
+                                                                      replicas=self.parallel.dp)]
         self._set_accumulation(micro_batch_size, len(micro))
         lr = float(self.optimizer.param_groups[0]["lr"])
         self.engine.train()

@@ -149,7 +149,8 @@ class MegatronEngine(TrainEngine):
                                    "critic engine, or build this one with role='actor'")
         # A pipeline schedule sends one activation shape: group by length, trim only without one.
         micro = [mb.to(self.device) for mb in train_micro_batches(batch, loss_fn, micro_batch_size,
-                                                                   trim=self.parallel.pp == 1)]
+                                                                   trim=self.parallel.pp == 1,
+                                                                   replicas=self.parallel.dp)]
 
         def loss_func(mb: Batch, output: torch.Tensor):
             loss, metrics = apply_loss(loss_fn, self._head_outputs(output, mb), mb)
