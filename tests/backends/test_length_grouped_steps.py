@@ -81,4 +81,4 @@ def test_grouped_micro_batches_take_the_whole_slices_step(tmp_path, backend, dim
             # step is its mean whichever replica holds which row; each slice's own mean is another step
             (loss_t, norm_t), (loss_b, norm_b) = rank["totals"], rank["balanced"]
             assert loss_b == pytest.approx(loss_t, rel=1e-5, abs=1e-7) and norm_b == pytest.approx(norm_t, rel=1e-5)
-            assert abs(norm_t - whole_norm) > 1e-3 * whole_norm
+            assert abs(norm_t - whole_norm) > 1e-4 * whole_norm  # 10x the parity tolerance above

@@ -1,0 +1,134 @@
+"""Data-parallel balance of a train step: a long-tailed mini-batch over dp=2, its rows spread by cost
+against equal row counts as they come.
+
+Two processes in a gloo group, each a Megatron engine at tp=1 pp=1 (dp=2) holding a benchmark model
+of xray/builtin/tiny_llama.py (random weights), one thread each. Each round draws a seeded
+mini-batch of `--rows` rows whose lengths are uniform in [`--short`, 1.5 x `--short`] except one
+row in eight, four times as long, shuffled; then takes the same train step (PPO's policy loss,
+micro-batches of `--micro` rows, length-grouped and trimmed as the trainer's are, the mini-batch's
+loss totals: `xray.data.lengths.with_totals`) twice, alternating which goes first:
+- **rows**: the rows as they come, the first half to replica 0 (equal row counts: xray before
+  issue 42);
+- **balanced**: the rows ordered by `algorithms.ppo.trainer.balanced_rows` (Karmarkar-Karp on
+  tokens and attention) before the same cut.
+A step's time is the slower replica's wall time (the gradient reduction makes them wait for it).
+
+    .venv/bin/python benchmarks/balance.py [--rows 16] [--short 48] [--micro 2] [--rounds 7]
+
+Last line `balanced_over_rows=<median over rounds of balanced step s / rows step s>
+padding_share_before=<padded / all token slots of the rows layout's micro-batches>
+padding_share_after=<the same for the balanced layout>` (both summed over rounds and replicas;
+micro-batches are padded to their longest row: packing without padding is still to come).
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: xray and tests
+
+import torch  # noqa: E402
+
+from tests.dist_harness import run_distributed  # noqa: E402
+from xray.builtin.tiny_llama import TinySpec, build_tiny_model  # noqa: E402
+from xray.data import columns as C  # noqa: E402
+from xray.data.batch import Batch  # noqa: E402
+
+SPEC = TinySpec(vocab_size=256, hidden_size=256, intermediate_size=688, num_layers=4, num_heads=4, num_kv_heads=4,
+                max_position_embeddings=1024)
+
+
+def long_tailed(rows: int, short: int, seed: int) -> Batch:
+    """A mini-batch of `rows` rows (module docstring), right-padded, with advantages and old log-probs."""
+    rng = random.Random(seed)
+    lengths = [rng.randint(short, short * 3 // 2) * (4 if i % 8 == 0 else 1) for i in range(rows)]
+    rng.shuffle(lengths)
+    width = max(lengths)
+    g = torch.Generator().manual_seed(seed)
+    attn = torch.zeros(rows, width, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        attn[i, :n] = 1
+    mask = attn[:, 1:].float()
+    mask[:, :7] = 0  # an 8-token prompt
+    return Batch({C.INPUT_IDS: torch.randint(3, SPEC.vocab_size, (rows, width), generator=g) * attn,
+                  C.ATTENTION_MASK: attn, C.LOSS_MASK: mask,
+                  C.OLD_LOGPROBS: -torch.rand(rows, width - 1, generator=g) * 3 - 2,
+                  C.ADVANTAGES: torch.randn(rows, width - 1, generator=g)})
+
+
+def padding(batch: Batch, micro: int, replicas: int) -> tuple[int, int]:
+    """(padded slots, all slots) of the length-grouped, trimmed micro-batches of each replica's slice."""
+    from xray.data.lengths import grouped_micro_batches, with_totals
+
+    padded = slots = 0
+    for part in with_totals(batch).split(replicas):
+        for mb in grouped_micro_batches(part, micro, trim=True, replicas=replicas):
+            attn = mb[C.ATTENTION_MASK]
+            slots += attn.numel()
+            padded += int(attn.numel() - attn.sum())
+    return padded, slots
+
+
+def _steps(rank, world_size, model_dir, batches, micro):
+    from megatron.core import parallel_state
+
+    from algorithms.ppo.losses import PolicyLoss
+    from xray.backends.base import OptimConfig
+    from xray.backends.megatron import build_engine
+    from xray.config.parallel import ParallelDims
+    from xray.data.lengths import with_totals
+
+    engine = build_engine(model_dir, ParallelDims(1, 1, world_size), "actor", OptimConfig(lr=1e-6), seed=0)
+    loss = PolicyLoss(cliprange=0.2)
+    engine.train_step(with_totals(batches[0][0][1]).split(world_size)[rank], loss, micro)  # warm-up
+    times = []
+    for i, pair in enumerate(batches):
+        got = {}
+        for name, batch in (pair if i % 2 == 0 else pair[::-1]):
+            part = with_totals(batch).split(world_size)[rank]
+            torch.distributed.barrier()
+            t = time.perf_counter()
+            engine.train_step(part, loss, micro)
+            got[name] = time.perf_counter() - t
+        times.append(got)
+    parallel_state.destroy_model_parallel()
+    return times
+
+
+def main() -> None:
+    from algorithms.ppo.trainer import balanced_rows
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rows", type=int, default=16)
+    p.add_argument("--short", type=int, default=48)
+    p.add_argument("--micro", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=7)
+    a = p.parse_args()
+    model_dir = str(build_tiny_model(Path(tempfile.mkdtemp()) / "m", SPEC, seed=0))
+    pairs, before, after = [], [0, 0], [0, 0]
+    for seed in range(a.rounds):
+        batch = long_tailed(a.rows, a.short, seed)
+        balanced = batch.index(balanced_rows(batch, torch.arange(a.rows), 2, SPEC.hidden_size))
+        pairs.append([("rows", batch), ("balanced", balanced)])
+        for total, b in ((before, batch), (after, balanced)):
+            padded, slots = padding(b, a.micro, 2)
+            total[0] += padded
+            total[1] += slots
+    ranks = run_distributed(_steps, 2, model_dir, pairs, a.micro)
+    steps = [{k: max(r[i][k] for r in ranks) for k in ("rows", "balanced")} for i in range(a.rounds)]
+    for i, s in enumerate(steps):
+        print(f"round {i}: rows {s['rows']:.3f} s  balanced {s['balanced']:.3f} s")
+    ratio = statistics.median(s["balanced"] / s["rows"] for s in steps)
+    print(f"median step: rows {statistics.median(s['rows'] for s in steps):.3f} s, "
+          f"balanced {statistics.median(s['balanced'] for s in steps):.3f} s")
+    print(f"balanced_over_rows={ratio:.3f} padding_share_before={before[0] / before[1]:.3f} "
+          f"padding_share_after={after[0] / after[1]:.3f}")
+
+
+if __name__ == "__main__":
+    main()
