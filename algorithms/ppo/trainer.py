@@ -348,8 +348,10 @@ class PPOTrainer:
             import json
             from pathlib import Path
 
-            config = Path(str(getattr(self.models.actor, "init_kwargs", {}).get("model_dir", ""))) / "config.json"
-            self._hidden = int(json.loads(config.read_text()).get("hidden_size", 0)) if config.is_file() else 0
+            kwargs = getattr(self.models.actor, "init_kwargs", None)
+            model_dir = kwargs.get("model_dir") if isinstance(kwargs, dict) else None
+            config = Path(str(model_dir)) / "config.json" if model_dir else None
+            self._hidden = int(json.loads(config.read_text()).get("hidden_size", 0)) if config and config.is_file() else 0
         return self._hidden
 
     def probe_size(self) -> int:
