@@ -6,19 +6,23 @@ of xray/builtin/tiny_llama.py (random weights), one thread each. Each round draw
 mini-batch of `--rows` rows whose lengths are uniform in [`--short`, 1.5 x `--short`] except one
 row in eight, four times as long, shuffled; then takes the same train step (PPO's policy loss,
 micro-batches of `--micro` rows, length-grouped and trimmed as the trainer's are, the mini-batch's
-loss totals: `xray.data.lengths.with_totals`) twice, alternating which goes first:
+loss totals: `xray.data.lengths.with_totals`) in each layout, rotating which goes first:
 - **rows**: the rows as they come, the first half to replica 0 (equal row counts: xray before
   issue 42);
 - **balanced**: the rows ordered by `algorithms.ppo.trainer.balanced_rows` (Karmarkar-Karp on
-  tokens and attention) before the same cut.
-A step's time is the slower replica's wall time (the gradient reduction makes them wait for it).
+  tokens and attention) before the same cut into replicas, each replica's rows then cut into
+  micro-batches by a token budget (`--budget`, default the longest row a round can draw, 6 x
+  `--short`: `actor.max_tokens_per_micro_batch`, `xray/data/budget.py`) rather than by rows.
+A third layout, **budget** (the rows as they come, cut by the token budget), is timed alongside and
+printed (not in the last line) to show which share of the gain is the budget's and which the
+balance's. A step's time is the slower replica's wall time (the gradient reduction makes them wait for it).
 
-    .venv/bin/python benchmarks/balance.py [--rows 16] [--short 48] [--micro 2] [--rounds 7]
+    .venv/bin/python benchmarks/balance.py [--rows 16] [--short 48] [--micro 2] [--budget N] [--rounds 7]
 
 Last line `balanced_over_rows=<median over rounds of balanced step s / rows step s>
 padding_share_before=<padded / all token slots of the rows layout's micro-batches>
 padding_share_after=<the same for the balanced layout>` (both summed over rounds and replicas;
-micro-batches are padded to their longest row: packing without padding is still to come).
+micro-batches are padded to their longest row).
 """
 from __future__ import annotations
 
@@ -61,20 +65,22 @@ def long_tailed(rows: int, short: int, seed: int) -> Batch:
                   C.ADVANTAGES: torch.randn(rows, width - 1, generator=g)})
 
 
-def padding(batch: Batch, micro: int, replicas: int) -> tuple[int, int]:
-    """(padded slots, all slots) of the length-grouped, trimmed micro-batches of each replica's slice."""
-    from xray.data.lengths import grouped_micro_batches, with_totals
+def padding(batch: Batch, micro: int, replicas: int, budget: int | None) -> tuple[int, int]:
+    """(padded slots, all slots) of the length-grouped, trimmed micro-batches of each replica's slice
+    (by `micro` rows, or with a `budget` by tokens)."""
+    from algorithms.ppo.losses import PolicyLoss
+    from xray.data.lengths import train_micro_batches, with_totals
 
     padded = slots = 0
     for part in with_totals(batch).split(replicas):
-        for mb in grouped_micro_batches(part, micro, trim=True, replicas=replicas):
+        for mb in train_micro_batches(part, PolicyLoss(), micro, replicas=replicas, max_tokens=budget):
             attn = mb[C.ATTENTION_MASK]
             slots += attn.numel()
             padded += int(attn.numel() - attn.sum())
     return padded, slots
 
 
-def _steps(rank, world_size, model_dir, batches, micro):
+def _steps(rank, world_size, model_dir, batches, micro, budget):
     from megatron.core import parallel_state
 
     from algorithms.ppo.losses import PolicyLoss
@@ -89,8 +95,9 @@ def _steps(rank, world_size, model_dir, batches, micro):
     times = []
     for i, pair in enumerate(batches):
         got = {}
-        for name, batch in (pair if i % 2 == 0 else pair[::-1]):
+        for name, batch in pair[i % len(pair):] + pair[:i % len(pair)]:
             part = with_totals(batch).split(world_size)[rank]
+            engine.max_tokens = None if name == "rows" else budget
             torch.distributed.barrier()
             t = time.perf_counter()
             engine.train_step(part, loss, micro)
@@ -107,22 +114,26 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=16)
     p.add_argument("--short", type=int, default=48)
     p.add_argument("--micro", type=int, default=2)
+    p.add_argument("--budget", type=int, default=None)
     p.add_argument("--rounds", type=int, default=7)
     a = p.parse_args()
+    budget = a.budget or 6 * a.short
     model_dir = str(build_tiny_model(Path(tempfile.mkdtemp()) / "m", SPEC, seed=0))
     pairs, before, after = [], [0, 0], [0, 0]
     for seed in range(a.rounds):
         batch = long_tailed(a.rows, a.short, seed)
         balanced = batch.index(balanced_rows(batch, torch.arange(a.rows), 2, SPEC.hidden_size))
-        pairs.append([("rows", batch), ("balanced", balanced)])
-        for total, b in ((before, batch), (after, balanced)):
-            padded, slots = padding(b, a.micro, 2)
+        pairs.append([("rows", batch), ("balanced", balanced), ("budget", batch)])
+        for total, b, cut in ((before, batch, None), (after, balanced, budget)):
+            padded, slots = padding(b, a.micro, 2, cut)
             total[0] += padded
             total[1] += slots
-    ranks = run_distributed(_steps, 2, model_dir, pairs, a.micro)
-    steps = [{k: max(r[i][k] for r in ranks) for k in ("rows", "balanced")} for i in range(a.rounds)]
+    ranks = run_distributed(_steps, 2, model_dir, pairs, a.micro, budget)
+    steps = [{k: max(r[i][k] for r in ranks) for k in ("rows", "balanced", "budget")} for i in range(a.rounds)]
     for i, s in enumerate(steps):
-        print(f"round {i}: rows {s['rows']:.3f} s  balanced {s['balanced']:.3f} s")
+        print(f"round {i}: rows {s['rows']:.3f} s  balanced {s['balanced']:.3f} s  budget only {s['budget']:.3f} s")
+    print(f"budget_only_over_rows={statistics.median(s['budget'] / s['rows'] for s in steps):.3f} "
+          f"(the rows as they come, cut by the token budget {budget})")
     ratio = statistics.median(s["balanced"] / s["rows"] for s in steps)
     print(f"median step: rows {statistics.median(s['rows'] for s in steps):.3f} s, "
           f"balanced {statistics.median(s['balanced'] for s in steps):.3f} s")

@@ -5,7 +5,9 @@ shape per pipeline) and DeepSpeed ZeRO-3 dp=2. The unit tests (`tests/unit/test_
 show the arithmetic; these show that the engines run micro-batches of different widths and
 accumulate them as the arithmetic assumes. On ZeRO-3 dp=2, a mini-batch carrying its totals
 (`with_totals`) takes the same step with its rows as they come and as `balanced_rows` assigns them
-to the replicas."""
+to the replicas. A token budget (`max_tokens_per_micro_batch`, micro-batches of 1 to 2 rows, the
+ZeRO-3 ranks agreeing on one count) takes the same step, and its forward gives the padded
+forward's log-probs (1e-5), on Megatron tp=2 and ZeRO-3 dp=2."""
 from __future__ import annotations
 
 import pytest
@@ -22,6 +24,7 @@ pytestmark = pytest.mark.backends
 
 LENGTHS = [24, 9, 17, 5, 24, 12, 7, 20]  # real tokens per row, 24 wide
 OPTIM = OptimConfig(lr=1e-5)
+BUDGET = 20  # ZeRO-3's slices: (24)(17)(9 5) and (24)(20)(12)(7): the first splits to 4 as well
 
 
 def _batch() -> Batch:
@@ -46,21 +49,30 @@ def _steps(rank, world_size, model_dir, backend, dims):
 
     out = {}
     whole = _batch()
-    variants = [(2, whole, False), (None, whole, False)]
+    variants = [(2, whole, False), (None, whole, False)] + [("budget", whole, False)] * (parallel.pp == 1)
     if parallel.dp > 1:  # the mini-batch's totals, its rows as they come and as balanced over the replicas
         variants += [("totals", whole, True),
                      ("balanced", whole.index(balanced_rows(whole, torch.arange(len(whole)), parallel.dp)), True)]
     for micro, batch, totals in variants:
+        budget = {"max_tokens_per_micro_batch": BUDGET} if micro == "budget" else {}
         if backend == "megatron":
             from megatron.core import parallel_state
 
             from xray.backends.megatron import build_engine
-            engine = build_engine(model_dir, parallel, "actor", OPTIM, seed=0)
+            engine = build_engine(model_dir, parallel, "actor", OPTIM, seed=0, **budget)
         else:
             from xray.backends.deepspeed.engine import build_engine
-            engine = build_engine(model_dir, parallel, "actor", OPTIM, seed=0, zero_stage=3)
+            engine = build_engine(model_dir, parallel, "actor", OPTIM, seed=0, zero_stage=3, **budget)
         part = (with_totals(batch) if totals else batch).split(parallel.dp)[engine.shard_info().dp_rank]
-        metrics = engine.train_step(part, loss, 2 if totals else micro or len(part))
+        if budget:  # the budgeted forward against the padded one, on the same weights
+            cut = engine.forward(part)
+            engine.max_tokens = None
+            padded = engine.forward(part)
+            engine.max_tokens = BUDGET
+            if cut is not None:  # the ranks that collect (Megatron: the first of the tensor-parallel group)
+                real = part[C.ATTENTION_MASK][:, 1:].bool()
+                out["forward_gap"] = float((cut[C.LOGPROBS] - padded[C.LOGPROBS])[real].abs().max())
+        metrics = engine.train_step(part, loss, 2 if totals or budget else micro or len(part))
         out[micro or "whole"] = (metrics["loss"], metrics["grad_norm"])
         if backend == "megatron":
             parallel_state.destroy_model_parallel()
@@ -72,11 +84,17 @@ def _steps(rank, world_size, model_dir, backend, dims):
                          ids=["megatron-tp2", "megatron-pp2", "deepspeed-zero3-dp2"])
 def test_grouped_micro_batches_take_the_whole_slices_step(tmp_path, backend, dims):
     model_dir = str(build_tiny_model(tmp_path / "m", TinySpec(), seed=0))
-    for rank in run_distributed(_steps, 2, model_dir, backend, dims):
+    ranks = run_distributed(_steps, 2, model_dir, backend, dims)
+    assert dims[1] > 1 or any("forward_gap" in rank for rank in ranks)
+    for rank in ranks:
         (loss, norm), (whole_loss, whole_norm) = rank[2], rank["whole"]
         assert whole_norm > 0 and abs(whole_loss) > 1e-4
         assert loss == pytest.approx(whole_loss, rel=1e-5, abs=1e-7)
         assert norm == pytest.approx(whole_norm, rel=1e-5)
+        if dims[1] == 1:  # the token budget: the same step, and the padded forward's log-probs
+            assert rank["budget"][0] == pytest.approx(whole_loss, rel=1e-5, abs=1e-7)
+            assert rank["budget"][1] == pytest.approx(whole_norm, rel=1e-5)
+            assert rank.get("forward_gap", 0.0) <= 1e-5
         if backend == "deepspeed":  # the replicas' tokens differ (55 and 63): with the mini-batch's totals, the
             # step is its mean whichever replica holds which row; each slice's own mean is another step
             (loss_t, norm_t), (loss_b, norm_b) = rank["totals"], rank["balanced"]

@@ -45,6 +45,9 @@ class RoleConfig:
     """DeepSpeed ZeRO stage (1, 2 or 3); used by the deepspeed backend only."""
     micro_batch_size: int = 4
     """Rows per micro-batch in forward and train steps, per data-parallel replica."""
+    max_tokens_per_micro_batch: Optional[int] = None
+    """Token budget per micro-batch instead of `micro_batch_size` rows (megatron with pp=1, deepspeed):
+    rows grouped by length, each micro-batch's rows x its longest row at most this; the step is the same."""
     optim: OptimConfig = field(default_factory=OptimConfig)
     """Optimizer and warm-up (ignored for the reference, which never trains)."""
     model_path: Optional[str] = None

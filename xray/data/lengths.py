@@ -24,7 +24,7 @@ model's (chosen, rejected) pairs must stay together, for one).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -69,14 +69,27 @@ def grouped_micro_batches(batch: Batch, size: int, trim: bool = True, replicas: 
     if size < 1 or n % size:
         raise BatchError(f"micro-batch size {size} does not divide the batch of {n} rows; "
                          "choose a micro-batch size that divides the batch size")
+    _require_columns(batch)
+    parts = n // size
+    lengths = batch[C.ATTENTION_MASK].sum(1)
+    order = torch.argsort(lengths, descending=True, stable=True)
+    return micro_batches_of(batch, [order[i * size:(i + 1) * size] for i in range(parts)], trim, replicas)
+
+
+def _require_columns(batch: Batch) -> None:
     for key in (C.ATTENTION_MASK, C.LOSS_MASK):
         if key not in batch.tensors:
             raise BatchError(f"length grouping needs the {key!r} column; ship it with the train step "
                              "(list it in the loss function's `reads`)")
-    parts = n // size
+
+
+def micro_batches_of(batch: Batch, groups: list[torch.Tensor], trim: bool = True, replicas: int = 1) -> list[Batch]:
+    """The micro-batches of `batch` holding the rows `groups` names, each with its `LossNorm`
+    (the slice's totals, or its mini-batch's over `replicas`, divided by the micro-batches) and
+    with `trim` cut to its longest row."""
     lengths = batch[C.ATTENTION_MASK].sum(1)
-    order = torch.argsort(lengths, descending=True, stable=True)
     mask = batch[C.LOSS_MASK]
+    parts = len(groups)
     if TOTALS in batch.meta:
         tokens, rows = batch.meta[TOTALS]
         parts_total = parts * replicas
@@ -84,8 +97,7 @@ def grouped_micro_batches(batch: Batch, size: int, trim: bool = True, replicas: 
         tokens, rows, parts_total = float(mask.sum()), float((mask.sum(1) > 0).sum()), parts
     norm = LossNorm(tokens / parts_total if tokens else 1.0, rows / parts_total if rows else 1.0)
     micro = []
-    for i in range(parts):
-        idx = order[i * size:(i + 1) * size]
+    for idx in groups:
         mb = batch.index(idx)
         if trim:
             mb = trimmed(mb, max(int(lengths[idx].max()), 2))  # at least one predicted position
@@ -106,11 +118,24 @@ def trimmed(batch: Batch, length: int) -> Batch:
     return Batch(tensors, dict(batch.lists), dict(batch.meta))
 
 
-def train_micro_batches(batch: Batch, loss_fn: Any, size: int, trim: bool = True, replicas: int = 1) -> list[Batch]:
+def train_micro_batches(batch: Batch, loss_fn: Any, size: int, trim: bool = True, replicas: int = 1,
+                        max_tokens: int | None = None, agree: Callable[[int], int] | None = None) -> list[Batch]:
     """A train step's micro-batches: length-grouped when `loss_fn.by_length` is true, else
     consecutive chunks of `size` rows. `replicas`: the data-parallel replicas averaging the
-    gradients (`grouped_micro_batches`)."""
+    gradients (`grouped_micro_batches`). With `max_tokens`, a length-grouped step cuts by that
+    token budget instead of by `size` rows (`xray.data.budget`); `agree` maps this rank's
+    micro-batch count to the count every rank takes (a backend whose every forward and backward
+    is collective, ZeRO-3's, needs one)."""
     if getattr(loss_fn, "by_length", False):
+        if max_tokens is not None:
+            from xray.data.budget import budget_groups
+
+            _require_columns(batch)
+            lengths = batch[C.ATTENTION_MASK].sum(1)
+            groups = budget_groups(lengths, max_tokens)
+            if agree is not None:
+                groups = budget_groups(lengths, max_tokens, agree(len(groups)))
+            return micro_batches_of(batch, groups, trim, replicas)
         return grouped_micro_batches(batch, size, trim, replicas)
     return batch.chunks(size)
 

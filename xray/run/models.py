@@ -219,6 +219,8 @@ def role_init_kwargs(cfg: RunConfig, role: str, backend: str, model_dir: str) ->
                                   forward_micro_batch_size=rc.micro_batch_size, dtype=cfg.model.dtype)
     if backend == "deepspeed":
         kwargs["zero_stage"] = rc.zero_stage
+    if rc.max_tokens_per_micro_batch is not None:
+        kwargs["max_tokens_per_micro_batch"] = rc.max_tokens_per_micro_batch
     if rc.lora is not None:
         kwargs["lora"] = rc.lora
     return kwargs

@@ -198,7 +198,9 @@ class WholeModel:
         Options (keyword arguments), by backend:
           - `optim` (training backends): a dict or `OptimConfig`: lr, weight_decay, betas, eps,
             grad_clip, warmup_steps. `attention` (megatron): "sdpa" or "megatron".
-            `forward_micro_batch_size` (megatron, deepspeed): rows per forward micro-batch.
+            `forward_micro_batch_size` (megatron, deepspeed): rows per forward micro-batch;
+            `max_tokens_per_micro_batch` (megatron with pp=1, deepspeed): a token budget per
+            forward and train micro-batch instead (`xray/data/budget.py`).
           - `dtype` (vllm, dsinfer): "float32" or "bfloat16"; `max_model_len` (default: the model's
             max_position_embeddings); `kv_cache_gib` (vllm on CPU); `generate_batch` (dsinfer).
         Everything is checked here before any process starts (directory, role, layout against the

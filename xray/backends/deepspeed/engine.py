@@ -37,7 +37,9 @@ from xray.backends.optim import state_bytes as optim_state_bytes
 from xray.backends.snapshot import Snapshot, capture_engine, file_key, held_or_on_disk, read, replay_engine, stage_held
 from xray.config.lora import LoraConfig
 from xray.config.parallel import LayoutError, ParallelDims
+from xray.data import columns as C
 from xray.data.batch import Batch
+from xray.data.budget import forward_micro_batches, restored
 from xray.data.lengths import train_micro_batches
 
 logger = logging.getLogger(__name__)
@@ -58,8 +60,10 @@ class DeepSpeedEngine(TrainEngine):
 
     def __init__(self, model_dir: str, parallel: ParallelDims, role: str, optim: OptimConfig, seed: int,
                  zero_stage: int, device: str = "cpu", options: ZeroOptions = ZeroOptions(),
-                 forward_micro_batch_size: int | None = None, lora: LoraConfig | None = None):
+                 forward_micro_batch_size: int | None = None, lora: LoraConfig | None = None,
+                 max_tokens_per_micro_batch: int | None = None):
         _check_process(parallel, device)
+        self.max_tokens = max_tokens_per_micro_batch
         self.lora = lora if role != "reference" else None
         self.forward_micro_batch_size = forward_micro_batch_size
         self.role, self.zero_stage, self.device = role, zero_stage, device
@@ -95,17 +99,24 @@ class DeepSpeedEngine(TrainEngine):
     def forward(self, batch: Batch, entropy: bool = False, adapters: bool = True) -> dict[str, torch.Tensor] | None:
         self.engine.eval()
         off = adapters_off(self.engine.module) if self.lora is not None and not adapters else contextlib.nullcontext()
+        if self.max_tokens is not None:  # ZeRO-3 gathers in every forward: the ranks agree on a count
+            micro, order = forward_micro_batches(batch, self.max_tokens, _largest_count)
+        else:
+            micro, order = batch.micro_batches(self.forward_micro_batch_size), None
         with off:
-            outs = [role_outputs(self.engine, mb.to(self._device()), self.role, entropy)
-                    for mb in batch.micro_batches(self.forward_micro_batch_size)]
-        return {k: torch.cat([o[k] for o in outs]).detach().cpu() for k in outs[0]}
+            outs = [{k: v.detach().cpu() for k, v in role_outputs(self.engine, mb.to(self._device()), self.role,
+                                                                  entropy).items()} for mb in micro]
+        if order is not None:
+            return restored(outs, order, batch[C.INPUT_IDS].shape[1] - 1)
+        return {k: torch.cat([o[k] for o in outs]) for k in outs[0]}
 
     def train_step(self, batch: Batch, loss_fn: LossFn, micro_batch_size: int) -> dict[str, float]:
         if self.optimizer is None:
             raise EngineSetupError(f"the {self.role} engine has no optimizer; build an actor or critic to train")
-        micro = [mb.to(self._device()) for mb in train_micro_batches(batch, loss_fn, micro_batch_size,
-                                                                      replicas=self.parallel.dp)]
-        self._set_accumulation(micro_batch_size, len(micro))
+        micro = [mb.to(self._device()) for mb in train_micro_batches(
+            batch, loss_fn, micro_batch_size, replicas=self.parallel.dp, max_tokens=self.max_tokens,
+            agree=_largest_count)]  # ZeRO gathers and reduces in every micro-step: one count on all ranks
+        self._set_accumulation(micro_batch_size if self.max_tokens is None else 1, len(micro))
         lr = float(self.optimizer.param_groups[0]["lr"])
         self.engine.train()
         sums: dict[str, float] = {}
@@ -282,6 +293,15 @@ def _hidden_size(model_dir: str) -> int:
     return int(AutoConfig.from_pretrained(model_dir).hidden_size)
 
 
+def _largest_count(count: int) -> int:
+    """The largest of every rank's micro-batch count (collective)."""
+    t = torch.tensor([count], dtype=torch.long)
+    if dist.get_backend() == "nccl":
+        t = t.cuda()
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
 def _mean_over_ranks(values: dict[str, float]) -> dict[str, float]:
     """Average float metrics over all ranks (every rank must pass the same keys)."""
     keys = sorted(values)
@@ -296,12 +316,14 @@ def _mean_over_ranks(values: dict[str, float]) -> dict[str, float]:
 def build_engine(model_dir: str, parallel: ParallelDims, role: str, optim: OptimConfig, seed: int,
                  zero_stage: int, device: str = "cpu", options: ZeroOptions = ZeroOptions(),
                  forward_micro_batch_size: int | None = None, dtype: str | None = None,
-                 lora: LoraConfig | None = None) -> DeepSpeedEngine:
+                 lora: LoraConfig | None = None, max_tokens_per_micro_batch: int | None = None) -> DeepSpeedEngine:
     """The DeepSpeed engine of this process's shard (see DeepSpeedEngine); `forward` runs in
     micro-batches of at most `forward_micro_batch_size` rows (None: the whole batch at once);
     `dtype` ("float32" or "bfloat16", DeepSpeed's bf16 with fp32 master weights) overrides the
-    options' dtype; `lora` trains adapters only (`xray/backends/deepspeed/lora.py`)."""
+    options' dtype; `lora` trains adapters only (`xray/backends/deepspeed/lora.py`);
+    `max_tokens_per_micro_batch` cuts forwards and length-grouped train steps by that token
+    budget instead of by rows (`xray/data/budget.py`)."""
     if dtype is not None:
         options = dataclasses.replace(options, dtype=dtype)
     return DeepSpeedEngine(model_dir, parallel, role, optim, seed, zero_stage, device, options,
-                           forward_micro_batch_size, lora)
+                           forward_micro_batch_size, lora, max_tokens_per_micro_batch)

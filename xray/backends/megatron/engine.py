@@ -39,6 +39,7 @@ from xray.config.lora import LoraConfig
 from xray.config.parallel import LayoutError, ParallelDims
 from xray.data import columns as C
 from xray.data.batch import Batch
+from xray.data.budget import forward_micro_batches, restored
 from xray.data.lengths import train_micro_batches
 
 logger = logging.getLogger(__name__)
@@ -64,7 +65,9 @@ class MegatronEngine(TrainEngine):
     def __init__(self, model: torch.nn.Module, entries: list[Entry], spec: ModelSpec,
                  parallel: ParallelDims, role: str, optim: OptimConfig, device: torch.device,
                  forward_micro_batch_size: int | None, mixed: Mixed | None = None,
-                 lora: LoraConfig | None = None, adapter_entries: list[Entry] = ()):
+                 lora: LoraConfig | None = None, adapter_entries: list[Entry] = (),
+                 max_tokens_per_micro_batch: int | None = None):
+        self.max_tokens = max_tokens_per_micro_batch
         self.model, self.spec, self.parallel, self.role = model, spec, parallel, role
         self.mixed = mixed  # bf16: Megatron's Float16Module, DDP and optimizer (`mixed.py`)
         self.runner = mixed.runner if mixed is not None else model
@@ -127,7 +130,10 @@ class MegatronEngine(TrainEngine):
 
     def forward(self, batch: Batch, entropy: bool = False, adapters: bool = True) -> dict[str, torch.Tensor] | None:
         batch = batch.select([C.INPUT_IDS, C.ATTENTION_MASK]).to(self.device)
-        micro = batch.micro_batches(self.forward_micro_batch_size)
+        if self.max_tokens is not None:
+            micro, order = forward_micro_batches(batch, self.max_tokens)
+        else:
+            micro, order = batch.micro_batches(self.forward_micro_batch_size), None
 
         def keep(mb: Batch, output: torch.Tensor):
             outputs = self._head_outputs(output, mb)
@@ -141,6 +147,8 @@ class MegatronEngine(TrainEngine):
             stored = self._run(micro, keep, forward_only=True)
         if not self._info.collects:
             return None
+        if order is not None:
+            return {k: v.cpu() for k, v in restored(stored, order, batch[C.INPUT_IDS].shape[1] - 1).items()}
         return {k: torch.cat([s[k] for s in stored]).cpu() for k in stored[0]}
 
     def train_step(self, batch: Batch, loss_fn: LossFn, micro_batch_size: int) -> dict[str, float]:
@@ -150,7 +158,8 @@ class MegatronEngine(TrainEngine):
         # A pipeline schedule sends one activation shape: group by length, trim only without one.
         micro = [mb.to(self.device) for mb in train_micro_batches(batch, loss_fn, micro_batch_size,
                                                                    trim=self.parallel.pp == 1,
-                                                                   replicas=self.parallel.dp)]
+                                                                   replicas=self.parallel.dp,
+                                                                   max_tokens=self.max_tokens)]
 
         def loss_func(mb: Batch, output: torch.Tensor):
             loss, metrics = apply_loss(loss_fn, self._head_outputs(output, mb), mb)
@@ -385,7 +394,8 @@ def _init_parallel_state(parallel: ParallelDims) -> None:
 
 def build_engine(model_dir: str, parallel: ParallelDims, role: str, optim: OptimConfig = OptimConfig(),
                  seed: int = 0, device: str = "cpu", forward_micro_batch_size: int | None = None,
-                 attention: str = "sdpa", dtype: str = "float32", lora: LoraConfig | None = None) -> MegatronEngine:
+                 attention: str = "sdpa", dtype: str = "float32", lora: LoraConfig | None = None,
+                 max_tokens_per_micro_batch: int | None = None) -> MegatronEngine:
     """Build this rank's engine. torch.distributed's default group must already span exactly
     `parallel.world_size` processes. `role` is "actor", "reference" or "critic";
     `forward_micro_batch_size` bounds the rows per micro-batch of `forward` (None: the whole
@@ -393,7 +403,8 @@ def build_engine(model_dir: str, parallel: ParallelDims, role: str, optim: Optim
     "megatron": Megatron's DotProductAttention); `dtype` "bfloat16" trains bf16 parameters with
     fp32 main weights and fp32 gradient reduction through Megatron's own machinery (`mixed.py`);
     `lora` freezes the base weights and trains LoRA adapters (`lora.py`; a critic's value head
-    trains too), seeded by `seed`."""
+    trains too), seeded by `seed`; `max_tokens_per_micro_batch` cuts forwards and length-grouped
+    train steps by that token budget instead of by rows (`xray/data/budget.py`; pp=1)."""
     if role not in ROLES:
         raise ValueError(f"unknown role {role!r}; choose one of {', '.join(ROLES)}")
     if attention not in ATTENTIONS:
@@ -401,6 +412,9 @@ def build_engine(model_dir: str, parallel: ParallelDims, role: str, optim: Optim
     if lora is not None and role == "reference":
         raise EngineUsageError("a reference trains no adapters: build it without lora (the actor's "
                                "forward(batch, adapters=False) is the frozen base, i.e. the reference)")
+    if max_tokens_per_micro_batch is not None and parallel.pp > 1:
+        raise LayoutError(f"max_tokens_per_micro_batch needs pp=1, got pp={parallel.pp}: a pipeline "
+                          "schedule sends one activation shape; cut by micro_batch_size rows instead")
     spec = check_layout(model_dir, parallel)
     params_dtype = torch_dtype(dtype)
     if not dist.is_initialized():
@@ -431,7 +445,7 @@ def build_engine(model_dir: str, parallel: ParallelDims, role: str, optim: Optim
         with cpu_compat.device_context(device):
             mixed = wrap(model, None if role == "reference" else optim)
     return MegatronEngine(model, entries, spec, parallel, role, optim, dev, forward_micro_batch_size, mixed,
-                          lora, adapter_entries)
+                          lora, adapter_entries, max_tokens_per_micro_batch)
 
 
 def _add_lora(model: torch.nn.Module, spec: ModelSpec, parallel: ParallelDims, role: str, lora: LoraConfig,
