@@ -12,17 +12,19 @@ loss totals: `xray.data.lengths.with_totals`) in each layout, rotating which goe
 - **balanced**: the rows ordered by `algorithms.ppo.trainer.balanced_rows` (Karmarkar-Karp on
   tokens and attention) before the same cut into replicas, each replica's rows then cut into
   micro-batches by a token budget (`--budget`, default the longest row a round can draw, 6 x
-  `--short`: `actor.max_tokens_per_micro_batch`, `xray/data/budget.py`) rather than by rows.
-A third layout, **budget** (the rows as they come, cut by the token budget), is timed alongside and
-printed (not in the last line) to show which share of the gain is the budget's and which the
-balance's. A step's time is the slower replica's wall time (the gradient reduction makes them wait for it).
+  `--short`: `actor.max_tokens_per_micro_batch`, `xray/data/budget.py`) rather than by rows, and
+  each micro-batch's rows packed into one sequence without padding (`actor.packing`,
+  `xray/data/packing.py`; the budget then counts a micro-batch's tokens; `--no-packing`: padded).
+A third layout, **budget** (the rows as they come, cut by the same budget, packed likewise), is
+timed alongside and printed (not in the last line) to show which share of the gain is the
+budget's and packing's and which the balance's. A step's time is the slower replica's wall time (the gradient reduction makes them wait for it).
 
-    .venv/bin/python benchmarks/balance.py [--rows 16] [--short 48] [--micro 2] [--budget N] [--rounds 7]
+    .venv/bin/python benchmarks/balance.py [--rows 16] [--short 48] [--micro 2] [--budget N] [--no-packing] [--rounds 7]
 
 Last line `balanced_over_rows=<median over rounds of balanced step s / rows step s>
 padding_share_before=<padded / all token slots of the rows layout's micro-batches>
-padding_share_after=<the same for the balanced layout>` (both summed over rounds and replicas;
-micro-batches are padded to their longest row).
+padding_share_after=<the same for the balanced layout>` (both summed over rounds and replicas; a
+padded micro-batch holds rows x its longest row, a packed one its tokens alone).
 """
 from __future__ import annotations
 
@@ -65,22 +67,26 @@ def long_tailed(rows: int, short: int, seed: int) -> Batch:
                   C.ADVANTAGES: torch.randn(rows, width - 1, generator=g)})
 
 
-def padding(batch: Batch, micro: int, replicas: int, budget: int | None) -> tuple[int, int]:
+def padding(batch: Batch, micro: int, replicas: int, budget: int | None, packed: bool) -> tuple[int, int]:
     """(padded slots, all slots) of the length-grouped, trimmed micro-batches of each replica's slice
-    (by `micro` rows, or with a `budget` by tokens)."""
+    (by `micro` rows, or with a `budget` by tokens; `packed`: no padded slot)."""
     from algorithms.ppo.losses import PolicyLoss
     from xray.data.lengths import train_micro_batches, with_totals
 
     padded = slots = 0
     for part in with_totals(batch).split(replicas):
-        for mb in train_micro_batches(part, PolicyLoss(), micro, replicas=replicas, max_tokens=budget):
+        for mb in train_micro_batches(part, PolicyLoss(), micro, replicas=replicas, max_tokens=budget,
+                                      packed=packed):
             attn = mb[C.ATTENTION_MASK]
+            if packed:
+                slots += int(attn.sum())
+                continue
             slots += attn.numel()
             padded += int(attn.numel() - attn.sum())
     return padded, slots
 
 
-def _steps(rank, world_size, model_dir, batches, micro, budget):
+def _steps(rank, world_size, model_dir, batches, micro, budget, packing):
     from megatron.core import parallel_state
 
     from algorithms.ppo.losses import PolicyLoss
@@ -98,6 +104,7 @@ def _steps(rank, world_size, model_dir, batches, micro, budget):
         for name, batch in pair[i % len(pair):] + pair[:i % len(pair)]:
             part = with_totals(batch).split(world_size)[rank]
             engine.max_tokens = None if name == "rows" else budget
+            engine.packing = packing and name != "rows"
             torch.distributed.barrier()
             t = time.perf_counter()
             engine.train_step(part, loss, micro)
@@ -115,9 +122,11 @@ def main() -> None:
     p.add_argument("--short", type=int, default=48)
     p.add_argument("--micro", type=int, default=2)
     p.add_argument("--budget", type=int, default=None)
+    p.add_argument("--no-packing", action="store_true")
     p.add_argument("--rounds", type=int, default=7)
     a = p.parse_args()
     budget = a.budget or 6 * a.short
+    packing = not a.no_packing
     model_dir = str(build_tiny_model(Path(tempfile.mkdtemp()) / "m", SPEC, seed=0))
     pairs, before, after = [], [0, 0], [0, 0]
     for seed in range(a.rounds):
@@ -125,15 +134,15 @@ def main() -> None:
         balanced = batch.index(balanced_rows(batch, torch.arange(a.rows), 2, SPEC.hidden_size))
         pairs.append([("rows", batch), ("balanced", balanced), ("budget", batch)])
         for total, b, cut in ((before, batch, None), (after, balanced, budget)):
-            padded, slots = padding(b, a.micro, 2, cut)
+            padded, slots = padding(b, a.micro, 2, cut, packing and cut is not None)
             total[0] += padded
             total[1] += slots
-    ranks = run_distributed(_steps, 2, model_dir, pairs, a.micro, budget)
+    ranks = run_distributed(_steps, 2, model_dir, pairs, a.micro, budget, packing)
     steps = [{k: max(r[i][k] for r in ranks) for k in ("rows", "balanced", "budget")} for i in range(a.rounds)]
     for i, s in enumerate(steps):
         print(f"round {i}: rows {s['rows']:.3f} s  balanced {s['balanced']:.3f} s  budget only {s['budget']:.3f} s")
     print(f"budget_only_over_rows={statistics.median(s['budget'] / s['rows'] for s in steps):.3f} "
-          f"(the rows as they come, cut by the token budget {budget})")
+          f"(the rows as they come, cut by the token budget {budget}{', packed' if packing else ''})")
     ratio = statistics.median(s["balanced"] / s["rows"] for s in steps)
     print(f"median step: rows {statistics.median(s['rows'] for s in steps):.3f} s, "
           f"balanced {statistics.median(s['balanced'] for s in steps):.3f} s")

@@ -6,8 +6,9 @@ show the arithmetic; these show that the engines run micro-batches of different 
 accumulate them as the arithmetic assumes. On ZeRO-3 dp=2, a mini-batch carrying its totals
 (`with_totals`) takes the same step with its rows as they come and as `balanced_rows` assigns them
 to the replicas. A token budget (`max_tokens_per_micro_batch`, micro-batches of 1 to 2 rows, the
-ZeRO-3 ranks agreeing on one count) takes the same step, and its forward gives the padded
-forward's log-probs (1e-5), on Megatron tp=2 and ZeRO-3 dp=2."""
+ZeRO-3 ranks agreeing on one count) and packed micro-batches (`packing`, rows packed under a budget
+of their summed tokens) each take the same step, and their forwards (packed: with and without a
+budget) give the padded forward's log-probs (1e-5), on Megatron tp=2 and ZeRO-3 dp=2."""
 from __future__ import annotations
 
 import pytest
@@ -25,6 +26,27 @@ pytestmark = pytest.mark.backends
 LENGTHS = [24, 9, 17, 5, 24, 12, 7, 20]  # real tokens per row, 24 wide
 OPTIM = OptimConfig(lr=1e-5)
 BUDGET = 20  # ZeRO-3's slices: (24)(17)(9 5) and (24)(20)(12)(7): the first splits to 4 as well
+CUTS = {"budget": {"max_tokens_per_micro_batch": BUDGET},
+        # packed, 30 tokens: (24 5)(17 9) and (24)(20 7)(12): the first splits to 3
+        "packed": {"max_tokens_per_micro_batch": 30, "packing": True}}
+
+
+def _forward_gaps(engine, part: Batch, cut: dict) -> dict[str, float]:
+    """The largest log-prob gap at real tokens between the engine's forward as `cut` builds it
+    (and, packed, without a budget) and the padded forward; {} on a rank that does not collect."""
+    runs = {"": dict(cut), "_unbudgeted": {**cut, "max_tokens_per_micro_batch": None}} if cut.get("packing") \
+        else {"": dict(cut)}
+    runs["padded"] = {"max_tokens_per_micro_batch": None, "packing": False}
+    got = {}
+    for name, how in runs.items():
+        engine.max_tokens, engine.packing = how["max_tokens_per_micro_batch"], how.get("packing", False)
+        got[name] = engine.forward(part)
+    engine.max_tokens, engine.packing = cut["max_tokens_per_micro_batch"], cut.get("packing", False)
+    if got["padded"] is None:  # Megatron: the first rank of the tensor-parallel group collects
+        return {}
+    real = part[C.ATTENTION_MASK][:, 1:].bool()
+    return {name: float((out[C.LOGPROBS] - got["padded"][C.LOGPROBS])[real].abs().max())
+            for name, out in got.items() if name != "padded"}
 
 
 def _batch() -> Batch:
@@ -49,12 +71,12 @@ def _steps(rank, world_size, model_dir, backend, dims):
 
     out = {}
     whole = _batch()
-    variants = [(2, whole, False), (None, whole, False)] + [("budget", whole, False)] * (parallel.pp == 1)
+    variants = [(2, whole, False), (None, whole, False)] + [(c, whole, False) for c in CUTS if parallel.pp == 1]
     if parallel.dp > 1:  # the mini-batch's totals, its rows as they come and as balanced over the replicas
         variants += [("totals", whole, True),
                      ("balanced", whole.index(balanced_rows(whole, torch.arange(len(whole)), parallel.dp)), True)]
     for micro, batch, totals in variants:
-        budget = {"max_tokens_per_micro_batch": BUDGET} if micro == "budget" else {}
+        budget = CUTS.get(micro, {})
         if backend == "megatron":
             from megatron.core import parallel_state
 
@@ -64,14 +86,8 @@ def _steps(rank, world_size, model_dir, backend, dims):
             from xray.backends.deepspeed.engine import build_engine
             engine = build_engine(model_dir, parallel, "actor", OPTIM, seed=0, zero_stage=3, **budget)
         part = (with_totals(batch) if totals else batch).split(parallel.dp)[engine.shard_info().dp_rank]
-        if budget:  # the budgeted forward against the padded one, on the same weights
-            cut = engine.forward(part)
-            engine.max_tokens = None
-            padded = engine.forward(part)
-            engine.max_tokens = BUDGET
-            if cut is not None:  # the ranks that collect (Megatron: the first of the tensor-parallel group)
-                real = part[C.ATTENTION_MASK][:, 1:].bool()
-                out["forward_gap"] = float((cut[C.LOGPROBS] - padded[C.LOGPROBS])[real].abs().max())
+        if budget:  # the budgeted (packed) forward against the padded one, on the same weights
+            out.update({f"{micro}{name}_gap": gap for name, gap in _forward_gaps(engine, part, budget).items()})
         metrics = engine.train_step(part, loss, 2 if totals or budget else micro or len(part))
         out[micro or "whole"] = (metrics["loss"], metrics["grad_norm"])
         if backend == "megatron":
@@ -85,16 +101,18 @@ def _steps(rank, world_size, model_dir, backend, dims):
 def test_grouped_micro_batches_take_the_whole_slices_step(tmp_path, backend, dims):
     model_dir = str(build_tiny_model(tmp_path / "m", TinySpec(), seed=0))
     ranks = run_distributed(_steps, 2, model_dir, backend, dims)
-    assert dims[1] > 1 or any("forward_gap" in rank for rank in ranks)
+    gaps = ["budget_gap", "packed_gap", "packed_unbudgeted_gap"]
+    assert dims[1] > 1 or any(all(g in rank for g in gaps) for rank in ranks)
     for rank in ranks:
         (loss, norm), (whole_loss, whole_norm) = rank[2], rank["whole"]
         assert whole_norm > 0 and abs(whole_loss) > 1e-4
         assert loss == pytest.approx(whole_loss, rel=1e-5, abs=1e-7)
         assert norm == pytest.approx(whole_norm, rel=1e-5)
-        if dims[1] == 1:  # the token budget: the same step, and the padded forward's log-probs
-            assert rank["budget"][0] == pytest.approx(whole_loss, rel=1e-5, abs=1e-7)
-            assert rank["budget"][1] == pytest.approx(whole_norm, rel=1e-5)
-            assert rank.get("forward_gap", 0.0) <= 1e-5
+        if dims[1] == 1:  # the token budget and packing: the same step, and the padded forward's log-probs
+            for cut in CUTS:
+                assert rank[cut][0] == pytest.approx(whole_loss, rel=1e-5, abs=1e-7), cut
+                assert rank[cut][1] == pytest.approx(whole_norm, rel=1e-5), cut
+            assert all(rank.get(g, 0.0) <= 1e-5 for g in gaps), {g: rank.get(g) for g in gaps}
         if backend == "deepspeed":  # the replicas' tokens differ (55 and 63): with the mini-batch's totals, the
             # step is its mean whichever replica holds which row; each slice's own mean is another step
             (loss_t, norm_t), (loss_b, norm_b) = rank["totals"], rank["balanced"]

@@ -65,7 +65,11 @@ def test_the_config_budget_reaches_the_engines_and_a_pipeline_or_bad_budget_is_r
     assert role_init_kwargs(cfg, "critic", "deepspeed", "m")["max_tokens_per_micro_batch"] == 512
     assert "max_tokens_per_micro_batch" not in role_init_kwargs(cfg, "actor", "megatron", "m")
     cfg = load_config(DEFAULT, groups() + [("actor.pp", 2), ("actor.dp", 1), ("actor.max_tokens_per_micro_batch", 512)])
-    with pytest.raises(ConfigError, match="actor.max_tokens_per_micro_batch needs a positive budget and actor.pp=1"):
+    with pytest.raises(ConfigError, match="actor.max_tokens_per_micro_batch and actor.packing need actor.pp=1"):
         plan_run(cfg, "megatron-vllm")
+    cfg = load_config(DEFAULT, groups() + [("actor.pp", 2), ("actor.dp", 1), ("actor.packing", True)])
+    with pytest.raises(ConfigError, match="actor.packing need actor.pp=1"):
+        plan_run(cfg, "megatron-vllm")
+    assert role_init_kwargs(load_config(DEFAULT, [("actor.packing", True)]), "actor", "megatron", "m")["packing"]
     with pytest.raises(ConfigError, match="positive budget"):
         plan_run(load_config(DEFAULT, [("reference.max_tokens_per_micro_batch", 0)]), "megatron-vllm")

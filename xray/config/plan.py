@@ -213,9 +213,10 @@ def _role_dims(cfg: RunConfig, role: str, train_backend: str, size: int) -> Para
         if train_backend == "deepspeed" and (rc.tp != 1 or rc.pp != 1):
             raise ConfigError(f"{role}.tp/{role}.pp: the deepspeed backend has no tensor or pipeline "
                               f"parallelism; set --{role}.tp=1 --{role}.pp=1, or use --backend megatron-*")
-        if rc.max_tokens_per_micro_batch is not None and (rc.pp > 1 or rc.max_tokens_per_micro_batch < 1):
-            raise ConfigError(f"{role}.max_tokens_per_micro_batch needs a positive budget and {role}.pp=1 (a "
-                              "pipeline sends one activation shape); set it to null to cut by micro_batch_size")
+        budget = rc.max_tokens_per_micro_batch
+        if (budget is not None or rc.packing) and (rc.pp > 1 or (budget is not None and budget < 1)):
+            raise ConfigError(f"{role}.max_tokens_per_micro_batch and {role}.packing need {role}.pp=1 (a pipeline "
+                              "sends one activation shape) and a positive budget; set them to null and false")
         dims = ParallelDims(rc.tp, rc.pp, rc.dp)
         what = f"{role}.tp * {role}.pp * {role}.dp = {rc.tp}*{rc.pp}*{rc.dp}"
     elif role in ("rollout", "sampler"):  # the sampler is laid out and samples as the rollout

@@ -47,7 +47,10 @@ class RoleConfig:
     """Rows per micro-batch in forward and train steps, per data-parallel replica."""
     max_tokens_per_micro_batch: Optional[int] = None
     """Token budget per micro-batch instead of `micro_batch_size` rows (megatron with pp=1, deepspeed):
-    rows grouped by length, each micro-batch's rows x its longest row at most this; the step is the same."""
+    rows grouped by length, each micro-batch's rows x its longest row (packed: its tokens) at most this."""
+    packing: bool = False
+    """Run each micro-batch's rows as one sequence without padding, attention kept inside each row
+    (megatron with pp=1, deepspeed): the same log-probs and step as padded, for the tokens' cost only."""
     optim: OptimConfig = field(default_factory=OptimConfig)
     """Optimizer and warm-up (ignored for the reference, which never trains)."""
     model_path: Optional[str] = None

@@ -29,42 +29,65 @@ from xray.data.batch import Batch, BatchError
 from xray.data.lengths import trimmed
 
 
-def budget_groups(lengths: torch.Tensor, max_tokens: int, count: int | None = None) -> list[torch.Tensor]:
-    """Row indices of micro-batches costing at most `max_tokens` each (rows x the longest row),
-    longest rows first; with `count` (at least the budget's own count, at most the rows), the
-    costliest micro-batches split in halves until there are exactly `count`."""
+def budget_groups(lengths: torch.Tensor, max_tokens: int, count: int | None = None,
+                  packed: bool = False) -> list[torch.Tensor]:
+    """Row indices of micro-batches costing at most `max_tokens` each (rows x the longest row; with
+    `packed`, the sum of the rows, filled first-fit), longest rows first; with `count` (at least
+    the budget's own count, at most the rows), the costliest micro-batches split in halves until
+    there are exactly `count`."""
     if max_tokens < 1:
         raise BatchError(f"max_tokens_per_micro_batch={max_tokens}; give a positive token budget "
                          "(at least the longest sequence), or null to cut by micro_batch_size rows")
     order = torch.argsort(lengths, descending=True, stable=True).tolist()
-    groups: list[list[int]] = []
-    width = 0
-    for i in order:
-        if groups and (len(groups[-1]) + 1) * width <= max_tokens:
-            groups[-1].append(i)
-        else:
-            groups.append([i])
-            width = max(int(lengths[i]), 2)
+    sizes = [max(int(n), 2) for n in lengths.tolist()]
+    groups = _first_fit(order, sizes, max_tokens) if packed else _next_fit(order, sizes, max_tokens)
     if count is not None:
         if not len(groups) <= count <= len(order):
             raise BatchError(f"cannot cut {len(order)} rows into {count} micro-batches under the budget "
                              f"(it needs {len(groups)}); every data-parallel rank must hold as many rows")
         while len(groups) < count:
-            costs = [len(g) * max(int(lengths[g[0]]), 2) if len(g) > 1 else -1 for g in groups]
+            costs = [(sum(sizes[i] for i in g) if packed else len(g) * sizes[g[0]]) if len(g) > 1 else -1
+                     for g in groups]
             j = max(range(len(groups)), key=costs.__getitem__)
             g = groups.pop(j)
             groups[j:j] = [g[:len(g) // 2], g[len(g) // 2:]]
     return [torch.tensor(g, dtype=torch.long) for g in groups]
 
 
-def forward_micro_batches(batch: Batch, max_tokens: int,
-                          agree: Callable[[int], int] | None = None) -> tuple[list[Batch], torch.Tensor]:
+def _next_fit(order: list[int], sizes: list[int], max_tokens: int) -> list[list[int]]:
+    """Padded micro-batches: the rows in `order` (longest first) while rows x the first fits."""
+    groups: list[list[int]] = []
+    for i in order:
+        if groups and (len(groups[-1]) + 1) * sizes[groups[-1][0]] <= max_tokens:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+def _first_fit(order: list[int], sizes: list[int], max_tokens: int) -> list[list[int]]:
+    """Packed micro-batches: each row (longest first) into the first whose sum it fits."""
+    groups: list[list[int]] = []
+    totals: list[int] = []
+    for i in order:
+        j = next((j for j, t in enumerate(totals) if t + sizes[i] <= max_tokens), len(groups))
+        if j == len(groups):
+            groups.append([])
+            totals.append(0)
+        groups[j].append(i)
+        totals[j] += sizes[i]
+    return groups
+
+
+def forward_micro_batches(batch: Batch, max_tokens: int, agree: Callable[[int], int] | None = None,
+                          packed: bool = False) -> tuple[list[Batch], torch.Tensor]:
     """`batch` in token-budget micro-batches, each cut to its longest row, and the row order they
-    hold (for `restored`). `agree`: as in `xray.data.lengths.train_micro_batches`."""
+    hold (for `restored`). `agree`: as in `xray.data.lengths.train_micro_batches`; `packed`: the
+    micro-batches will be packed (`budget_groups`)."""
     lengths = batch[C.ATTENTION_MASK].sum(1)
-    groups = budget_groups(lengths, max_tokens)
+    groups = budget_groups(lengths, max_tokens, packed=packed)
     if agree is not None:
-        groups = budget_groups(lengths, max_tokens, agree(len(groups)))
+        groups = budget_groups(lengths, max_tokens, agree(len(groups)), packed)
     micro = [trimmed(batch.index(g), max(int(lengths[g].max()), 2)) for g in groups]
     return micro, torch.cat(groups)
 

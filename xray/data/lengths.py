@@ -119,22 +119,24 @@ def trimmed(batch: Batch, length: int) -> Batch:
 
 
 def train_micro_batches(batch: Batch, loss_fn: Any, size: int, trim: bool = True, replicas: int = 1,
-                        max_tokens: int | None = None, agree: Callable[[int], int] | None = None) -> list[Batch]:
+                        max_tokens: int | None = None, agree: Callable[[int], int] | None = None,
+                        packed: bool = False) -> list[Batch]:
     """A train step's micro-batches: length-grouped when `loss_fn.by_length` is true, else
     consecutive chunks of `size` rows. `replicas`: the data-parallel replicas averaging the
     gradients (`grouped_micro_batches`). With `max_tokens`, a length-grouped step cuts by that
     token budget instead of by `size` rows (`xray.data.budget`); `agree` maps this rank's
     micro-batch count to the count every rank takes (a backend whose every forward and backward
-    is collective, ZeRO-3's, needs one)."""
+    is collective, ZeRO-3's, needs one); `packed`: the budget counts a micro-batch's tokens
+    without padding, as the engine will pack it (`xray.data.packing`)."""
     if getattr(loss_fn, "by_length", False):
         if max_tokens is not None:
             from xray.data.budget import budget_groups
 
             _require_columns(batch)
             lengths = batch[C.ATTENTION_MASK].sum(1)
-            groups = budget_groups(lengths, max_tokens)
+            groups = budget_groups(lengths, max_tokens, packed=packed)
             if agree is not None:
-                groups = budget_groups(lengths, max_tokens, agree(len(groups)))
+                groups = budget_groups(lengths, max_tokens, agree(len(groups)), packed)
             return micro_batches_of(batch, groups, trim, replicas)
         return grouped_micro_batches(batch, size, trim, replicas)
     return batch.chunks(size)

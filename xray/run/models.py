@@ -221,6 +221,8 @@ def role_init_kwargs(cfg: RunConfig, role: str, backend: str, model_dir: str) ->
         kwargs["zero_stage"] = rc.zero_stage
     if rc.max_tokens_per_micro_batch is not None:
         kwargs["max_tokens_per_micro_batch"] = rc.max_tokens_per_micro_batch
+    if rc.packing:
+        kwargs["packing"] = True
     if rc.lora is not None:
         kwargs["lora"] = rc.lora
     return kwargs

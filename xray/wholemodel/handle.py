@@ -200,7 +200,8 @@ class WholeModel:
             grad_clip, warmup_steps. `attention` (megatron): "sdpa" or "megatron".
             `forward_micro_batch_size` (megatron, deepspeed): rows per forward micro-batch;
             `max_tokens_per_micro_batch` (megatron with pp=1, deepspeed): a token budget per
-            forward and train micro-batch instead (`xray/data/budget.py`).
+            forward and train micro-batch instead (`xray/data/budget.py`); `packing` (the same):
+            each micro-batch's rows as one sequence without padding (`xray/data/packing.py`).
           - `dtype` (vllm, dsinfer): "float32" or "bfloat16"; `max_model_len` (default: the model's
             max_position_embeddings); `kv_cache_gib` (vllm on CPU); `generate_batch` (dsinfer).
         Everything is checked here before any process starts (directory, role, layout against the

@@ -41,9 +41,9 @@ TRAIN_ROLES = ("actor", "critic", "reference")
 BACKENDS = {
     "hf": BackendKind(("actor", "reference"), ("optim",)),
     "megatron": BackendKind(TRAIN_ROLES, ("optim", "attention", "forward_micro_batch_size",
-                                          "max_tokens_per_micro_batch"), tensor_parallel=True),
+                                          "max_tokens_per_micro_batch", "packing"), tensor_parallel=True),
     "deepspeed": BackendKind(TRAIN_ROLES, ("optim", "zero_stage", "forward_micro_batch_size",
-                                           "max_tokens_per_micro_batch")),
+                                           "max_tokens_per_micro_batch", "packing")),
     "vllm": BackendKind(("rollout",), ("dtype", "max_model_len", "kv_cache_gib", "enforce_eager",
                                        "enable_prefix_caching", "max_num_seqs"),
                         ("float32", "bfloat16"), tensor_parallel=True),

@@ -61,9 +61,9 @@ class DeepSpeedEngine(TrainEngine):
     def __init__(self, model_dir: str, parallel: ParallelDims, role: str, optim: OptimConfig, seed: int,
                  zero_stage: int, device: str = "cpu", options: ZeroOptions = ZeroOptions(),
                  forward_micro_batch_size: int | None = None, lora: LoraConfig | None = None,
-                 max_tokens_per_micro_batch: int | None = None):
+                 max_tokens_per_micro_batch: int | None = None, packing: bool = False):
         _check_process(parallel, device)
-        self.max_tokens = max_tokens_per_micro_batch
+        self.max_tokens, self.packing = max_tokens_per_micro_batch, packing
         self.lora = lora if role != "reference" else None
         self.forward_micro_batch_size = forward_micro_batch_size
         self.role, self.zero_stage, self.device = role, zero_stage, device
@@ -76,7 +76,7 @@ class DeepSpeedEngine(TrainEngine):
         trains = role != "reference"
         config = deepspeed_config(zero_stage, optim, parallel.dp, _hidden_size(model_dir), options, trains)
         module = load_model(model_dir, role, seed, dtype, zero3_config=config if zero_stage == 3 else None,
-                            lora=self.lora)
+                            lora=self.lora, packing=packing)
         _place(module, device)
         trainable = [p for p in module.parameters() if p.requires_grad]  # with LoRA: the adapters
         optimizer = build_optimizer(trainable, optim) if trains else None
@@ -100,12 +100,12 @@ class DeepSpeedEngine(TrainEngine):
         self.engine.eval()
         off = adapters_off(self.engine.module) if self.lora is not None and not adapters else contextlib.nullcontext()
         if self.max_tokens is not None:  # ZeRO-3 gathers in every forward: the ranks agree on a count
-            micro, order = forward_micro_batches(batch, self.max_tokens, _largest_count)
+            micro, order = forward_micro_batches(batch, self.max_tokens, _largest_count, self.packing)
         else:
             micro, order = batch.micro_batches(self.forward_micro_batch_size), None
         with off:
             outs = [{k: v.detach().cpu() for k, v in role_outputs(self.engine, mb.to(self._device()), self.role,
-                                                                  entropy).items()} for mb in micro]
+                                                                  entropy, self.packing).items()} for mb in micro]
         if order is not None:
             return restored(outs, order, batch[C.INPUT_IDS].shape[1] - 1)
         return {k: torch.cat([o[k] for o in outs]) for k in outs[0]}
@@ -115,7 +115,7 @@ class DeepSpeedEngine(TrainEngine):
             raise EngineSetupError(f"the {self.role} engine has no optimizer; build an actor or critic to train")
         micro = [mb.to(self._device()) for mb in train_micro_batches(
             batch, loss_fn, micro_batch_size, replicas=self.parallel.dp, max_tokens=self.max_tokens,
-            agree=_largest_count)]  # ZeRO gathers and reduces in every micro-step: one count on all ranks
+            agree=_largest_count, packed=self.packing)]  # ZeRO gathers and reduces in every micro-step: one count on all ranks
         self._set_accumulation(micro_batch_size if self.max_tokens is None else 1, len(micro))
         lr = float(self.optimizer.param_groups[0]["lr"])
         self.engine.train()
@@ -124,7 +124,7 @@ class DeepSpeedEngine(TrainEngine):
         for i, mb in enumerate(micro):
             last = i == len(micro) - 1
             self.engine.set_gradient_accumulation_boundary(last)
-            loss, metrics = apply_loss(loss_fn, role_outputs(self.engine, mb, self.role), mb)
+            loss, metrics = apply_loss(loss_fn, role_outputs(self.engine, mb, self.role, packed=self.packing), mb)
             self.engine.backward(loss)
             for k, v in {"loss": float(loss.detach()), **metrics}.items():
                 sums[k] = sums.get(k, 0.0) + float(v) / len(micro)
@@ -316,14 +316,16 @@ def _mean_over_ranks(values: dict[str, float]) -> dict[str, float]:
 def build_engine(model_dir: str, parallel: ParallelDims, role: str, optim: OptimConfig, seed: int,
                  zero_stage: int, device: str = "cpu", options: ZeroOptions = ZeroOptions(),
                  forward_micro_batch_size: int | None = None, dtype: str | None = None,
-                 lora: LoraConfig | None = None, max_tokens_per_micro_batch: int | None = None) -> DeepSpeedEngine:
+                 lora: LoraConfig | None = None, max_tokens_per_micro_batch: int | None = None,
+                 packing: bool = False) -> DeepSpeedEngine:
     """The DeepSpeed engine of this process's shard (see DeepSpeedEngine); `forward` runs in
     micro-batches of at most `forward_micro_batch_size` rows (None: the whole batch at once);
     `dtype` ("float32" or "bfloat16", DeepSpeed's bf16 with fp32 master weights) overrides the
     options' dtype; `lora` trains adapters only (`xray/backends/deepspeed/lora.py`);
     `max_tokens_per_micro_batch` cuts forwards and length-grouped train steps by that token
-    budget instead of by rows (`xray/data/budget.py`)."""
+    budget instead of by rows (`xray/data/budget.py`); `packing` runs each micro-batch's rows as
+    one sequence without padding (`xray/data/packing.py`)."""
     if dtype is not None:
         options = dataclasses.replace(options, dtype=dtype)
     return DeepSpeedEngine(model_dir, parallel, role, optim, seed, zero_stage, device, options,
-                           forward_micro_batch_size, lora, max_tokens_per_micro_batch)
+                           forward_micro_batch_size, lora, max_tokens_per_micro_batch, packing)

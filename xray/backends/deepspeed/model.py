@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from xray.backends.hf_logprobs import token_logprobs
 from xray.data import columns as C
 from xray.data.batch import Batch
+from xray.data.packing import pack_rows
 
 if TYPE_CHECKING:
     from xray.config.lora import LoraConfig
@@ -36,19 +37,23 @@ class ValueModel(torch.nn.Module):
             self.value_head.weight.copy_(torch.randn(self.value_head.weight.shape, generator=g) / (hidden_size + 1))
             self.value_head.bias.zero_()
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **packed) -> torch.Tensor:
+        """`packed`: a packed sequence's position ids and row offsets (`role_outputs`)."""
+        hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+                            **packed).last_hidden_state
         return self.value_head(hidden).squeeze(-1)
 
 
 def load_model(model_dir: str, role: str, seed: int, dtype: torch.dtype = torch.float32,
-               zero3_config: dict | None = None, lora: "LoraConfig | None" = None) -> torch.nn.Module:
+               zero3_config: dict | None = None, lora: "LoraConfig | None" = None,
+               packing: bool = False) -> torch.nn.Module:
     """The module for `role`, its weights read from a Hugging Face directory.
 
     With `zero3_config` (a ZeRO stage 3 DeepSpeed config), transformers builds the model inside
     `deepspeed.zero.Init` and loads the checkpoint shard by shard, so no process ever holds the
     whole model (transformers' `HfDeepSpeedConfig` switch, held only while loading). With `lora`,
-    the target layers get adapters and only they (and a critic's value head) train."""
+    the target layers get adapters and only they (and a critic's value head) train. With
+    `packing`, the model attends row by row in packed sequences (`xray/backends/hf_packed.py`)."""
     from transformers import AutoModelForCausalLM
 
     if role not in ROLES:
@@ -63,6 +68,10 @@ def load_model(model_dir: str, role: str, seed: int, dtype: torch.dtype = torch.
             unset_hf_deepspeed_config()
     else:
         causal = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    if packing:
+        from xray.backends.hf_packed import use_rows_attention
+
+        use_rows_attention(causal)
     module = causal if role != "critic" else \
         ValueModel(causal.get_decoder(), causal.config.hidden_size, seed).to(dtype)
     if lora is not None and role != "reference":
@@ -78,14 +87,23 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     return -(logp.exp() * logp).sum(-1)
 
 
-def role_outputs(module: torch.nn.Module, batch: Batch, role: str, entropy: bool = True) -> dict[str, torch.Tensor]:
+def role_outputs(module: torch.nn.Module, batch: Batch, role: str, entropy: bool = True,
+                 packed: bool = False) -> dict[str, torch.Tensor]:
     """The outputs a loss function receives: LOGPROBS and (if `entropy`) ENTROPY [B, T-1] for
-    actor and reference, VALUES [B, T-1] for the critic (value at position t predicts token t+1)."""
+    actor and reference, VALUES [B, T-1] for the critic (value at position t predicts token t+1).
+    `packed`: the rows run as one sequence without padding (`xray/data/packing.py`; the module
+    attends with `xray.backends.hf_packed.ROWS`), their outputs laid back out as the rows'."""
     ids, mask = batch[C.INPUT_IDS], batch[C.ATTENTION_MASK]
+    inputs, unpack = {"input_ids": ids, "attention_mask": mask}, (lambda t: t)
+    if packed:
+        pack = pack_rows(ids, mask)
+        inputs = {"input_ids": pack.ids, "position_ids": pack.positions, "cu_seq_lens_q": pack.cu_seqlens,
+                  "cu_seq_lens_k": pack.cu_seqlens, "max_length_q": pack.max_len, "max_length_k": pack.max_len}
+        unpack = pack.unpack
     if role == "critic":
-        values = module(input_ids=ids, attention_mask=mask)
+        values = unpack(module(**inputs)[..., None])[..., 0]
         return {C.VALUES: values[:, :-1].float()}
-    logits = module(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    logits = unpack(module(**inputs, use_cache=False).logits)
     out = {C.LOGPROBS: token_logprobs(logits, ids)}
     if entropy:
         out[C.ENTROPY] = entropy_from_logits(logits)

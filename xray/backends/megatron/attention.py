@@ -6,7 +6,8 @@ materialises the scores with `baddbmm`, masks and soft-maxes them, then `bmm`s: 
 about 1.5x torch's `scaled_dot_product_attention`, which has a fused kernel on CPU and on GPU.
 Same inputs and outputs as Megatron's: q [sq, b, heads, d], k/v [sk, b, groups, d] (this rank's
 heads), Megatron's boolean mask (True = blocked) -> [sq, b, heads * d]. No dropout (the engine
-trains with dropout 0).
+trains with dropout 0). Packed rows (Megatron's `thd` layout, `xray/data/packing.py`) attend
+inside their own row, one row at a time.
 
 On CPU, bf16 (or fp16) attention runs in fp32 and casts back: torch's CPU flash-attention backward
 in bf16 took 32 ms of a 96 ms train step of vs_trl's small model (8 ms a layer), against 7 ms in
@@ -39,8 +40,10 @@ class SDPAttention(torch.nn.Module):
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: torch.Tensor | None, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None) -> torch.Tensor:
-        if attention_bias is not None or packed_seq_params is not None:
-            raise ValueError("SDPAttention takes neither an attention bias nor packed sequences")
+        if attention_bias is not None:
+            raise ValueError("SDPAttention takes no attention bias")
+        if packed_seq_params is not None:
+            return self._packed(query, key, value, packed_seq_params)
         if self.heads != self.groups:  # each group's k/v serve heads // groups query heads
             key = key.repeat_interleave(self.heads // self.groups, dim=2)
             value = value.repeat_interleave(self.heads // self.groups, dim=2)
@@ -53,3 +56,23 @@ class SDPAttention(torch.nn.Module):
                                              scale=self.scale).to(dtype)  # [b, heads, sq, d]
         sq, b = out.shape[2], out.shape[0]
         return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
+
+    def _packed(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, params) -> torch.Tensor:
+        """Megatron's `thd` layout (q [t, heads, d], k/v [t, groups, d], the rows one after
+        another at `params.cu_seqlens_q`): causal attention inside each row, row by row, so a
+        packed micro-batch costs the sum of its rows' attention, not the square of their sum."""
+        if params.qkv_format != "thd" or not torch.equal(params.cu_seqlens_q, params.cu_seqlens_kv):
+            raise ValueError("SDPAttention packs self-attention rows in the 'thd' layout only")
+        bounds = params.cu_seqlens_q.tolist()
+        out = []
+        for start, end in zip(bounds[:-1], bounds[1:]):
+            q, k, v = (t[start:end].permute(1, 0, 2)[None] for t in (query, key, value))  # [1, h, L, d]
+            if self.heads != self.groups:
+                k = k.repeat_interleave(self.heads // self.groups, dim=1)
+                v = v.repeat_interleave(self.heads // self.groups, dim=1)
+            dtype = q.dtype
+            if q.device.type == "cpu" and dtype in (torch.bfloat16, torch.float16):
+                q, k, v = q.float(), k.float(), v.float()
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale).to(dtype)
+            out.append(o[0].permute(1, 0, 2).reshape(end - start, -1))  # [L, heads * d]
+        return torch.cat(out)

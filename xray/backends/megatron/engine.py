@@ -41,6 +41,7 @@ from xray.data import columns as C
 from xray.data.batch import Batch
 from xray.data.budget import forward_micro_batches, restored
 from xray.data.lengths import train_micro_batches
+from xray.data.packing import Pack, pack_rows
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +60,14 @@ def attention_mask(valid: torch.Tensor) -> torch.Tensor:
     return future[None, None] | ~keys[:, None, None, :]
 
 
+def _packed_params(pack: Pack):
+    """Megatron's description of a packed micro-batch (the `thd` layout)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=pack.cu_seqlens, cu_seqlens_kv=pack.cu_seqlens,
+                           max_seqlen_q=pack.max_len, max_seqlen_kv=pack.max_len)
+
+
 class MegatronEngine(TrainEngine):
     """One rank's shard; build it with `build_engine`."""
 
@@ -66,8 +75,9 @@ class MegatronEngine(TrainEngine):
                  parallel: ParallelDims, role: str, optim: OptimConfig, device: torch.device,
                  forward_micro_batch_size: int | None, mixed: Mixed | None = None,
                  lora: LoraConfig | None = None, adapter_entries: list[Entry] = (),
-                 max_tokens_per_micro_batch: int | None = None):
+                 max_tokens_per_micro_batch: int | None = None, packing: bool = False):
         self.max_tokens = max_tokens_per_micro_batch
+        self.packing = packing
         self.model, self.spec, self.parallel, self.role = model, spec, parallel, role
         self.mixed = mixed  # bf16: Megatron's Float16Module, DDP and optimizer (`mixed.py`)
         self.runner = mixed.runner if mixed is not None else model
@@ -114,6 +124,11 @@ class MegatronEngine(TrainEngine):
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
             ids = mb[C.INPUT_IDS]
+            if self.packing:  # one sequence, no padding: `xray/data/packing.py`
+                pack = pack_rows(ids, mb[C.ATTENTION_MASK])
+                output = model(input_ids=pack.ids, position_ids=pack.positions, attention_mask=None,
+                               packed_seq_params=_packed_params(pack))
+                return pack.unpack(output), partial(loss_func, mb)
             positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
             output = model(input_ids=ids, position_ids=positions,
                            attention_mask=attention_mask(mb[C.ATTENTION_MASK]))
@@ -131,7 +146,7 @@ class MegatronEngine(TrainEngine):
     def forward(self, batch: Batch, entropy: bool = False, adapters: bool = True) -> dict[str, torch.Tensor] | None:
         batch = batch.select([C.INPUT_IDS, C.ATTENTION_MASK]).to(self.device)
         if self.max_tokens is not None:
-            micro, order = forward_micro_batches(batch, self.max_tokens)
+            micro, order = forward_micro_batches(batch, self.max_tokens, packed=self.packing)
         else:
             micro, order = batch.micro_batches(self.forward_micro_batch_size), None
 
@@ -159,7 +174,8 @@ class MegatronEngine(TrainEngine):
         micro = [mb.to(self.device) for mb in train_micro_batches(batch, loss_fn, micro_batch_size,
                                                                    trim=self.parallel.pp == 1,
                                                                    replicas=self.parallel.dp,
-                                                                   max_tokens=self.max_tokens)]
+                                                                   max_tokens=self.max_tokens,
+                                                                   packed=self.packing)]
 
         def loss_func(mb: Batch, output: torch.Tensor):
             loss, metrics = apply_loss(loss_fn, self._head_outputs(output, mb), mb)
@@ -395,7 +411,7 @@ def _init_parallel_state(parallel: ParallelDims) -> None:
 def build_engine(model_dir: str, parallel: ParallelDims, role: str, optim: OptimConfig = OptimConfig(),
                  seed: int = 0, device: str = "cpu", forward_micro_batch_size: int | None = None,
                  attention: str = "sdpa", dtype: str = "float32", lora: LoraConfig | None = None,
-                 max_tokens_per_micro_batch: int | None = None) -> MegatronEngine:
+                 max_tokens_per_micro_batch: int | None = None, packing: bool = False) -> MegatronEngine:
     """Build this rank's engine. torch.distributed's default group must already span exactly
     `parallel.world_size` processes. `role` is "actor", "reference" or "critic";
     `forward_micro_batch_size` bounds the rows per micro-batch of `forward` (None: the whole
@@ -404,7 +420,9 @@ def build_engine(model_dir: str, parallel: ParallelDims, role: str, optim: Optim
     fp32 main weights and fp32 gradient reduction through Megatron's own machinery (`mixed.py`);
     `lora` freezes the base weights and trains LoRA adapters (`lora.py`; a critic's value head
     trains too), seeded by `seed`; `max_tokens_per_micro_batch` cuts forwards and length-grouped
-    train steps by that token budget instead of by rows (`xray/data/budget.py`; pp=1)."""
+    train steps by that token budget instead of by rows (`xray/data/budget.py`; pp=1); `packing`
+    runs each micro-batch's rows as one sequence without padding (`xray/data/packing.py`; pp=1,
+    the sdpa attention)."""
     if role not in ROLES:
         raise ValueError(f"unknown role {role!r}; choose one of {', '.join(ROLES)}")
     if attention not in ATTENTIONS:
@@ -412,9 +430,12 @@ def build_engine(model_dir: str, parallel: ParallelDims, role: str, optim: Optim
     if lora is not None and role == "reference":
         raise EngineUsageError("a reference trains no adapters: build it without lora (the actor's "
                                "forward(batch, adapters=False) is the frozen base, i.e. the reference)")
-    if max_tokens_per_micro_batch is not None and parallel.pp > 1:
-        raise LayoutError(f"max_tokens_per_micro_batch needs pp=1, got pp={parallel.pp}: a pipeline "
-                          "schedule sends one activation shape; cut by micro_batch_size rows instead")
+    if (max_tokens_per_micro_batch is not None or packing) and parallel.pp > 1:
+        raise LayoutError(f"max_tokens_per_micro_batch and packing need pp=1, got pp={parallel.pp}: a "
+                          "pipeline schedule sends one activation shape; cut by micro_batch_size rows instead")
+    if packing and attention != "sdpa":
+        raise EngineUsageError(f"packing runs on the sdpa attention, not {attention!r}: its core attention "
+                               "keeps each packed row to itself; build with attention='sdpa'")
     spec = check_layout(model_dir, parallel)
     params_dtype = torch_dtype(dtype)
     if not dist.is_initialized():
@@ -445,7 +466,7 @@ def build_engine(model_dir: str, parallel: ParallelDims, role: str, optim: Optim
         with cpu_compat.device_context(device):
             mixed = wrap(model, None if role == "reference" else optim)
     return MegatronEngine(model, entries, spec, parallel, role, optim, dev, forward_micro_batch_size, mixed,
-                          lora, adapter_entries, max_tokens_per_micro_batch)
+                          lora, adapter_entries, max_tokens_per_micro_batch, packing)
 
 
 def _add_lora(model: torch.nn.Module, spec: ModelSpec, parallel: ParallelDims, role: str, lora: LoraConfig,
