@@ -1,6 +1,7 @@
-"""xray against TRL's `GRPOTrainer`: the same GRPO job, side by side in one run, at two sizes.
+"""xray against TRL's `GRPOTrainer`: the same GRPO job, side by side in one run, at three sizes.
 
     .venv/bin/python benchmarks/vs_trl.py [--steps 4] [--warmup 1] [--lr 1e-4] [--dtype bfloat16]
+                                          [--sizes small big tail]
 
 Both trainers get the same model directory, task (`builtin:arith`, reward
 `xray.rewards.builtin:exact_answer`, TRL's calling convention), training prompts, batch (prompts x
@@ -25,14 +26,20 @@ would, from `configs/critic_free_tiny_cpu.yaml` with `--layout colocated` (the d
 rollout share one device of two threads and take turns) or `separate` (a core each); one trainer
 after the other.
 Sizes: small, a ~1M-parameter Llama, 12-token responses, 64 completions a step; big (compute
-bound), a ~27M-parameter Llama, 128-token responses, 64 completions a step. Both start untrained:
-an untrained model ends a response at a random length (at the big size about 55 tokens on
-average, one in six at the 128-token limit, by TRL's log). Seconds per step: median over `--steps`
-steps after `--warmup`, per trainer. Eval: greedy accuracy of the trained weights on 200 held-out
-prompts, both scored by the same `transformers` generation here (untrained, both stay at 0).
-xray's phases are printed (medians, s) with the sync's share of the step (median sync s / median
-step s). Last line: `small_xray_over_trl=<xray s/step / TRL s/step> big_xray_over_trl=<same, big>
-eval_xray=<after, big> eval_trl=<after, big>`.
+bound), a ~27M-parameter Llama, 128-token responses, 64 completions a step; tail, the big model
+with long-tailed response lengths: 192-token responses of which about one in ten runs to the
+limit and the rest end after the answer (xray packs its micro-batches there, `actor.packing`;
+TRL pads each to the step's longest). Both trainers start from one model per size that earns
+rewards: the seeded model fine-tuned here on the training prompts' answers (`warm_start`,
+cached under $XRAY_CACHE/vs_trl): at the small size the answer and EOS; at the big size the
+answer, a space and dots, no EOS, so that responses run to the limit and the size stays compute
+bound; at the tail size EOS after the answer unless it ends in 0, then dots. Seconds per step:
+median over `--steps` steps after `--warmup`, per trainer. Eval: greedy accuracy on 200 held-out
+prompts before and after (the same samples: steps x completions), both scored by the same
+`transformers` generation here. xray's phases are printed (medians, s) with the sync's share of
+the step (median sync s / median step s). Last line: `small_xray_over_trl=<xray s/step / TRL
+s/step> big_xray_over_trl=<same> tail_xray_over_trl=<same> eval_xray=<mean over sizes of the
+accuracy after xray> eval_trl=<the same after TRL>`.
 """
 from __future__ import annotations
 
@@ -42,6 +49,7 @@ import logging
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -51,14 +59,97 @@ from xray.builtin.tiny_llama import TinySpec, build_tiny_model
 from xray.rewards.builtin import exact_answer
 from xray.builtin.arith import ARITH
 
-SIZES = {  # spec, response tokens, completions per step, micro-batch
-    "small": (TinySpec(vocab_size=VOCAB_SIZE, hidden_size=128, intermediate_size=512, num_layers=4,
-                       num_heads=4, num_kv_heads=2, max_position_embeddings=256), 12, 64, 64),
-    "big": (TinySpec(vocab_size=VOCAB_SIZE, hidden_size=512, intermediate_size=1536, num_layers=8,
-                     num_heads=8, num_kv_heads=8, max_position_embeddings=512), 128, 64, 8),
+@dataclass(frozen=True)
+class Size:
+    spec: TinySpec
+    length: int
+    """Response tokens at most."""
+    completions: int
+    """Completions per step."""
+    micro: int
+    """Micro-batch rows (TRL's per_device_train_batch_size, xray's actor.micro_batch_size)."""
+    ending: str
+    """The warm start's target ending (`warm_targets`)."""
+    warm_steps: int
+    warm_lr: float
+    xray: tuple[str, ...] = ()
+    """xray's own overrides for the size."""
+
+
+BIG = TinySpec(vocab_size=VOCAB_SIZE, hidden_size=512, intermediate_size=1536, num_layers=8, num_heads=8,
+               num_kv_heads=8, max_position_embeddings=512)
+SIZES = {
+    "small": Size(TinySpec(vocab_size=VOCAB_SIZE, hidden_size=128, intermediate_size=512, num_layers=4,
+                           num_heads=4, num_kv_heads=2, max_position_embeddings=256), 12, 64, 64, "eos", 250, 1e-3),
+    "big": Size(BIG, 128, 64, 8, "dots", 300, 5e-4),
+    "tail": Size(BIG, 192, 64, 8, "tail", 300, 5e-4, ("--actor.packing=true",)),
 }
 GENERATIONS = 4
 EVAL_SIZE = 200
+WARM_DOTS = 16  # a dotted warm-start target's dots: the model then dots on to the length limit
+
+
+def warm_targets(rows: list[dict], ending: str, eos_id: int, tokenizer) -> list[list[int]]:
+    """Each row's supervised target ids: its answer, then (`ending`) EOS ("eos"); a space and dots
+    with no EOS, so that sampled responses run to the length limit ("dots"); or EOS unless the
+    answer ends in 0, then dots ("tail": one response in ten runs to the limit)."""
+    out = []
+    for r in rows:
+        dots = ending == "dots" or (ending == "tail" and r["answer"].endswith("0"))
+        ids = tokenizer(r["answer"] + (" " + "." * WARM_DOTS if dots else ""), add_special_tokens=False).input_ids
+        out.append(list(ids) + ([] if dots else [eos_id]))
+    return out
+
+
+def warm_start(model_dir: Path, rows: list[dict], ending: str, steps: int, lr: float) -> None:
+    """Supervised fine-tuning of the model in `model_dir` on the answers (`warm_targets`), in
+    place, so that both trainers start from a model that earns rewards (AdamW, batches of 64,
+    fp32 weights under bf16 autocast)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from xray.data.sequences import pack_sequences
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    g = torch.Generator().manual_seed(0)
+    prompts = [list(tok(r["prompt"]).input_ids) for r in rows]
+    targets = warm_targets(rows, ending, tok.eos_token_id, tok)
+    for _ in range(steps):
+        pick = torch.randint(len(rows), (64,), generator=g).tolist()
+        batch = pack_sequences([prompts[i] for i in pick], [targets[i] for i in pick], pad_id=tok.pad_token_id)
+        ids, attn, mask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
+        nll = torch.nn.functional.cross_entropy(logits.float().transpose(1, 2), ids[:, 1:], reduction="none")
+        loss = (nll * mask).sum() / mask.sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.save_pretrained(model_dir)
+
+
+def warm_model(size: Size, train: list[dict], directory: Path) -> Path:
+    """The size's model, warm-started (`warm_start`), from a cache under $XRAY_CACHE/vs_trl keyed
+    by everything that shapes it; built and cached when absent."""
+    import hashlib
+    import shutil
+
+    from algorithms.warm_start import cache_root
+
+    key = hashlib.sha256(repr((size.spec, size.ending, size.warm_steps, size.warm_lr, WARM_DOTS, 1)).encode())
+    cached = cache_root() / "vs_trl" / key.hexdigest()[:16]
+    if not (cached / "config.json").is_file():
+        built = build_tiny_model(directory.with_name(directory.name + "-base"), size.spec, seed=0)
+        save_char_tokenizer(built)
+        t0 = time.perf_counter()
+        warm_start(built, train, size.ending, size.warm_steps, size.warm_lr)
+        print(f"warm start ({size.ending}, {size.warm_steps} steps): {time.perf_counter() - t0:.0f} s", flush=True)
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copytree(built, cached.with_suffix(".tmp"), dirs_exist_ok=True)
+        cached.with_suffix(".tmp").replace(cached)
+    shutil.copytree(cached, directory)
+    return directory
 
 
 def greedy_accuracy(model_dir: Path, rows: list[dict]) -> float:
@@ -136,7 +227,7 @@ def xray_config(layout: str, out: Path) -> Path:
 
 
 def run_xray(model_dir: Path, length: int, completions: int, micro: int, steps: int, lr: float, out: Path,
-             layout: str, dtype: str) -> list[float]:
+             layout: str, dtype: str, extra: tuple[str, ...] = ()) -> list[float]:
     from algorithms.ppo.run import ppo_trainer
     from xray.backends.hf_dir import save_hf_model
     from xray.run.outputs import RunDir
@@ -148,7 +239,8 @@ def run_xray(model_dir: Path, length: int, completions: int, micro: int, steps: 
                  f"--ppo.mini_batch_size={completions}", "--ppo.ppo_epochs=1", "--ppo.cliprange=0.2",
                  "--critic_free.kl_in=none", f"--model.dtype={dtype}", f"--rollout.dtype={dtype}",
                  f"--actor.optim.lr={lr}", f"--actor.micro_batch_size={micro}",
-                 f"--data.eval_size={EVAL_SIZE}", "--data.max_prompt_tokens=16", "--trainer.max_restarts=0"]
+                 f"--data.eval_size={EVAL_SIZE}", "--data.max_prompt_tokens=16", "--trainer.max_restarts=0",
+                 *extra]
     _, cfg, plan, _, _ = resolve(["grpo", *overrides])
     seconds, phases = [], []
     with ppo_trainer(cfg, plan, RunDir(out), algo="grpo") as (trainer, data):
@@ -167,14 +259,14 @@ def run_xray(model_dir: Path, length: int, completions: int, micro: int, steps: 
 
 
 def race(size: str, steps: int, warmup: int, lr: float, tmp: Path, layout: str, dtype: str) -> dict[str, float]:
-    spec, length, completions, micro = SIZES[size]
-    model_dir = build_tiny_model(tmp / f"{size}-model", spec, seed=0)
-    save_char_tokenizer(model_dir)
+    sz = SIZES[size]
+    length, completions, micro = sz.length, sz.completions, sz.micro
     train, held_out = ARITH.splits(EVAL_SIZE)
+    model_dir = warm_model(sz, train, tmp / f"{size}-model")
     trl_s = run_trl(model_dir, train, length, completions, micro, steps + warmup, lr, tmp / f"{size}-trl",
                     dtype)[warmup:]
     xray_s = run_xray(model_dir, length, completions, micro, steps + warmup, lr, tmp / f"{size}-xray",
-                      layout, dtype)[warmup:]
+                      layout, dtype, sz.xray)[warmup:]
     result = dict(trl_s=statistics.median(trl_s), xray_s=statistics.median(xray_s),
                   eval_before=greedy_accuracy(model_dir, held_out),
                   eval_trl=greedy_accuracy(tmp / f"{size}-trl/final", held_out),
@@ -193,7 +285,7 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--layout", choices=("separate", "colocated"), default="colocated",
                     help="xray's actor and rollout on a core each, or sharing both cores in turn")
-    ap.add_argument("--sizes", nargs="+", default=["small", "big"], choices=list(SIZES))
+    ap.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
                     help="training precision of both (TRL's bf16 flag, xray's model.dtype)")
     args = ap.parse_args()
@@ -205,10 +297,9 @@ def main() -> None:
                    for size in args.sizes}
     if set(results) != set(SIZES):
         return
-    small, big = results["small"], results["big"]
-    print(f"small_xray_over_trl={small['xray_s'] / small['trl_s']:.3f} "
-          f"big_xray_over_trl={big['xray_s'] / big['trl_s']:.3f} "
-          f"eval_xray={big['eval_xray']:.3f} eval_trl={big['eval_trl']:.3f}")
+    ratios = " ".join(f"{size}_xray_over_trl={r['xray_s'] / r['trl_s']:.3f}" for size, r in results.items())
+    print(f"{ratios} eval_xray={statistics.mean(r['eval_xray'] for r in results.values()):.3f} "
+          f"eval_trl={statistics.mean(r['eval_trl'] for r in results.values()):.3f}")
 
 
 if __name__ == "__main__":
