@@ -30,7 +30,7 @@ import torch
 from algorithms.critic_free.advantages import (grpo_advantages, per_token, reinforce_pp_advantages,
                                                rloo_advantages)
 from algorithms.ppo.kl_estimators import kl_metrics, kl_terms
-from algorithms.ppo.rewards import kl_penalized_rewards, shape_scores
+from algorithms.ppo.rewards import kl_penalized_rewards, run_scores
 from algorithms.ppo.trainer import PhaseTimer, PPOTrainer, policy_loss_of
 from xray.config.schema import RunConfig
 from xray.data import columns as C
@@ -103,8 +103,7 @@ class CriticFreeTrainer(PPOTrainer):
         else:
             logprobs = answers[0][C.LOGPROBS]
             ref_logprobs = answers[1][C.LOGPROBS] if len(answers) > 1 else None
-        shaped = shape_scores(torch.where(mask.sum(1) > 0, scores.float(), 0.0), self.cfg.reward.scale,
-                              self.cfg.reward.clip)
+        shaped = run_scores(torch.where(mask.sum(1) > 0, scores.float(), 0.0), mask, self.cfg)
         columns = {C.INPUT_IDS: exp[C.INPUT_IDS], C.ATTENTION_MASK: exp[C.ATTENTION_MASK], C.LOSS_MASK: mask,
                    C.ADVANTAGES: self.advantages(shaped, logprobs, ref_logprobs, mask, keep), **self.behaviour(exp)}
         if not self.on_policy:

@@ -3,7 +3,11 @@ last response token (trlX's `make_experience`).
 
     rewards[t] = -kl_coef * (logprobs[t] - ref_logprobs[t])     on response positions
     rewards[last] += shaped score                               last response position per row
-    shaped score = clip(score * scale, -clip, clip)
+    shaped score = clip(score * scale, -clip, clip) + overlong penalty
+
+The overlong penalty is DAPO's soft overlong punishment (`reward.overlong_buffer`): 0 for a
+response of at most `limit - buffer` tokens, then falling linearly to `-reward.overlong_penalty`
+at the length limit (veRL's `overlong_buffer`).
 
 All tensors are `[B, T-1]` in the "predict token t+1" layout; `mask` is `LOSS_MASK` (1 on the
 positions that predict a response token, one contiguous span per row; an all-zero row is a
@@ -22,6 +26,25 @@ def shape_scores(scores: torch.Tensor, scale: float = 1.0, clip: Optional[float]
         raise ValueError(f"reward clip must be positive or null, got {clip}; set reward.clip to null to disable it")
     shaped = scores.float() * scale
     return shaped.clamp(-clip, clip) if clip is not None else shaped
+
+
+def overlong_penalty(lengths: torch.Tensor, limit: int, buffer: int, penalty: float) -> torch.Tensor:
+    """DAPO's soft overlong punishment `[B]` of responses `lengths` tokens long under a `limit`:
+    0 up to `limit - buffer`, then linearly down to `-penalty` at the limit (and beyond)."""
+    if buffer <= 0:
+        return torch.zeros(lengths.shape, dtype=torch.float32)
+    over = (lengths.float() - (limit - buffer)) / buffer
+    return -penalty * over.clamp(0.0, 1.0)
+
+
+def run_scores(scores: torch.Tensor, mask: torch.Tensor, cfg) -> torch.Tensor:
+    """A run's shaped scores `[B]` (a `RunConfig`): scaled and clipped (`shape_scores`), plus the
+    overlong penalty of each response's loss-mask tokens under the run's length limit."""
+    from xray.config.env import response_tokens
+
+    r = cfg.reward
+    shaped = shape_scores(scores, r.scale, r.clip)
+    return shaped + overlong_penalty(mask.sum(1), response_tokens(cfg), r.overlong_buffer, r.overlong_penalty)
 
 
 def last_response_index(mask: torch.Tensor) -> torch.Tensor:

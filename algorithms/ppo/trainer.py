@@ -37,7 +37,7 @@ from algorithms.ppo.gae import gae, whiten
 from algorithms.ppo.kl import build_kl_controller
 from algorithms.ppo.kl_estimators import kl_metrics
 from algorithms.ppo.losses import PolicyLoss, ValueLoss, rollout_gap
-from algorithms.ppo.rewards import kl_penalized_rewards, shape_scores
+from algorithms.ppo.rewards import kl_penalized_rewards, run_scores
 from xray.config.batches import TRAINED, TrainBatches, train_batches
 from xray.config.schema import RunConfig
 from xray.data import columns as C
@@ -102,7 +102,7 @@ def ppo_targets(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, values: torc
                 scores: torch.Tensor, cfg: RunConfig, kl_coef: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Steps 3 and 4: the KL-penalised per-token rewards, GAE, whitening; (advantages, returns)."""
     ppo = cfg.ppo
-    shaped = shape_scores(scores, cfg.reward.scale, cfg.reward.clip)
+    shaped = run_scores(scores, mask, cfg)
     rewards = kl_penalized_rewards(logprobs, ref_logprobs, mask, shaped, kl_coef)
     advantages, returns = gae(rewards, values, mask, ppo.gamma, ppo.lam)
     if ppo.whiten_advantages:

@@ -42,3 +42,26 @@ def test_shape_scores_scales_then_clips():
     assert shape_scores(torch.tensor([3.0, -5.0]), scale=0.5).tolist() == [1.5, -2.5]
     with pytest.raises(ValueError, match="reward.clip to null"):
         shape_scores(torch.tensor([1.0]), clip=0.0)
+
+
+def test_overlong_penalty_is_dapos_soft_punishment_and_the_config_checks_it():
+    from algorithms.ppo.rewards import overlong_penalty, run_scores
+    from xray.config import ConfigError, DEFAULT_CONFIGS, load_config
+    from xray.config.plan import plan_run
+
+    lengths = torch.tensor([3, 12, 13, 14, 16, 20])
+    got = overlong_penalty(lengths, limit=16, buffer=4, penalty=0.5)
+    assert got.tolist() == [0.0, 0.0, -0.125, -0.25, -0.5, -0.5]  # 0 up to 12, then down to -0.5 at 16
+    assert overlong_penalty(lengths, 16, 0, 0.5).tolist() == [0.0] * 6
+    g = torch.Generator().manual_seed(0)
+    random_lengths = torch.randint(0, 65, (100,), generator=g)  # veRL's: min(-(L - (limit - buffer)) / buffer * f, 0)
+    verl = torch.clamp(-(random_lengths.float() - (64 - 16)) / 16 * 1.5, max=0.0)
+    torch.testing.assert_close(overlong_penalty(random_lengths, 64, 16, 1.5), verl)
+    cfg = load_config(DEFAULT_CONFIGS["grpo"], [("rollout.max_new_tokens", 16), ("reward.overlong_buffer", 4),
+                                                ("reward.scale", 2.0)])
+    mask = (torch.arange(16)[None, :] < torch.tensor([[12], [16]])).float()
+    assert run_scores(torch.tensor([1.0, 1.0]), mask, cfg).tolist() == [2.0, 1.0]  # scaled, then punished
+    plan_run(cfg, "megatron-vllm", "grpo")
+    for bad in ([("reward.overlong_buffer", 16)], [("reward.overlong_buffer", 4), ("reward.overlong_penalty", -1.0)]):
+        with pytest.raises(ConfigError, match="reward.overlong_buffer"):
+            plan_run(load_config(DEFAULT_CONFIGS["grpo"], [("rollout.max_new_tokens", 16), *bad]), "megatron-vllm", "grpo")

@@ -454,6 +454,10 @@ def plan_run(cfg: RunConfig, backend: str, algo: str = "ppo") -> Plan:
         _check_sample(cfg)
     if cfg.env.episodes:
         _check_env(cfg, algo)
+    buffer, limit = cfg.reward.overlong_buffer, cfg.rollout.max_new_tokens
+    if buffer and (cfg.env.episodes or not 0 < buffer < limit or cfg.reward.overlong_penalty < 0):
+        raise ConfigError(f"reward.overlong_buffer={buffer} needs 0 < buffer < rollout.max_new_tokens={limit}, a penalty "
+                          ">= 0 and no env (an episode's budget counts observations); set it to 0 to turn it off")
     if algo in ("ppo", *CRITIC_FREE) and cfg.trainer.report and "jsonl" not in cfg.trainer.loggers:
         raise ConfigError("trainer.report draws the metrics of metrics.jsonl: keep jsonl in trainer.loggers, "
                           "or set trainer.report=false")

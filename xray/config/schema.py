@@ -131,6 +131,11 @@ class RewardConfig:
     """Clip scores to [-clip, clip] after scaling (null: no clipping)."""
     on_nonfinite: Literal["error", "skip"] = "error"
     """What a NaN or infinite score does: stop the run, or drop that sample."""
+    overlong_buffer: int = 0
+    """DAPO's soft overlong punishment: a response longer than rollout.max_new_tokens less this many
+    tokens loses up to `overlong_penalty`, linearly, at the limit (added after scale and clip). 0: off."""
+    overlong_penalty: float = 1.0
+    """The overlong punishment at the length limit."""
 
 
 @dataclass(frozen=True)
