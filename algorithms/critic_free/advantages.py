@@ -46,6 +46,18 @@ def grpo_advantages(scores: torch.Tensor, n: int, scale_by_std: bool = True, eps
     return centred.reshape(-1)
 
 
+def varied_groups(scores: torch.Tensor, n: int, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """`[B / n]` bool: the groups whose valid rewards are not all equal, the ones DAPO's dynamic
+    sampling keeps (a group whose rewards are all equal has no advantage to learn from); every
+    group when n is 1, as veRL's filter."""
+    r, v = groups_of(scores.float(), n), groups_of(_valid(scores.float(), valid), n) > 0
+    if n == 1:
+        return torch.ones(r.shape[0], dtype=torch.bool)
+    high = torch.where(v, r, float("-inf")).max(1).values
+    low = torch.where(v, r, float("inf")).min(1).values
+    return (v.sum(1) >= 2) & (high > low)
+
+
 def rloo_advantages(scores: torch.Tensor, n: int, valid: torch.Tensor | None = None) -> torch.Tensor:
     """Per-sequence RLOO advantages `[B]`: each reward minus the mean of the other valid rewards
     of its group (0 for a sample with no valid peer)."""

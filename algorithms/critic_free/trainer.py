@@ -29,6 +29,7 @@ import torch
 
 from algorithms.critic_free.advantages import (grpo_advantages, per_token, reinforce_pp_advantages,
                                                rloo_advantages)
+from algorithms.critic_free.dynamic import Sampled, select, varied_count
 from algorithms.ppo.kl_estimators import kl_metrics, kl_terms
 from algorithms.ppo.rewards import kl_penalized_rewards, run_scores
 from algorithms.ppo.trainer import PhaseTimer, PPOTrainer, policy_loss_of
@@ -57,6 +58,8 @@ class CriticFreeTrainer(PPOTrainer):
         if algo not in ALGOS:
             raise ValueError(f"unknown critic-free algorithm {algo!r}; choose one of {', '.join(ALGOS)}")
         self.algo, self.kl_in = algo, kl_placement(cfg, algo)
+        self.more_rows = None
+        """Where dynamic sampling draws more prompt rows (the run's `RunData.next_train_rows`)."""
         self.on_policy = (self.kl_in == "none" and cfg.ppo.ppo_epochs == 1 and cfg.rollout.quantization == "none"
                           and self.batches().mini_batch_size == cfg.ppo.rollout_batch_size * cfg.rollout.n_samples)
         self.policy_loss = dataclasses.replace(
@@ -83,9 +86,9 @@ class CriticFreeTrainer(PPOTrainer):
             return per_token(grpo_advantages(scores, n, cf.scale_by_std, valid=valid), mask)
         return per_token(rloo_advantages(scores, n, valid=valid), mask)
 
-    async def step(self, rows: list[dict]) -> dict[str, float]:
-        """One critic-free step on prompt `rows` (each with `prompt_ids` and its dataset columns)."""
-        t, step, m = PhaseTimer(), self.state.step + 1, self.models
+    async def sample(self, rows: list[dict], step: int, t: PhaseTimer) -> Sampled:
+        """One round of samples: generated, scored, and the forwards the step needs."""
+        m = self.models
         with t("generate"):
             await self.wake_rollout()
             gen = await self.rollout(rows, self.sampling(step))
@@ -97,6 +100,25 @@ class CriticFreeTrainer(PPOTrainer):
         with t("score"):
             scores, keep = await self.score(rows, exp, gen)
             answers = await asyncio.gather(*forwards)
+        return Sampled(exp, scores, keep, list(answers))
+
+    async def samples(self, rows: list[dict], step: int, t: PhaseTimer) -> tuple[Sampled, dict[str, float]]:
+        """The step's samples: one round, or with `critic_free.dynamic_sampling` rounds of more
+        prompts (`more_rows`) until the batch's groups vary (`algorithms/critic_free/dynamic.py`)."""
+        first = await self.sample(rows, step, t)
+        cf, n = self.cfg.critic_free, self.cfg.rollout.n_samples
+        if not cf.dynamic_sampling:
+            return first, {}
+        rounds = [first]
+        while sum(varied_count(r, n) for r in rounds) < len(rows) and len(rounds) < cf.max_sample_rounds:
+            rounds.append(await self.sample(self.more_rows(), step, t))
+        return select(rounds, n, len(rows))
+
+    async def step(self, rows: list[dict]) -> dict[str, float]:
+        """One critic-free step on prompt `rows` (each with `prompt_ids` and its dataset columns)."""
+        t, step = PhaseTimer(), self.state.step + 1
+        sampled, dynamic = await self.samples(rows, step, t)
+        exp, scores, keep, answers = sampled.exp, sampled.scores, sampled.keep, sampled.answers
         mask = exp[C.LOSS_MASK] if keep is None else exp[C.LOSS_MASK] * keep[:, None].float()
         if self.on_policy:  # no KL either: the log-probs only shape (zero) KL terms
             logprobs, ref_logprobs = torch.zeros_like(mask), None
@@ -119,4 +141,4 @@ class CriticFreeTrainer(PPOTrainer):
             if train.pop("actor/abort_update"):
                 self.end_to_end_failed(gap["rollout_logprob_gap_max"], gap["rollout_logprob_gap_mean"])
         kl = kl_metrics(logprobs, ref_logprobs, mask) if ref_logprobs is not None else {}
-        return await self.finish_step(step, t, exp, scores, mask, kl, train, gap)
+        return {**await self.finish_step(step, t, exp, scores, mask, kl, train, gap), **dynamic}

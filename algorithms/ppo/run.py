@@ -41,6 +41,7 @@ def make_trainer(algo: str, cfg: RunConfig, models, score, data: RunData) -> PPO
         from algorithms.critic_free.trainer import CriticFreeTrainer
 
         trainer = CriticFreeTrainer(cfg, models, score, data.pad_id, data.stop_ids, algo)
+        trainer.more_rows = data.next_train_rows  # dynamic sampling's further prompts
     if cfg.env.agent:
         from algorithms.ppo.agents import AgentSamples
 

@@ -75,7 +75,8 @@ class PhaseTimer:
             if not hasattr(exc, "phase"):
                 exc.phase = phase  # where the step failed: recovery (algorithms.ppo.recovery) asks
             raise
-        self.seconds[f"time/{phase}_s"] = time.perf_counter() - t0
+        key = f"time/{phase}_s"  # a phase run twice in a step (dynamic sampling's rounds) adds up
+        self.seconds[key] = self.seconds.get(key, 0.0) + time.perf_counter() - t0
 
 
 def mini_batch_rows(n: int, mini_batch_size: int, parts: int, seed: int) -> list[torch.Tensor]:

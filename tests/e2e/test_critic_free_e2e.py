@@ -5,7 +5,8 @@ actor) on them in turn.
 
 Layout as the PPO e2e: actor and reference on Megatron tp=2 or DeepSpeed ZeRO-3 dp=2, a rollout
 of 2 replicas; 4 prompts x 2 responses a step. No critic is started. Each run exercises one set
-of options: Dr. GRPO (no std scaling, `seq-mean-token-sum`, clip-higher, KL loss term); RLOO
+of options: Dr. GRPO (no std scaling, `seq-mean-token-sum`, clip-higher, KL loss term, DAPO's
+dynamic sampling over up to 2 rounds); RLOO
 (KL in the reward, `target_kl` stopping after the first of 2 epochs, and its syncs run as where
 actor and rollout share devices: the actor's probe queued behind its last update, before the
 push, and still verified); REINFORCE++ with a guard
@@ -84,7 +85,8 @@ def openai_agent(row: dict, base_url: str) -> float:
 
 
 VARIANTS = {  # run: (algorithm, ppo overrides, critic_free overrides)
-    "grpo": ("grpo", {"loss_agg_mode": "seq-mean-token-sum", "cliprange_high": 0.28}, {"scale_by_std": False}),
+    "grpo": ("grpo", {"loss_agg_mode": "seq-mean-token-sum", "cliprange_high": 0.28},
+             {"scale_by_std": False, "dynamic_sampling": True, "max_sample_rounds": 2}),
     "rloo": ("rloo", {"target_kl": 1e-9}, {}),
     "reinforce_pp": ("reinforce_pp", {"max_approx_kl": -1.0}, {}),
     "grpo-on-policy": ("grpo", {"ppo_epochs": 1, "mini_batch_size": 8}, {"kl_in": "none"}),
@@ -185,6 +187,10 @@ def check_run(algo: str, run: Path, before: dict, backend: str) -> None:
     moved = max(float((before[k].float() - after[k].float()).abs().max()) for k in after)
     if algo == "grpo":
         assert all(r["actor/kl_loss"] >= 0 for r in rows.values()) and moved > 0
+        for r in rows.values():  # a second round exactly when the first had fewer than 4 varied groups
+            rounds, varied = r["dynamic_sampling/rounds"], r["dynamic_sampling/varied_groups"]
+            assert r["dynamic_sampling/sampled_groups"] == 4 * rounds and rounds in (1.0, 2.0), r
+            assert r["dynamic_sampling/filled_groups"] == max(0.0, 4 - varied), r
         assert all(r["ppo/epochs"] == 2 and r["actor/updates_skipped"] == 0 for r in rows.values())
     if algo == "rloo":  # the first epoch's approx KL is above 1e-9: the second never runs
         assert all(r["ppo/epochs"] == 1 for r in rows.values()) and "actor/kl_loss" not in rows[1] and moved > 0

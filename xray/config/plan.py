@@ -187,6 +187,8 @@ def _check_critic_free(cfg: RunConfig, algo: str) -> None:
         raise ConfigError(f"{algo} runs with trainer.mode=sync; the asynchronous mode is PPO's for now")
     if cfg.actor.elasticity is not None or cfg.reference.elasticity is not None:
         raise ConfigError(f"{algo}: elastic device groups are PPO's for now; remove the elasticity blocks")
+    if cfg.critic_free.dynamic_sampling and (cfg.env.episodes or cfg.critic_free.max_sample_rounds < 1):
+        raise ConfigError("critic_free.dynamic_sampling samples completions (no env), max_sample_rounds >= 1")
 
 
 def _check_sample(cfg: RunConfig) -> None:

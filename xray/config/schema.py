@@ -195,6 +195,11 @@ class CriticFreeConfig:
     reward for rloo and reinforce_pp."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """Per-token KL estimate of the loss term (the reward penalty is k1)."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: drop groups whose rewards are all equal and sample more prompts until the
+    batch's groups vary, at most `max_sample_rounds` rounds (then dropped groups fill it); metrics count it."""
+    max_sample_rounds: int = 3
+    """Rounds of sampling per step at most with `dynamic_sampling` (the first included)."""
 
 
 @dataclass(frozen=True)
