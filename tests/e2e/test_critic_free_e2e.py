@@ -4,7 +4,8 @@ per pair (start-up dominates), then each algorithm's whole run (`algorithms.ppo.
 actor) on them in turn.
 
 Layout as the PPO e2e: actor and reference on Megatron tp=2 or DeepSpeed ZeRO-3 dp=2, a rollout
-of 2 replicas; 4 prompts x 2 responses a step. No critic is started. Each run exercises one set
+of 2 replicas; 4 prompts x 2 responses a step; forwards and train steps cut by a 32-token budget
+(`max_tokens_per_micro_batch`), packed on megatron-vllm (`packing`). No critic is started. Each run exercises one set
 of options: Dr. GRPO (no std scaling, `seq-mean-token-sum`, clip-higher, KL loss term, DAPO's
 dynamic sampling over up to 2 rounds); RLOO
 (KL in the reward, `target_kl` stopping after the first of 2 epochs, and its syncs run as where
@@ -48,8 +49,10 @@ def critic_free_config(tmp_path: Path, model_dir: Path, backend: str):
         "rollout_group": {"device": "CPU", "ranks": [2, 3], "workers": ["rollout"]},
     }
     layout = {"tp": 2, "dp": 1} if backend.startswith("megatron") else {"tp": 1, "dp": 2, "zero_stage": 3}
+    # forwards and train steps by a token budget; on megatron-vllm also packed (the parity is the backend tier's)
+    cut = {"max_tokens_per_micro_batch": 32, "packing": backend.startswith("megatron")}
     for role in ("actor", "reference"):
-        cfg[role].update(layout, micro_batch_size=2)
+        cfg[role].update(layout, micro_batch_size=2, **cut)
     cfg["rollout"].update(dp=2, max_new_tokens=4, n_samples=2)
     cfg["ppo"].update(rollout_batch_size=4, mini_batch_size=4, ppo_epochs=2)
     cfg["data"]["eval_size"] = 8
