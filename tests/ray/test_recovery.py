@@ -8,8 +8,8 @@ deepspeed-dsinfer, slow tier): the run replaces that model, goes back to the new
 in-memory snapshot (step 4's, or step 3's when step 4's was cut) and finishes, having run again at
 most one step that had finished. On megatron-vllm a rollout Workhorse is also killed during step 8:
 it is replaced and step 8 runs again without going back (steps 6 and 7 ran once); and a critic
-Workhorse gets SIGTERM during step 9: it is replaced when the step ends, from the step's snapshot,
-and no step runs again. The megatron-vllm run keeps a warm standby process per model
+Workhorse gets SIGTERM during step 9: it is replaced when the step ends (or the next, when the
+notice reaches the run after the step's end), from that step's snapshot, and no step runs again. The megatron-vllm run keeps a warm standby process per model
 (`trainer.standby_workhorses: 1`): the actor's and the critic's replacements are built in them.
 An asynchronous run whose trainer is lost (slow tier) goes back to its checkpoint, restored from memory.
 """
@@ -120,9 +120,13 @@ def test_dead_workhorses_are_replaced(tmp_path, tiny_model, backend, trained, ca
     assert set(redone) <= {int(back.group(1)) + 1} and max(redone.values(), default=1) == 1, (delay, rows)
     assert f"{trained}: replaced" in log
     assert ("rollout: replaced" in log) == (trained == "actor")
-    if trained == "actor":  # the drained critic: replaced after step 9 from its snapshot, nothing run again
-        assert re.search(r"drain notice \(SIGTERM\) from critic rank 0 \(pid \d+\); replacing critic after step 9", log), log[-3000:]
-        assert "critic replaced after a drain notice" in log and "at step 9, restored from the in-memory snapshot" in log
+    if trained == "actor":  # the drained critic: replaced after step 9 from its snapshot, nothing run again (or
+        # after step 10 when its notice reached the inbox only after step 9 ended: seen once on a busy host, the
+        # SIGTERM 0.3 s into a step and its notice later than the step's end)
+        drained = re.search(r"drain notice \(SIGTERM\) from critic rank 0 \(pid \d+\); replacing critic after step (\d+)", log)
+        assert drained and drained.group(1) in ("9", "10"), log[-3000:]
+        assert "critic replaced after a drain notice" in log
+        assert f"at step {drained.group(1)}, restored from the in-memory snapshot" in log
 
 
 @pytest.mark.slow
