@@ -293,11 +293,14 @@ def _hidden_size(model_dir: str) -> int:
     return int(AutoConfig.from_pretrained(model_dir).hidden_size)
 
 
+def _on_collective_device(t: torch.Tensor) -> torch.Tensor:
+    """`t` where the default group's collectives take it (NCCL: the GPU)."""
+    return t.cuda() if dist.get_backend() == "nccl" else t
+
+
 def _largest_count(count: int) -> int:
     """The largest of every rank's micro-batch count (collective)."""
-    t = torch.tensor([count], dtype=torch.long)
-    if dist.get_backend() == "nccl":
-        t = t.cuda()
+    t = _on_collective_device(torch.tensor([count], dtype=torch.long))
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return int(t.item())
 
@@ -305,9 +308,7 @@ def _largest_count(count: int) -> int:
 def _mean_over_ranks(values: dict[str, float]) -> dict[str, float]:
     """Average float metrics over all ranks (every rank must pass the same keys)."""
     keys = sorted(values)
-    t = torch.tensor([values[k] for k in keys], dtype=torch.float64)
-    if dist.get_backend() == "nccl":
-        t = t.cuda()
+    t = _on_collective_device(torch.tensor([values[k] for k in keys], dtype=torch.float64))
     dist.all_reduce(t)
     t /= dist.get_world_size()
     return dict(zip(keys, t.cpu().tolist()))
