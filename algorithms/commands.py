@@ -12,7 +12,7 @@ from xray.config.schema import RunConfig
 
 
 def rl(cfg: RunConfig, plan: Plan, output_dir: Path, args: argparse.Namespace) -> str:
-    """ppo and the critic-free grpo, rloo and reinforce_pp."""
+    """ppo and the critic-free grpo, rloo, reinforce_pp and opd."""
     from algorithms.ppo.run import run_ppo
 
     before, after = run_ppo(cfg, plan, output_dir, args.resume, args.ray_address, args.algo)

@@ -17,7 +17,8 @@ import shutil
 from pathlib import Path
 
 from xray.builtin.tasks import get_task
-from xray.builtin.tiny_llama import BUILTIN_MODEL, build_base_model, builtin_spec
+from xray.builtin.tiny_llama import (BUILTIN_MODEL, TEACHER_MODEL, TinySpec, build_base_model, builtin_spec,
+                                     teacher_spec)
 from xray.config.env import EnvConfig
 from xray.config.plan import Plan, plan_run
 from xray.config.schema import RunConfig
@@ -33,8 +34,8 @@ def cache_root() -> Path:
     return Path(os.environ.get("XRAY_CACHE", Path.home() / ".cache" / "xray"))
 
 
-def warm_start_key(cfg: RunConfig, train_backend: str) -> str:
-    shaping = {"spec": to_dict(builtin_spec()), "sft": to_dict(cfg.sft), "seed": cfg.seed,
+def warm_start_key(cfg: RunConfig, train_backend: str, spec: TinySpec | None = None) -> str:
+    shaping = {"spec": to_dict(spec or builtin_spec()), "sft": to_dict(cfg.sft), "seed": cfg.seed,
                "data": cfg.data.path, "eval_size": cfg.data.eval_size, "backend": train_backend,
                "actor": {"micro": cfg.actor.micro_batch_size, "tp": cfg.actor.tp, "pp": cfg.actor.pp,
                          "dp": cfg.actor.dp}, "version": 1}
@@ -51,18 +52,33 @@ def model_dir(cfg: RunConfig, plan: Plan, run: RunDir, ray_address: str | None) 
     return model_directory(cfg.model.path)
 
 
-def build_builtin_model(cfg: RunConfig, plan: Plan, run: RunDir, ray_address: str | None) -> Path:
-    """The warm-started tiny model (cached)."""
+def with_teacher_dir(cfg: RunConfig, plan: Plan, run: RunDir, ray_address: str | None) -> RunConfig:
+    """`cfg` with `teacher.model_path` a directory: `builtin:tiny-llama-teacher` is the larger built-in
+    model (`teacher_spec`) warm-started as the student is, three times as many steps (cached)."""
+    path = cfg.teacher.model_path
+    if not path:
+        return cfg
+    if path == TEACHER_MODEL:
+        longer = dataclasses.replace(cfg, sft=dataclasses.replace(cfg.sft, steps=3 * cfg.sft.steps))
+        directory = str(build_builtin_model(longer, plan, run, ray_address, teacher_spec(), "tiny-llama-teacher"))
+    else:
+        directory = model_directory(path)
+    return dataclasses.replace(cfg, teacher=dataclasses.replace(cfg.teacher, model_path=directory))
+
+
+def build_builtin_model(cfg: RunConfig, plan: Plan, run: RunDir, ray_address: str | None,
+                        spec: TinySpec | None = None, name: str = "tiny-llama") -> Path:
+    """The warm-started tiny model (`spec`: another than the built-in student; cached)."""
     from algorithms.sft import answer_pairs, run_sft
 
     train_backend = plan.backend.split("-")[0]
-    target = cache_root() / "builtin" / f"tiny-llama-sft-{warm_start_key(cfg, train_backend)}"
+    target = cache_root() / "builtin" / f"{name}-sft-{warm_start_key(cfg, train_backend, spec)}"
     if (target / "model.safetensors").is_file():
         log.info("warm-started model from cache: %s", target)
         return target
     # the warm start trains every weight, also for a LoRA run (which then trains adapters on it)
     cfg = dataclasses.replace(cfg, actor=dataclasses.replace(cfg.actor, lora=None), env=EnvConfig())  # no episodes
-    base = build_base_model(run.path / "base-model", cfg.seed)
+    base = build_base_model(run.path / ("base-model" if spec is None else f"{name}-base"), cfg.seed, spec)
     tokenizer = load_tokenizer(str(base))
     train, _ = load_prompt_splits(cfg.data, tokenizer, run.path / "data")
     task = get_task(cfg.data.path) if cfg.data.path.startswith("builtin:") else None
@@ -71,7 +87,7 @@ def build_builtin_model(cfg: RunConfig, plan: Plan, run: RunDir, ray_address: st
     else:
         pairs = answer_pairs(train.prompt_ids, train.extras[cfg.data.answer_field], tokenizer)
     log.info("warm start: %d supervised steps on %d prompts", cfg.sft.steps, len(pairs))
-    sft_dir = RunDir(run.path / "warm-start")
+    sft_dir = RunDir(run.path / ("warm-start" if spec is None else f"{name}-warm-start"))
     out = run_sft(cfg, plan_run(cfg, plan.backend, "sft"), pairs, str(base), sft_dir, tokenizer.pad_token_id or 0,
                   ray_address)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):

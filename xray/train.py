@@ -4,11 +4,12 @@
                              [--resume [DIR]] [--ray-address ADDR] [--dry-run] [-v | --quiet]
                              [--a.b.c=VALUE ...]
 
-ALGO: ppo, the critic-free grpo, rloo and reinforce_pp, sft, rm (a reward model trained on
+ALGO: ppo, the critic-free grpo, rloo and reinforce_pp, opd (on-policy distillation from a
+teacher), sft, rm (a reward model trained on
 preference pairs), sample (best-of-N candidates scored by the sampler/prm/orm roles, written as a
 dataset), distill (fine-tuning on that dataset) or pt (continued pre-training on plain text).
 Loads and checks the config (defaults: `configs/ppo_tiny_cpu.yaml`,
-`configs/critic_free_tiny_cpu.yaml`, `configs/sample_tiny_cpu.yaml`), builds the placement plan,
+`configs/critic_free_tiny_cpu.yaml`, `configs/opd_tiny_cpu.yaml`, `configs/sample_tiny_cpu.yaml`), builds the placement plan,
 and runs the algorithm: a command the algorithms layer registered (`xray.commands`). `--dry-run`
 prints the resolved config and the plan without starting Ray. User
 mistakes end with a one-line message on stderr and exit code 2, no traceback. `-v` adds DEBUG lines,

@@ -9,6 +9,10 @@ Rows come in groups: the `n` responses to one prompt are rows `g*n .. g*n+n-1`. 
     RLOO (Ahmadian et al. 2024) A_i =  r_i - mean(r_j, j != i in the group)
     REINFORCE++ (Hu 2025)       A_t = whiten over the batch of sum_{s >= t} r_s (per-token rewards,
                                       the KL penalty on every token and the score on the last)
+    On-policy distillation      A_t = c (log pi_teacher(y_t) - log pi_student(y_t)): the negative
+      (Agarwal et al. 2024;           per-token reverse KL of the sampled token, not discounted,
+       Lu and Thinking Machines       not normalised (`opd` alone with c = 1; added to any of the
+       2025)                          above with c = `distill.teacher_coef`)
 
 The first three give one advantage per sequence, broadcast over its response tokens
 (`per_token`); REINFORCE++ is per token already.
@@ -69,6 +73,24 @@ def rloo_advantages(scores: torch.Tensor, n: int, valid: torch.Tensor | None = N
     others = count - v
     baseline = (total - r * v) / others.clamp(min=1.0)
     return ((r - baseline) * v * (others > 0)).reshape(-1)
+
+
+def teacher_advantages(student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor,
+                       coef: float = 1.0) -> torch.Tensor:
+    """`[B, T-1]`: `coef` x (teacher's - student's log-prob of each sampled token) on the response
+    positions of `mask`, 0 elsewhere. Positive where the teacher finds the student's token likelier
+    than the student does: minimising the reverse KL, one sampled token at a time."""
+    return coef * (teacher.float() - student.float()) * mask.to(torch.float32)
+
+
+def teacher_metrics(student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """`distill/reverse_kl`: the mean over response tokens of student - teacher log-prob of the
+    sampled token (the k1 estimate of KL(student || teacher), what on-policy distillation lowers);
+    `distill/teacher_logprob`: the teacher's mean log-prob of the student's tokens."""
+    m = mask.float()
+    tokens = m.sum().clamp(min=1.0)
+    return {"distill/reverse_kl": float(((student.float() - teacher.float()) * m).sum() / tokens),
+            "distill/teacher_logprob": float((teacher.float() * m).sum() / tokens)}
 
 
 def per_token(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

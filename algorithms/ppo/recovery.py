@@ -6,7 +6,7 @@ model with a dead Workhorse on the same devices (`Models.replace`: its surviving
 killed too, and the new ones form fresh process groups under the same WholeModel actor; an
 elastic device group that lost a device, its node gone, is placed again on what the cluster
 grants, `algorithms.ppo.elastic`), then, in a synchronous run:
-- a rollout, reference or reward model that died before the step trained (generation or
+- a rollout, reference, teacher or reward model that died before the step trained (generation or
   scoring) holds nothing to restore: the rollout gets the actor's current weights (verified),
   the prompt sampler steps back, and the step runs again; training is not touched;
 - otherwise (the actor or critic died, or anything died once training had begun) the actor,
@@ -49,7 +49,8 @@ def dead_models(models) -> dict[str, list[int]]:
     models are pinged at once: a busy one answers late, and the waits must not add up)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    roles = [r for r in ("actor", "critic", "reference", "reward", "rollout") if getattr(models, r, None) is not None]
+    roles = [r for r in ("actor", "critic", "reference", "teacher", "reward", "rollout")
+             if getattr(models, r, None) is not None]
     with ThreadPoolExecutor(max_workers=len(roles)) as pool:
         found = dict(zip(roles, pool.map(lambda role: getattr(models, role).dead_ranks(), roles)))
     return {role: ranks for role, ranks in found.items() if ranks}

@@ -1,5 +1,6 @@
 """The PPO run: what `python -m xray.train ppo` does after the config is checked (and
-`grpo`, `rloo`, `reinforce_pp`, whose trainers, `algorithms.critic_free`, step differently).
+`grpo`, `rloo`, `reinforce_pp` and on-policy distillation's `opd`, whose trainers,
+`algorithms.critic_free`, step differently).
 
 Reads like the script it is: prepare the model and data, start the WholeModels, evaluate, loop
 steps with progress, metrics and checkpoints (and the timeline of step `trainer.timeline_step`,
@@ -28,7 +29,7 @@ from xray.run.graceful import GracefulStop, RunInterrupted
 from xray.run.outputs import RunDir
 from xray.run.progress import StepProgress
 from xray.run.timeline import StepTimeline
-from algorithms.warm_start import model_dir
+from algorithms.warm_start import model_dir, with_teacher_dir
 from xray.run.inputs import BUILTIN_MODEL, RunData, prepare
 
 log = logging.getLogger(__name__)
@@ -57,9 +58,10 @@ def make_trainer(algo: str, cfg: RunConfig, models, score, data: RunData) -> PPO
 def ppo_trainer(cfg: RunConfig, plan: Plan, run: RunDir, ray_address: str | None = None,
                 algo: str = "ppo") -> Iterator:
     """Prepare the model and prompts, start the run's WholeModels, and yield (trainer, RunData)
-    for `algo` (ppo, grpo, rloo, reinforce_pp); the WholeModels are shut down on the way out (the
+    for `algo` (ppo, grpo, rloo, reinforce_pp, opd); the WholeModels are shut down on the way out (the
     run command, the benchmarks and the tests use it)."""
     data = prepare(cfg, run, model_dir(cfg, plan, run, ray_address))
+    cfg = with_teacher_dir(cfg, plan, run, ray_address)  # on-policy distillation's teacher, built if built-in
     models = build_models(cfg, plan, data.model_dir, ray_address)
     try:
         score = data.score or ModelScorer(models.reward, cfg.reward.on_nonfinite)

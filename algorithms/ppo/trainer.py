@@ -3,7 +3,8 @@
 One step, as on paper:
   1. rollout: the rollout engine samples responses for a batch of prompts;
   2. score, concurrently: actor log-probs, reference log-probs, critic values (fed the rollout's
-     answer by reference, straight from the rollout's Workhorses), and the reward;
+     answer by reference, straight from the rollout's Workhorses), the reward, and with
+     `distill.teacher_coef` the teacher's log-probs (its weighted term added to the advantages);
   3. per-token rewards = -kl_coef * (logp - ref_logp), the score added at the last response token;
   4. GAE advantages (whitened, with a floor on the std) and returns;
   5. `ppo_epochs` passes of mini-batches: clipped policy loss on the actor, clipped value loss on
@@ -33,6 +34,7 @@ from typing import Any, Callable
 
 import torch
 
+from algorithms.critic_free.advantages import teacher_advantages, teacher_metrics
 from algorithms.ppo.gae import gae, whiten
 from algorithms.ppo.kl import build_kl_controller
 from algorithms.ppo.kl_estimators import kl_metrics
@@ -179,24 +181,29 @@ class PPOTrainer:
         with t("generate"):
             await self.wake_rollout()
             gen = await self.rollout(rows, self.sampling(step))
-            forwards = m.actor.forward(gen), reference_forward(m, gen), m.critic.forward(gen)
+            coef = self.cfg.distill.teacher_coef  # on-policy distillation's term (`xray/config/distill.py`)
+            forwards = (m.actor.forward(gen), reference_forward(m, gen), m.critic.forward(gen),
+                        *([m.teacher.forward(gen)] if coef else []))
             exp = gen if isinstance(gen, Batch) else await gen
         await self.sleep_rollout(t)
         rows = [rows[i // self.cfg.rollout.n_samples] for i in range(len(exp))]
         with t("score"):
             scores, keep = await self.score(rows, exp, gen)
-            old, ref, values = await asyncio.gather(*forwards)
+            old, ref, values, *teacher = await asyncio.gather(*forwards)
         mask = exp[C.LOSS_MASK] if keep is None else exp[C.LOSS_MASK] * keep[:, None].float()
         advantages, returns = ppo_targets(old[C.LOGPROBS], ref[C.LOGPROBS], values[C.VALUES], mask, scores,
                                           self.cfg, self.kl.value)
+        if teacher:  # after whitening: the teacher's term keeps its scale, as on the critic-free steps
+            advantages = advantages + teacher_advantages(old[C.LOGPROBS], teacher[0][C.LOGPROBS], mask, coef)
         train_batch = Batch({C.INPUT_IDS: exp[C.INPUT_IDS], C.ATTENTION_MASK: exp[C.ATTENTION_MASK],
                              C.LOSS_MASK: mask, C.OLD_LOGPROBS: old[C.LOGPROBS], C.OLD_VALUES: values[C.VALUES],
                              C.ADVANTAGES: advantages, C.RETURNS: returns, **self.behaviour(exp)})
         gap = self.check_end_to_end(old[C.LOGPROBS], exp, mask)  # before the batch is trained on
         with t("train"):
             train = await self.train(train_batch, step, probe=self.early_probe(exp))
-        return await self.finish_step(step, t, exp, scores, mask, kl_metrics(old[C.LOGPROBS], ref[C.LOGPROBS], mask),
-                                      train, gap)
+        metrics = await self.finish_step(step, t, exp, scores, mask, kl_metrics(old[C.LOGPROBS], ref[C.LOGPROBS], mask),
+                                         train, gap)
+        return {**metrics, **(teacher_metrics(old[C.LOGPROBS], teacher[0][C.LOGPROBS], mask) if teacher else {})}
 
     async def rollout(self, rows: list[dict], sampling: dict[str, Any]):
         """The samples of prompt `rows`: the rollout's generation, pending (its forwards queue

@@ -3,11 +3,14 @@ per pair (start-up dominates), then each algorithm's whole run (`algorithms.ppo.
 `python -m xray.train <algo>` runs: evaluations, steps, metrics, flash checkpoints, the exported
 actor) on them in turn.
 
-Layout as the PPO e2e: actor and reference on Megatron tp=2 or DeepSpeed ZeRO-3 dp=2, a rollout
+Layout as the PPO e2e: actor, reference and teacher (a model twice the student's width) on
+Megatron tp=2 or DeepSpeed ZeRO-3 dp=2, a rollout
 of 2 replicas; 4 prompts x 2 responses a step; forwards and train steps cut by a 32-token budget
 (`max_tokens_per_micro_batch`), packed on megatron-vllm (`packing`). No critic is started. Each run exercises one set
 of options: Dr. GRPO (no std scaling, `seq-mean-token-sum`, clip-higher, KL loss term, DAPO's
-dynamic sampling over up to 2 rounds); RLOO
+dynamic sampling over up to 2 rounds, and a teacher's per-token term at `distill.teacher_coef=0.5`);
+on-policy distillation (`opd`: the teacher's term alone, no reference, no reward in the advantage);
+RLOO
 (KL in the reward, `target_kl` stopping after the first of 2 epochs, and its syncs run as where
 actor and rollout share devices: the actor's probe queued behind its last update, before the
 push, and still verified); REINFORCE++ with a guard
@@ -38,26 +41,28 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # keep Ray on l
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def critic_free_config(tmp_path: Path, model_dir: Path, backend: str):
+def critic_free_config(tmp_path: Path, model_dir: Path, backend: str, teacher_dir: Path):
     from xray.config import load_config
 
     cfg = yaml.safe_load((ROOT / "configs/critic_free_tiny_cpu.yaml").read_text())
     cfg["model"]["path"] = str(model_dir)
     cfg["device_groups"] = {
         "nproc_per_node": 4,
-        "train_group": {"device": "CPU", "ranks": [0, 1], "workers": ["actor", "reference"]},
+        "train_group": {"device": "CPU", "ranks": [0, 1], "workers": ["actor", "reference", "teacher"]},
         "rollout_group": {"device": "CPU", "ranks": [2, 3], "workers": ["rollout"]},
     }
     layout = {"tp": 2, "dp": 1} if backend.startswith("megatron") else {"tp": 1, "dp": 2, "zero_stage": 3}
     # forwards and train steps by a token budget; on megatron-vllm also packed (the parity is the backend tier's)
     cut = {"max_tokens_per_micro_batch": 32, "packing": backend.startswith("megatron")}
-    for role in ("actor", "reference"):
+    cfg["teacher"] = {"model_path": str(teacher_dir)}
+    for role in ("actor", "reference", "teacher"):
         cfg[role].update(layout, micro_batch_size=2, **cut)
     cfg["rollout"].update(dp=2, max_new_tokens=4, n_samples=2)
     cfg["ppo"].update(rollout_batch_size=4, mini_batch_size=4, ppo_epochs=2)
     cfg["data"]["eval_size"] = 8
     cfg["reward"]["function"] = "tests.e2e.test_critic_free_e2e:digit_share"  # the untrained model scores 0 on arith
     cfg["trainer"].update(steps=3, save_every=2)
+    cfg["distill"] = {"teacher_coef": 0.5}  # the shared start has the teacher; each variant sets its own
     cfg["env"] = dict(ANSWER_GUESS)  # only the episodes variant plays it; the engines have its room
     path = tmp_path / "critic_free.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
@@ -87,9 +92,10 @@ def openai_agent(row: dict, base_url: str) -> float:
     return reward
 
 
-VARIANTS = {  # run: (algorithm, ppo overrides, critic_free overrides)
+VARIANTS = {  # run: (algorithm, ppo overrides, critic_free overrides); the teacher's weight in TEACHER
     "grpo": ("grpo", {"loss_agg_mode": "seq-mean-token-sum", "cliprange_high": 0.28},
              {"scale_by_std": False, "dynamic_sampling": True, "max_sample_rounds": 2}),
+    "opd": ("opd", {}, {}),
     "rloo": ("rloo", {"target_kl": 1e-9}, {}),
     "reinforce_pp": ("reinforce_pp", {"max_approx_kl": -1.0}, {}),
     "grpo-on-policy": ("grpo", {"ppo_epochs": 1, "mini_batch_size": 8}, {"kl_in": "none"}),
@@ -100,6 +106,8 @@ VARIANTS = {  # run: (algorithm, ppo overrides, critic_free overrides)
 }
 
 
+TEACHER = {"grpo": 0.5, "opd": 0.0}
+"""`distill.teacher_coef` of the runs with a teacher (opd's term has weight 1 whatever it is); 0 elsewhere."""
 EPISODES_ON = {"grpo-episodes": "deepspeed-dsinfer", "grpo-agent": "megatron-vllm",
                "rloo-episodes": "megatron-vllm", "reinforce_pp-episodes": "deepspeed-dsinfer"}
 """The backend pair each episode variant runs on (once: the suite's budget)."""
@@ -113,18 +121,19 @@ def variant(cfg, name: str):
     if name == "grpo-agent":
         env = dataclasses.replace(cfg.env, name=None, agent="tests.e2e.test_critic_free_e2e:openai_agent")
     return dataclasses.replace(cfg, ppo=dataclasses.replace(cfg.ppo, **ppo),
-                               critic_free=dataclasses.replace(cfg.critic_free, **critic_free), env=env)
+                               critic_free=dataclasses.replace(cfg.critic_free, **critic_free), env=env,
+                               distill=dataclasses.replace(cfg.distill, teacher_coef=TEACHER.get(name, 0.0)))
 
 
 @pytest.mark.parametrize("backend", ["megatron-vllm", "deepspeed-dsinfer"])
-def test_grpo_rloo_reinforce_pp_three_steps_each(tmp_path, tiny_model, backend):
+def test_grpo_opd_rloo_reinforce_pp_three_steps_each(tmp_path, tiny_model, tiny_teacher, backend):
     from algorithms.ppo.run import make_trainer, ppo_trainer, train
     from xray.config.plan import plan_run
     from xray.run.outputs import RunDir
 
-    cfg = critic_free_config(tmp_path, tiny_model, backend)
+    cfg = critic_free_config(tmp_path, tiny_model, backend, tiny_teacher)
     plan = plan_run(cfg, backend, "grpo")
-    assert [r.role for r in plan.roles] == ["rollout", "actor", "reference"]
+    assert [r.role for r in plan.roles] == ["rollout", "actor", "reference", "teacher"]
     with ppo_trainer(cfg, plan, RunDir(tmp_path / "start"), algo="grpo") as (first, data):
         assert first.models.critic is None
         evals = []  # (before, after) of each run; each starts from the weights the one before ended on
@@ -184,7 +193,10 @@ def check_run(algo: str, run: Path, before: dict, backend: str) -> None:
         check_held(row, backend)
         assert row["sync/version"] == row["step"]  # verified after every step's sync
         assert not any(k.startswith("critic/") for k in row)
-        assert ("kl" in row and "kl_k3" in row) == (algo != "grpo-on-policy")  # no reference: no KL
+        assert ("kl" in row and "kl_k3" in row) == (algo not in ("grpo-on-policy", "opd"))  # no reference: no KL
+        assert ("distill/reverse_kl" in row) == (algo in TEACHER)  # the teacher scored the samples
+        if algo in TEACHER:  # two different models: the teacher's log-probs are not the student's (a sample
+            assert row["distill/reverse_kl"] != 0 and row["distill/teacher_logprob"] < 0, row  # k1 may be < 0)
     assert {p.name for p in (run / "checkpoints/step-000002").iterdir() if p.is_dir()} == {"actor"}
     after = load_file(str(run / "final/actor/model.safetensors"))
     moved = max(float((before[k].float() - after[k].float()).abs().max()) for k in after)
@@ -195,6 +207,8 @@ def check_run(algo: str, run: Path, before: dict, backend: str) -> None:
             assert r["dynamic_sampling/sampled_groups"] == 4 * rounds and rounds in (1.0, 2.0), r
             assert r["dynamic_sampling/filled_groups"] == max(0.0, 4 - varied), r
         assert all(r["ppo/epochs"] == 2 and r["actor/updates_skipped"] == 0 for r in rows.values())
+    if algo == "opd":  # the teacher's term alone (no reward in it) moved the student, over 2 epochs
+        assert all(r["ppo/epochs"] == 2 and r["actor/updates_skipped"] == 0 for r in rows.values()) and moved > 0
     if algo == "rloo":  # the first epoch's approx KL is above 1e-9: the second never runs
         assert all(r["ppo/epochs"] == 1 for r in rows.values()) and "actor/kl_loss" not in rows[1] and moved > 0
     if algo == "reinforce_pp":  # 2 mini-batches x 2 epochs, every one skipped: the weights stay

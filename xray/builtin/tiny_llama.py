@@ -114,10 +114,22 @@ def builtin_spec() -> TinySpec:
                     num_heads=4, num_kv_heads=2, max_position_embeddings=128)
 
 
-def build_base_model(directory: Path, seed: int) -> Path:
-    """The seeded built-in tiny Llama with the character tokenizer, before any training."""
+TEACHER_MODEL = "builtin:tiny-llama-teacher"
+"""`teacher.model_path` of on-policy distillation's default job: the model below, warm-started longer."""
+
+
+def teacher_spec() -> TinySpec:
+    """The built-in teacher: a larger tiny Llama (3.2M parameters) over the same character tokenizer."""
+    from xray.data.tokenizer import VOCAB_SIZE
+
+    return TinySpec(vocab_size=VOCAB_SIZE, hidden_size=256, intermediate_size=768, num_layers=4,
+                    num_heads=8, num_kv_heads=4, max_position_embeddings=128)
+
+
+def build_base_model(directory: Path, seed: int, spec: TinySpec | None = None) -> Path:
+    """The seeded built-in tiny Llama (or `spec`) with the character tokenizer, before any training."""
     from xray.data.tokenizer import save_char_tokenizer
 
-    build_tiny_model(directory, builtin_spec(), seed=seed)
+    build_tiny_model(directory, spec or builtin_spec(), seed=seed)
     save_char_tokenizer(directory)
     return directory

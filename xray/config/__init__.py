@@ -21,7 +21,8 @@ DEFAULT_CONFIGS = {"ppo": CONFIG_DIR / "ppo_tiny_cpu.yaml", "sft": CONFIG_DIR / 
                    "pt": CONFIG_DIR / "ppo_tiny_cpu.yaml",
                    "rm": CONFIG_DIR / "ppo_tiny_cpu.yaml",
                    "sample": CONFIG_DIR / "sample_tiny_cpu.yaml", "distill": CONFIG_DIR / "critic_free_tiny_cpu.yaml",
-                   **{algo: CONFIG_DIR / "critic_free_tiny_cpu.yaml" for algo in ("grpo", "rloo", "reinforce_pp")}}
+                   **{algo: CONFIG_DIR / "critic_free_tiny_cpu.yaml" for algo in ("grpo", "rloo", "reinforce_pp")},
+                   "opd": CONFIG_DIR / "opd_tiny_cpu.yaml"}
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from xray.config.parallel import ParallelDims
 from xray.config.schema import RunConfig
 from xray.config.typed import ConfigError
 
-TRAINED = ("actor", "critic", "reference")
+TRAINED = ("actor", "critic", "reference", "teacher")
 
 
 @dataclass(frozen=True)

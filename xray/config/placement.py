@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 
 from xray.config.typed import ConfigError
 
-ROLES = ("actor", "critic", "reference", "reward", "rollout", "sampler", "prm", "orm")
+ROLES = ("actor", "critic", "reference", "teacher", "reward", "rollout", "sampler", "prm", "orm")
 """The RL roles, and the sampling job's (`python -m xray.train sample`): a `sampler` (generation),
 and the `prm` and `orm` scoring its candidates, as ms-swift names them."""
 _RANGE = re.compile(r"^\s*(?:list\(\s*)?range\(\s*(-?\d+)\s*(?:,\s*(-?\d+)\s*)?\)\s*(?:\))?\s*$")
@@ -48,7 +48,7 @@ class DeviceGroup:
     picks the node and the device of each."""
     workers: tuple[str, ...]
     """Roles placed on these devices, which they share (colocation): actor, critic, reference,
-    reward, rollout; sampler, prm, orm for the sample job. Each role is in exactly one group."""
+    teacher (on-policy distillation), reward, rollout; sampler, prm, orm for the sample job. Each role is in exactly one group."""
     resources: tuple[tuple[str, float], ...] = ()
     """Custom Ray resources each device of the group also reserves, written as a mapping
     `{name: amount}`: the group lands only on nodes started with them."""

@@ -15,13 +15,15 @@ from xray.backends import split_pair
 from xray.backends.elastic import ElasticityError
 from xray.backends.quantize import QUANT_DTYPES, vllm_scheme
 from xray.config.batches import check_batch_info, elastic_ranges, role_lr, train_batches
+from xray.config.critic_free import CRITIC_FREE, check_critic_free, kl_placement
+from xray.config.distill import check_teacher, teacher_needed
 from xray.config.graph import build_graph
 from xray.config.packing import Packs, describe_packs, node_packs, spans, whole_replicas
 from xray.config.parallel import LayoutError, ParallelDims
 from xray.config.schema import RunConfig
 from xray.config.typed import ConfigError
 
-TRAINED_ROLES = ("actor", "critic", "reference")
+TRAINED_ROLES = ("actor", "critic", "reference", "teacher")
 
 
 @dataclass(frozen=True)
@@ -145,7 +147,6 @@ class Plan:
         return "\n".join(lines)
 
 
-CRITIC_FREE = ("grpo", "rloo", "reinforce_pp")
 
 
 SUPERVISED = ("sft", "distill", "pt")
@@ -165,30 +166,12 @@ def needed_roles(cfg: RunConfig, algo: str = "ppo") -> tuple[str, ...]:
         return ("critic",)
     roles = ["rollout", "actor", "critic", "reference"]
     if algo in CRITIC_FREE:
-        roles = ["rollout", "actor"] + (["reference"] if cfg.critic_free.kl_in != "none" else [])
+        roles = ["rollout", "actor"] + (["reference"] if kl_placement(cfg, algo) != "none" else [])
     if cfg.actor.lora is not None and "reference" in roles:
         roles.remove("reference")  # the actor with its adapters off is the reference
     if cfg.reward.model:
         roles.append("reward")
-    return tuple(roles)
-
-
-def _check_critic_free(cfg: RunConfig, algo: str) -> None:
-    groups = cfg.device_groups
-    if groups.group_of("critic") is not None:
-        raise ConfigError(f"device_groups: {algo} has no critic; remove 'critic' from its group's workers")
-    if cfg.critic_free.kl_in == "none" and groups.group_of("reference") is not None and cfg.actor.lora is None:
-        raise ConfigError("device_groups: critic_free.kl_in=none starts no reference model; remove 'reference' "
-                          "from its group's workers, or set critic_free.kl_in")
-    if algo != "reinforce_pp" and cfg.rollout.n_samples < 2:
-        raise ConfigError(f"{algo} compares the responses to one prompt: rollout.n_samples={cfg.rollout.n_samples}; "
-                          "set --rollout.n_samples to 2 or more (4 to 16 is usual)")
-    if cfg.trainer.mode != "sync":
-        raise ConfigError(f"{algo} runs with trainer.mode=sync; the asynchronous mode is PPO's for now")
-    if cfg.actor.elasticity is not None or cfg.reference.elasticity is not None:
-        raise ConfigError(f"{algo}: elastic device groups are PPO's for now; remove the elasticity blocks")
-    if cfg.critic_free.dynamic_sampling and (cfg.env.episodes or cfg.critic_free.max_sample_rounds < 1):
-        raise ConfigError("critic_free.dynamic_sampling samples completions (no env), max_sample_rounds >= 1")
+    return tuple(roles) + (("teacher",) if teacher_needed(cfg, algo) else ())
 
 
 def _check_sample(cfg: RunConfig) -> None:
@@ -373,7 +356,7 @@ def _check_train_batches(cfg: RunConfig, devices: dict[str, int], samples: int) 
     for role, n in devices.items():
         rc, micro = getattr(cfg, role), batches.micro_of(role)
         unit = n // (rc.tp * rc.pp) * micro
-        batch, name = (samples, "rollout_batch_size x n_samples") if role == "reference" else \
+        batch, name = (samples, "rollout_batch_size x n_samples") if role in ("reference", "teacher") else \
             (batches.mini_batch_size, "ppo.mini_batch_size")
         if batch % unit:
             raise ConfigError(f"{name}={batch} is not divisible by {role}.dp x {role}.micro_batch_size = "
@@ -451,7 +434,8 @@ def plan_run(cfg: RunConfig, backend: str, algo: str = "ppo") -> Plan:
     if not groups.groups:
         raise ConfigError("device_groups: no groups; add one with device, ranks and workers")
     if algo in CRITIC_FREE:
-        _check_critic_free(cfg, algo)
+        check_critic_free(cfg, algo)
+    check_teacher(cfg, algo)
     if algo == "sample":
         _check_sample(cfg)
     if cfg.env.episodes:

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional, Union
 
 from xray.backends.elastic import ElasticityConfig
+from xray.config.critic_free import CriticFreeConfig
+from xray.config.distill import DistillConfig
 from xray.config.env import EnvConfig
 from xray.config.lora import LoraConfig
 from xray.config.optim import OptimConfig
@@ -33,7 +35,7 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class RoleConfig:
-    """Layout and training settings of one model role (actor, critic or reference)."""
+    """Layout and training settings of one model role (actor, critic, reference or teacher)."""
 
     tp: int = 1
     """Tensor-parallel size (megatron)."""
@@ -184,25 +186,6 @@ class PPOConfig:
 
 
 @dataclass(frozen=True)
-class CriticFreeConfig:
-    """GRPO, RLOO and REINFORCE++: what sets them apart from PPO (`algorithms/critic_free`)."""
-
-    scale_by_std: bool = True
-    """GRPO divides each group's centred rewards by the group's std; false: Dr. GRPO."""
-    kl_in: Literal["auto", "loss", "reward", "none"] = "auto"
-    """Where the KL to the reference goes: a loss term (kl_coef x estimate), a penalty on the
-    reward, or nowhere (no reference model is started). auto: as each paper, loss for grpo,
-    reward for rloo and reinforce_pp."""
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    """Per-token KL estimate of the loss term (the reward penalty is k1)."""
-    dynamic_sampling: bool = False
-    """DAPO's dynamic sampling: drop groups whose rewards are all equal and sample more prompts until the
-    batch's groups vary, at most `max_sample_rounds` rounds (then dropped groups fill it); metrics count it."""
-    max_sample_rounds: int = 3
-    """Rounds of sampling per step at most with `dynamic_sampling` (the first included)."""
-
-
-@dataclass(frozen=True)
 class SyncConfig:
     """Weight sync from the actor to the rollout engine."""
 
@@ -333,18 +316,6 @@ class SampleConfig:
 
 
 @dataclass(frozen=True)
-class DistillConfig:
-    """Distillation (`python -m xray.train distill`, `algorithms/distill.py`): supervised
-    fine-tuning of `model.path` (the actor role, with the `sft` section's steps, batch and lr) on a
-    dataset `xray.train sample` wrote."""
-
-    dataset: Optional[str] = None
-    """The JSONL or Parquet file to learn from (`sample.output_file` of a sample run)."""
-    response_field: str = "response"
-    """The column holding the response to imitate (the prompt column is `data.prompt_field`)."""
-
-
-@dataclass(frozen=True)
 class AsyncConfig:
     """Detached asynchronous training (`trainer.mode: async`): experience makers (the rollout's
     replicas, with the reference and the reward) and the trainer (actor and critic) joined by an
@@ -465,6 +436,9 @@ class RunConfig:
     """The value model."""
     reference: RoleConfig = field(default_factory=RoleConfig)
     """The frozen starting policy for the KL penalty."""
+    teacher: RoleConfig = field(default_factory=RoleConfig)
+    """The model that scores the student's samples in on-policy distillation (`opd`,
+    `distill.teacher_coef`): forward only, from `teacher.model_path`, on a training backend."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """The generation engine."""
     reward: RewardConfig = field(default_factory=RewardConfig)
@@ -474,7 +448,7 @@ class RunConfig:
     ppo: PPOConfig = field(default_factory=PPOConfig)
     """PPO's hyper-parameters (the critic-free algorithms read most of them too)."""
     critic_free: CriticFreeConfig = field(default_factory=CriticFreeConfig)
-    """GRPO, RLOO and REINFORCE++ settings."""
+    """GRPO, RLOO, REINFORCE++ and on-policy distillation settings."""
     sync: SyncConfig = field(default_factory=SyncConfig)
     """Actor to rollout weight sync."""
     data: DataConfig = field(default_factory=DataConfig)
@@ -492,4 +466,4 @@ class RunConfig:
     sample: SampleConfig = field(default_factory=SampleConfig)
     """Best-of-N sampling with the sampler, prm and orm roles."""
     distill: DistillConfig = field(default_factory=DistillConfig)
-    """Fine-tuning on a sampled dataset."""
+    """Fine-tuning on a sampled dataset; the teacher's weight in on-policy distillation."""

@@ -40,6 +40,8 @@ class Models:
     critic: Optional[WholeModel] = None
     reference: Optional[WholeModel] = None
     reward: Optional[WholeModel] = None
+    teacher: Optional[WholeModel] = None
+    """On-policy distillation's teacher (`xray/config/distill.py`): forward only, like the reference."""
     bundles: dict[str, Bundles] = field(default_factory=dict)
     """Each role's devices; roles of one device group share one reservation, freed by `shutdown`."""
     plan: Optional[Plan] = None
@@ -115,7 +117,8 @@ class Models:
         return ready
 
     def all(self) -> list[WholeModel]:
-        return [m for m in (self.actor, self.critic, self.reference, self.rollout, self.reward) if m is not None]
+        return [m for m in (self.actor, self.critic, self.reference, self.rollout, self.reward, self.teacher)
+                if m is not None]
 
     def shutdown(self) -> None:
         models = list(self.all())
@@ -225,6 +228,8 @@ def role_init_kwargs(cfg: RunConfig, role: str, backend: str, model_dir: str) ->
         kwargs["packing"] = True
     if rc.lora is not None:
         kwargs["lora"] = rc.lora
+    if role == "teacher":  # built and run as a reference is: frozen, no optimizer
+        kwargs["engine_role"] = "reference"
     return kwargs
 
 
@@ -243,14 +248,30 @@ def check_layouts(cfg: RunConfig, plan: Plan, model_dir: str) -> None:
         if limit is not None and needed > limit:
             raise ConfigError(f"data.max_prompt_tokens + {room} + 8 = {needed} exceeds the model's "
                               f"max_position_embeddings={limit}; lower {room} or data.max_prompt_tokens")
+    if cfg.teacher.model_path and not cfg.teacher.model_path.startswith("builtin:"):
+        check_teacher_vocab(cfg.teacher.model_path, model_dir)
     for r in plan.roles:
         if r.backend != "megatron":
             continue
         directory = getattr(cfg, r.role).model_path or model_dir
+        if directory.startswith("builtin:"):  # a built-in teacher: checked once built (`build_models`)
+            continue
         try:
             load_backend("megatron").check_layout(directory, r.parallel)
         except ValueError as exc:
             raise ConfigError(f"{r.role}: {exc}") from None
+
+
+def check_teacher_vocab(teacher_dir: str, model_dir: str) -> None:
+    """The teacher scores the student's token ids: both must have one vocabulary."""
+    import json
+    from pathlib import Path
+
+    sizes = [json.loads((Path(d) / "config.json").read_text()).get("vocab_size")
+             if (Path(d) / "config.json").is_file() else None for d in (teacher_dir, model_dir)]
+    if None not in sizes and sizes[0] != sizes[1]:
+        raise ConfigError(f"teacher.model_path has a vocabulary of {sizes[0]} tokens and the student {sizes[1]}: "
+                          "the teacher scores the student's token ids, so give a teacher with the student's tokenizer")
 
 
 def start_model(cfg: RunConfig, nproc_per_node: int, model_dir: str, role_plan: RolePlan, devices: Bundles,

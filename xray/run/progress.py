@@ -46,7 +46,11 @@ def progress_text(metrics: dict[str, Any], samples_per_step: int, eval_score: Op
     parts = [f"reward {metrics['reward/mean']:.3f}"]
     if eval_score is not None:
         parts.append(f"eval {eval_score:.3f}")
-    parts += [f"kl {metrics.get('kl', 0.0):.4f}", f"{samples_per_s:.0f} samples/s"]
+    if "kl" in metrics or "distill/reverse_kl" not in metrics:
+        parts.append(f"kl {metrics.get('kl', 0.0):.4f}")
+    if "distill/reverse_kl" in metrics:  # on-policy distillation: KL(student || teacher)
+        parts.append(f"teacher kl {metrics['distill/reverse_kl']:.4f}")
+    parts.append(f"{samples_per_s:.0f} samples/s")
     if seconds > 0:
         parts.append(f"{seconds:.2f} s/step")
     if "async/staleness" in metrics:

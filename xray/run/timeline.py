@@ -27,7 +27,7 @@ TIMELINE_FILE = "timeline.json"
 """The trace's name in a run's output directory."""
 DRIVER = "driver"
 """The trace's process of the run's driver (the step's wall interval)."""
-ROLE_ORDER = ("actor", "critic", "reference", "reward", "rollout")
+ROLE_ORDER = ("actor", "critic", "reference", "teacher", "reward", "rollout")
 """Processes appear in this order (then any other role, by name)."""
 
 
