@@ -22,6 +22,7 @@ import time
 
 import torch
 
+from algorithms.critic_free.advantages import teacher_advantages, teacher_metrics
 from algorithms.ppo.buffer import fetch
 from algorithms.ppo.maker_episodes import episode_metrics
 from algorithms.ppo.kl_estimators import kl_metrics
@@ -169,6 +170,9 @@ class AsyncTrainer:
         fresh = self.check_fresh(proximal[C.LOGPROBS], exp, mask)  # before the batch is trained on
         advantages, returns = ppo_targets(proximal[C.LOGPROBS], exp[C.REF_LOGPROBS], values[C.VALUES], mask,
                                           exp[C.SCORES], t.cfg, t.kl.value)
+        teacher = exp[C.TEACHER_LOGPROBS] if C.TEACHER_LOGPROBS in exp else None  # scored by the makers
+        if teacher is not None:  # on-policy distillation's term, against the trained (proximal) policy
+            advantages = advantages + teacher_advantages(proximal[C.LOGPROBS], teacher, mask, t.cfg.distill.teacher_coef)
         train = await t.train(Batch({
             C.INPUT_IDS: exp[C.INPUT_IDS], C.ATTENTION_MASK: exp[C.ATTENTION_MASK], C.LOSS_MASK: mask,
             C.OLD_LOGPROBS: proximal[C.LOGPROBS], C.BEHAVIOUR_LOGPROBS: exp[C.BEHAVIOUR_LOGPROBS],
@@ -187,6 +191,7 @@ class AsyncTrainer:
         scores = exp[C.SCORES]
         return {"reward/mean": float(scores.mean()), "reward/std": float(scores.std()) if len(scores) > 1 else 0.0,
                 **kl, "kl_coef": kl_coef, **train, **t.gap(proximal[C.LOGPROBS], exp, mask), **fresh,
+                **(teacher_metrics(proximal[C.LOGPROBS], teacher, mask) if teacher is not None else {}),
                 "response_length": float(mask.sum(1).mean()), **staleness(exp, step - 1),
                 **{f"async/trainer{d}_from_maker{i}": float(sum(g.maker == i for g in groups))
                    for d, groups in enumerate(taken) for i in range(len(self.makers))},

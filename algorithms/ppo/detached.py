@@ -81,7 +81,7 @@ class Detached:
         slowdown = float(slow.split(":")[1]) if slow and int(slow.split(":")[0]) == i else 1.0
         return ray.remote(ExperienceMaker).options(num_cpus=0, max_concurrency=1000).remote(
             i, m.rollout.replica(i), m.reference, t.score_fn, self.buffer, t.cfg, t.stop_ids, t.pad_id,
-            self.share, version, slowdown, self.data.tokenizer if t.cfg.env.name else None)
+            self.share, version, slowdown, self.data.tokenizer if t.cfg.env.name else None, teacher=m.teacher)
 
     def start(self) -> None:
         """Start the makers' loops and the trainer (from the driver's trainer state)."""
@@ -195,7 +195,7 @@ class Detached:
     async def replace_failed(self, failed: list[int]) -> None:
         """Replace the makers whose loops ended with an error, while the trainer and the other
         makers go on: their prompts are queued again; a dead rollout Workhorse's replica is
-        restarted alone on its devices, a dead reference or reward model anew (every maker then
+        restarted alone on its devices, a dead reference, teacher or reward model anew (every maker then
         gets the new one), and each new maker loads the trainer's latest published version
         before it samples."""
         from algorithms.ppo.recovery import dead_models

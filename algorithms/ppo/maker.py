@@ -6,8 +6,8 @@ staleness bound allows, at most `async.max_in_flight` in flight), and generate f
 in flight at once, `async.segment_tokens` tokens at a time: each segment is one call on the
 engine, which batches all of them, and new prompts join at every segment. A sample that ends
 (a stop token, or `rollout.max_new_tokens`) leaves; when a prompt's samples have all ended, its
-group is scored at once (the reference's log-probs, the reward) while the engine generates the
-others, and put into the buffer as soon as its score is in.
+group is scored at once (the reference's log-probs, the teacher's with `distill.teacher_coef`, the
+reward) while the engine generates the others, and put into the buffer as soon as its score is in.
 
 Partial rollouts: a weight load (`load`, called by the trainer when it publishes a version, never
 waiting for it) takes the engine between two segments, verified as every sync is; the samples in
@@ -63,8 +63,8 @@ class ExperienceMaker:
     """One maker's loop and its engine's weight loads (a Ray actor: `ray.remote(ExperienceMaker)`)."""
 
     def __init__(self, index: int, rollout, reference, score_fn, buffer, cfg, stop_ids: list[int],
-                 pad_id: int, share: int, version: int, slowdown: float = 1.0, tokenizer=None):
-        self.index, self.rollout, self.reference = index, rollout, reference
+                 pad_id: int, share: int, version: int, slowdown: float = 1.0, tokenizer=None, teacher=None):
+        self.index, self.rollout, self.reference, self.teacher = index, rollout, reference, teacher
         self.score_fn, self.buffer, self.cfg = score_fn, buffer, cfg
         self.stop_ids, self.pad_id = stop_ids, pad_id
         a, r = cfg.async_, cfg.rollout
@@ -217,7 +217,7 @@ class ExperienceMaker:
         return out, version
 
     async def _score(self, groups: list[list[Sample]]) -> None:
-        """The reference's log-probs of the ended groups' samples (one call), each group's reward,
+        """The reference's (and teacher's) log-probs of the ended groups' samples (one call each), each group's reward,
         and each group into the buffer as soon as its reward is in."""
         from xray.data.sequences import pack_sequences
 
@@ -265,24 +265,29 @@ class ExperienceMaker:
         batch = Batch.concat([r[0] for r in ready], pad_width=True)
         logprobs = Batch.concat([r[1] for r in ready], pad_width=True)
         width = batch[C.LOSS_MASK].shape[1]
-        logprobs = Batch({C.LOGPROBS: logprobs[C.LOGPROBS][:, :width]})
+        logprobs = Batch({k: v[:, :width] for k, v in logprobs.tensors.items()})
         await self._put(batch, logprobs, [r[2] for r in ready], torch.cat([r[3] for r in ready]),
                         torch.cat([r[4] for r in ready]), range(len(ready)))
 
     def _reference(self, batch):
-        """A task of the reference's log-probs of `batch` (padded with copies of its first row to a
-        multiple of the reference's dp, whose ranks all take part in every forward, and cut back)."""
+        """A task of the reference's log-probs of `batch` (LOGPROBS) and, with a teacher, the
+        teacher's (TEACHER_LOGPROBS), the two forwards at once; each model's input padded with
+        copies of its first row to a multiple of its dp, whose ranks all take part in every
+        forward, and cut back."""
         from xray.data import columns as C
         from xray.data.batch import Batch
 
-        model = self.reference
-        extra = -len(batch) % model.parallel.dp
-        padded = Batch.concat([batch, *[batch.index([0])] * extra]) if extra else batch
-
-        async def forward():
+        async def forward(model):
+            extra = -len(batch) % model.parallel.dp
+            padded = Batch.concat([batch, *[batch.index([0])] * extra]) if extra else batch
             out = await model.forward(padded.select([C.INPUT_IDS, C.ATTENTION_MASK]))
-            return Batch({C.LOGPROBS: out[C.LOGPROBS][:len(batch)]})
-        return asyncio.ensure_future(forward())
+            return out[C.LOGPROBS][:len(batch)]
+
+        async def both():
+            models = [self.reference] + ([self.teacher] if self.teacher is not None else [])
+            answers = await asyncio.gather(*map(forward, models))
+            return Batch(dict(zip([C.LOGPROBS, C.TEACHER_LOGPROBS], answers)))
+        return asyncio.ensure_future(both())
 
     async def _scores(self, samples: list[Sample], batch):
         """A reward model scores the batch by reference (padded to its dp); a function in a thread."""
@@ -311,7 +316,8 @@ class ExperienceMaker:
         whole = Batch({C.INPUT_IDS: batch[C.INPUT_IDS], C.ATTENTION_MASK: batch[C.ATTENTION_MASK], C.LOSS_MASK: mask,
                        C.BEHAVIOUR_LOGPROBS: batch[C.BEHAVIOUR_LOGPROBS],
                        C.BEHAVIOUR_VERSIONS: batch[C.BEHAVIOUR_VERSIONS], C.REF_LOGPROBS: ref[C.LOGPROBS],
-                       C.SCORES: scores}, {C.PROMPT_IDS: batch[C.PROMPT_IDS], C.RESPONSE_IDS: batch[C.RESPONSE_IDS]})
+                       C.SCORES: scores, **({C.TEACHER_LOGPROBS: ref[C.TEACHER_LOGPROBS]} if C.TEACHER_LOGPROBS in ref else {})},
+                      {C.PROMPT_IDS: batch[C.PROMPT_IDS], C.RESPONSE_IDS: batch[C.RESPONSE_IDS]})
         ref, entries, first = ray.put(_trimmed(whole)), [], 0  # one object for the groups scored together
         for i in which:
             group = groups[i]

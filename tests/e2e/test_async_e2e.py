@@ -12,6 +12,8 @@ the last checkpoint holding every prompt drawn, every step logged once after `--
 per pair) SIGKILL a rollout Workhorse once step 1 is logged: its maker is replaced while the
 trainer goes on (every step logged once, the step counter never goes back), the log names the
 replacement, and the step-3 checkpoint's accounting still holds every prompt exactly once.
+The 2 makers x 2 trainers run on deepspeed-dsinfer has a teacher (dp=2) score every group in the
+makers (`distill.teacher_coef`), its term added by the trainers.
 The 2 makers x 1 trainer run plays multi-turn episodes (`env.name`: the guessing game of
 `tests/e2e/answer_guess.py`, up to 3 turns): PPO with its critic on trajectories the makers played,
 whose turns may span weight versions, each model token checked end to end against the actor.
@@ -36,17 +38,19 @@ from tests.e2e.test_ppo_e2e import FP32_PROBE, ROOT, check_held, config, metrics
 pytestmark = pytest.mark.e2e
 
 
-def async_config(tmp_path: Path, model_dir: Path, backend: str, trainers: int, env: dict | None = None) -> Path:
-    path = config(tmp_path, model_dir, backend)
+def async_config(tmp_path: Path, model_dir: Path, backend: str, trainers: int, env: dict | None = None,
+                 teacher: Path | None = None) -> Path:
+    path = config(tmp_path, model_dir, backend, teacher=teacher)
     cfg = yaml.safe_load(path.read_text())
+    roles = ["actor", "critic", "reference"] + (["teacher"] if teacher is not None else [])
     if env:
         cfg["env"] = dict(env)
     cfg["device_groups"] = {
         "nproc_per_node": 2 + trainers,
-        "train_group": {"device": "CPU", "ranks": list(range(trainers)), "workers": ["actor", "critic", "reference"]},
+        "train_group": {"device": "CPU", "ranks": list(range(trainers)), "workers": roles},
         "rollout_group": {"device": "CPU", "ranks": [trainers, trainers + 1], "workers": ["rollout"]},
     }
-    for role in ("actor", "critic", "reference"):
+    for role in roles:
         cfg[role].update({"tp": 1, "dp": trainers} if backend.startswith("megatron") else {"dp": trainers})
     cfg["trainer"].update(mode="async", steps=6, save_every=3, report=False)  # the report: test_ppo_e2e
     cfg["async"] = {"push_every": 1, "max_staleness": 1, "on_stale": "wait", "buffer_capacity": 2,
@@ -166,7 +170,8 @@ def test_two_makers_six_steps_and_resume(tmp_path, tiny_model, backend, trainers
     from safetensors.torch import load_file
 
     episodes = (trainers, backend) == (1, "megatron-vllm")  # the makers play multi-turn episodes
-    path = async_config(tmp_path, tiny_model, backend, trainers, ANSWER_GUESS if episodes else None)
+    teacher = request.getfixturevalue("tiny_teacher") if (trainers, backend) == (2, "deepspeed-dsinfer") else None
+    path = async_config(tmp_path, tiny_model, backend, trainers, ANSWER_GUESS if episodes else None, teacher)
     cfg = yaml.safe_load(path.read_text())
     run_a = tmp_path / "a"
     slow = request.node.get_closest_marker("slow") is not None
@@ -180,6 +185,7 @@ def test_two_makers_six_steps_and_resume(tmp_path, tiny_model, backend, trainers
         out = train("--backend", backend, "--config", str(path), "--output-dir", str(run_a))
     assert "eval_before=" in out.stdout and "eval_after=" in out.stdout
     check(metrics(run_a), [1, 2, 3, 4, 5, 6], trainers, backend, killed=slow)
+    assert all(("distill/reverse_kl" in r) == (teacher is not None) for r in metrics(run_a).values())  # makers scored
     if episodes:
         check_episodes(metrics(run_a), 6 * cfg["ppo"]["rollout_batch_size"] * cfg["rollout"]["n_samples"])
     before = load_file(str(tiny_model / "model.safetensors"))

@@ -1,6 +1,7 @@
 """Three-step bf16 PPO runs per backend pair, through the real command, with an exact resume check.
 
-megatron-vllm: actor/critic/reference on Megatron with tp=2, a vLLM rollout of 2 replicas.
+megatron-vllm: actor/critic/reference on Megatron with tp=2, a vLLM rollout of 2 replicas, and a
+teacher (a model twice the width, tp=2) whose term joins the advantages (`distill.teacher_coef`).
 deepspeed-dsinfer: actor/critic/reference on DeepSpeed ZeRO-3 with dp=2, DeepSpeed-Inference
 rollout of 2 replicas. Every model in bf16 (`model.dtype`: bf16 weights, fp32 main weights in
 Megatron's and DeepSpeed's optimizers, bf16 engines). Each run: metrics finite, every step's
@@ -44,7 +45,8 @@ BF16_PROBE = 0.05
 against Megatron); the runtime's bound is 0.25."""
 
 
-def config(tmp_path: Path, model_dir: Path, backend: str, dtype: str = "float32") -> Path:
+def config(tmp_path: Path, model_dir: Path, backend: str, dtype: str = "float32", teacher: Path | None = None) -> Path:
+    """The run's config file; with `teacher`, that model scores the samples (`distill.teacher_coef: 0.5`)."""
     cfg = yaml.safe_load((ROOT / "configs/ppo_tiny_cpu.yaml").read_text())
     cfg["model"].update(path=str(model_dir), dtype=dtype)
     cfg["device_groups"] = {
@@ -55,6 +57,10 @@ def config(tmp_path: Path, model_dir: Path, backend: str, dtype: str = "float32"
     layout = {"tp": 2, "dp": 1} if backend.startswith("megatron") else {"tp": 1, "dp": 2, "zero_stage": 3}
     for role in ("actor", "critic", "reference"):
         cfg[role].update(layout, micro_batch_size=2)
+    if teacher is not None:
+        cfg["device_groups"]["train_group"]["workers"].append("teacher")
+        cfg["teacher"] = {"model_path": str(teacher), **layout, "micro_batch_size": 2}
+        cfg["distill"] = {"teacher_coef": 0.5}
     cfg["rollout"].update(dp=2, max_new_tokens=4)
     cfg["ppo"].update(rollout_batch_size=8, mini_batch_size=4, ppo_epochs=1)
     cfg["data"]["eval_size"] = 8
@@ -90,10 +96,11 @@ def stable(row: dict) -> dict:
 
 
 @pytest.mark.parametrize("backend", ["megatron-vllm", "deepspeed-dsinfer"])
-def test_three_steps_then_exact_resume(tmp_path, tiny_model, backend):
+def test_three_steps_then_exact_resume(tmp_path, tiny_model, tiny_teacher, backend):
     from safetensors.torch import load_file
 
-    cfg = config(tmp_path, tiny_model, backend, dtype="bfloat16")
+    teacher = tiny_teacher if backend == "megatron-vllm" else None  # its term in PPO's advantages, resumed exactly
+    cfg = config(tmp_path, tiny_model, backend, dtype="bfloat16", teacher=teacher)
     run_a = tmp_path / "a"
     report = ("--trainer.report=true",) if backend == "megatron-vllm" else ()  # its report is checked below
     out = train("--backend", backend, "--config", str(cfg), "--output-dir", str(run_a), *report)
@@ -106,6 +113,7 @@ def test_three_steps_then_exact_resume(tmp_path, tiny_model, backend):
         assert row["rollout_logprob_gap_max"] <= BF16_PROBE, row  # the end-to-end check, every step
         check_held(row, backend)
         assert row["sync/version"] == row["step"]  # each step's sync verified on both replicas
+        assert ("distill/reverse_kl" in row) == (teacher is not None) and row.get("distill/teacher_logprob", -1) < 0
     # the probe at the first and the last sync (sync.probe_every=10): step 2's sync is checked end to
     # end by step 3's own log-probs
     assert [s for s in sorted(steps) if "sync/max_abs_logprob_diff" in steps[s]] == [1, 3]

@@ -58,6 +58,3 @@ def check_teacher(cfg: "RunConfig", algo: str) -> None:
                           "directory with the student's tokenizer, or builtin:tiny-llama-teacher")
     if t.lora is not None or t.elasticity is not None:
         raise ConfigError("teacher: it never trains and keeps its devices; remove teacher.lora and teacher.elasticity")
-    if cfg.trainer.mode != "sync":
-        raise ConfigError("the teacher scores synchronous steps for now (not yet an asynchronous run's makers); "
-                          "set trainer.mode=sync, or distill.teacher_coef=0")

@@ -9,6 +9,7 @@ ATTENTION_MASK = "attention_mask"  # [B, T] long: 1 on real tokens, 0 on padding
 LOSS_MASK = "loss_mask"            # [B, T-1] float: 1 where token t+1 is a response token to train on
 LOGPROBS = "logprobs"              # [B, T-1] float: log p(token t+1 | tokens <= t) under the actor
 REF_LOGPROBS = "ref_logprobs"      # [B, T-1] float: the same under the reference model
+TEACHER_LOGPROBS = "teacher_logprobs"  # [B, T-1] float: the same under on-policy distillation's teacher
 OLD_LOGPROBS = "old_logprobs"      # [B, T-1] float: the actor's log-probs when the rollout was scored
 BEHAVIOUR_LOGPROBS = "behaviour_logprobs"  # [B, T-1] float: the rollout engine's log-probs of its samples
 BEHAVIOUR_VERSIONS = "behaviour_versions"  # [B, T-1] int32: the weight version that sampled token t+1
