@@ -9,9 +9,9 @@ teacher), sft, rm (a reward model trained on
 preference pairs), sample (best-of-N candidates scored by the sampler/prm/orm roles, written as a
 dataset), distill (fine-tuning on that dataset) or pt (continued pre-training on plain text).
 Loads and checks the config (defaults: `configs/ppo_tiny_cpu.yaml`,
-`configs/critic_free_tiny_cpu.yaml`, `configs/opd_tiny_cpu.yaml`, `configs/sample_tiny_cpu.yaml`), builds the placement plan,
-and runs the algorithm: a command the algorithms layer registered (`xray.commands`). `--dry-run`
-prints the resolved config and the plan without starting Ray. User
+`configs/critic_free_tiny_cpu.yaml`, `configs/opd_tiny_cpu.yaml`, `configs/sample_tiny_cpu.yaml`),
+builds the placement plan, and runs the algorithm: a command the algorithms layer registered
+(`xray.commands`). `--dry-run` prints the resolved config and the plan without starting Ray. User
 mistakes end with a one-line message on stderr and exit code 2, no traceback. `-v` adds DEBUG lines,
 `--quiet` keeps only warnings, errors and the result line (`xray.run.console`).
 """

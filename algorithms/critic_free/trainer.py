@@ -57,7 +57,8 @@ class CriticFreeTrainer(PPOTrainer):
         """The teacher's term's weight in the advantages (0: no teacher runs)."""
         self.more_rows = None
         """Where dynamic sampling draws more prompt rows (the run's `RunData.next_train_rows`)."""
-        self.on_policy = (self.kl_in == "none" and not self.teacher_coef and cfg.ppo.ppo_epochs == 1 and cfg.rollout.quantization == "none"
+        self.on_policy = (self.kl_in == "none" and not self.teacher_coef and cfg.ppo.ppo_epochs == 1
+                          and cfg.rollout.quantization == "none"
                           and self.batches().mini_batch_size == cfg.ppo.rollout_batch_size * cfg.rollout.n_samples)
         self.policy_loss = dataclasses.replace(
             policy_loss_of(cfg, cfg.ppo.kl_coef if self.kl_in == "loss" else 0.0, cfg.critic_free.kl_estimator),

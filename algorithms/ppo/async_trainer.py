@@ -172,7 +172,8 @@ class AsyncTrainer:
                                           exp[C.SCORES], t.cfg, t.kl.value)
         teacher = exp[C.TEACHER_LOGPROBS] if C.TEACHER_LOGPROBS in exp else None  # scored by the makers
         if teacher is not None:  # on-policy distillation's term, against the trained (proximal) policy
-            advantages = advantages + teacher_advantages(proximal[C.LOGPROBS], teacher, mask, t.cfg.distill.teacher_coef)
+            coef = t.cfg.distill.teacher_coef
+            advantages = advantages + teacher_advantages(proximal[C.LOGPROBS], teacher, mask, coef)
         train = await t.train(Batch({
             C.INPUT_IDS: exp[C.INPUT_IDS], C.ATTENTION_MASK: exp[C.ATTENTION_MASK], C.LOSS_MASK: mask,
             C.OLD_LOGPROBS: proximal[C.LOGPROBS], C.BEHAVIOUR_LOGPROBS: exp[C.BEHAVIOUR_LOGPROBS],

@@ -316,7 +316,8 @@ class ExperienceMaker:
         whole = Batch({C.INPUT_IDS: batch[C.INPUT_IDS], C.ATTENTION_MASK: batch[C.ATTENTION_MASK], C.LOSS_MASK: mask,
                        C.BEHAVIOUR_LOGPROBS: batch[C.BEHAVIOUR_LOGPROBS],
                        C.BEHAVIOUR_VERSIONS: batch[C.BEHAVIOUR_VERSIONS], C.REF_LOGPROBS: ref[C.LOGPROBS],
-                       C.SCORES: scores, **({C.TEACHER_LOGPROBS: ref[C.TEACHER_LOGPROBS]} if C.TEACHER_LOGPROBS in ref else {})},
+                       C.SCORES: scores,
+                       **({C.TEACHER_LOGPROBS: ref[C.TEACHER_LOGPROBS]} if C.TEACHER_LOGPROBS in ref else {})},
                       {C.PROMPT_IDS: batch[C.PROMPT_IDS], C.RESPONSE_IDS: batch[C.RESPONSE_IDS]})
         ref, entries, first = ray.put(_trimmed(whole)), [], 0  # one object for the groups scored together
         for i in which:

@@ -97,8 +97,8 @@ def test_every_shipped_config_resolves_and_plans(path):
         return
     if path.name.startswith("opd"):  # the student and its teacher share a device; the rollout has the other
         _, cfg, plan, _, _ = resolve(["opd", "--config", str(path)])
-        assert [(r.role, r.backend, r.ranks) for r in plan.roles] == [("rollout", "vllm", (1,)), ("actor", "megatron", (0,)),
-                                                                     ("teacher", "megatron", (0,))]
+        assert [(r.role, r.backend, r.ranks) for r in plan.roles] == [
+            ("rollout", "vllm", (1,)), ("actor", "megatron", (0,)), ("teacher", "megatron", (0,))]
         return
     algos = ("grpo", "rloo", "reinforce_pp") if path.name.startswith(("critic_free", "grpo")) else ("ppo",)
     for algo in algos:

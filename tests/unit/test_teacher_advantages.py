@@ -14,7 +14,8 @@ def test_reverse_kl_advantage_by_hand():
     student = torch.tensor([[-1.0, -2.0, -0.5], [-0.1, -3.0, 0.0]])
     teacher = torch.tensor([[-0.5, -2.5, -0.5], [-2.1, -1.0, -9.0]])
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
-    assert torch.allclose(teacher_advantages(student, teacher, mask), torch.tensor([[0.5, -0.5, 0.0], [-2.0, 2.0, -9.0]]))
+    assert torch.allclose(teacher_advantages(student, teacher, mask),
+                          torch.tensor([[0.5, -0.5, 0.0], [-2.0, 2.0, -9.0]]))
     assert torch.allclose(teacher_advantages(student, teacher, mask, 0.5),
                           torch.tensor([[0.25, -0.25, 0.0], [-1.0, 1.0, -4.5]]))
     m = teacher_metrics(student, teacher, mask)  # over the 5 response tokens

@@ -48,7 +48,8 @@ class DeviceGroup:
     picks the node and the device of each."""
     workers: tuple[str, ...]
     """Roles placed on these devices, which they share (colocation): actor, critic, reference,
-    teacher (on-policy distillation), reward, rollout; sampler, prm, orm for the sample job. Each role is in exactly one group."""
+    teacher (on-policy distillation), reward, rollout; sampler, prm, orm for the sample job. Each
+    role is in exactly one group."""
     resources: tuple[tuple[str, float], ...] = ()
     """Custom Ray resources each device of the group also reserves, written as a mapping
     `{name: amount}`: the group lands only on nodes started with them."""
