@@ -6,26 +6,24 @@ import pytest
 pytest_plugins = ["tests.timeouts"]
 
 
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory):
+def _char_model(tmp_path_factory, name: str, hidden: int, heads: int, kv_heads: int, seed: int):
+    """A seeded random 2-layer Llama of width `hidden` over the character tokenizer."""
     from xray.data.tokenizer import VOCAB_SIZE, save_char_tokenizer
     from xray.builtin.tiny_llama import TinySpec, build_tiny_model
 
-    spec = TinySpec(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_layers=2,
-                    num_heads=2, num_kv_heads=2, max_position_embeddings=128)
-    directory = build_tiny_model(tmp_path_factory.mktemp("model") / "tiny", spec, seed=3)
+    spec = TinySpec(vocab_size=VOCAB_SIZE, hidden_size=hidden, intermediate_size=2 * hidden, num_layers=2,
+                    num_heads=heads, num_kv_heads=kv_heads, max_position_embeddings=128)
+    directory = build_tiny_model(tmp_path_factory.mktemp(name) / "tiny", spec, seed=seed)
     save_char_tokenizer(directory)
     return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    return _char_model(tmp_path_factory, "model", hidden=64, heads=2, kv_heads=2, seed=3)
 
 
 @pytest.fixture(scope="session")
 def tiny_teacher(tmp_path_factory):
     """A larger model over the same tokenizer (twice the width), the teacher of on-policy distillation."""
-    from xray.data.tokenizer import VOCAB_SIZE, save_char_tokenizer
-    from xray.builtin.tiny_llama import TinySpec, build_tiny_model
-
-    spec = TinySpec(vocab_size=VOCAB_SIZE, hidden_size=128, intermediate_size=256, num_layers=2,
-                    num_heads=4, num_kv_heads=2, max_position_embeddings=128)
-    directory = build_tiny_model(tmp_path_factory.mktemp("teacher") / "tiny-teacher", spec, seed=5)
-    save_char_tokenizer(directory)
-    return directory
+    return _char_model(tmp_path_factory, "teacher", hidden=128, heads=4, kv_heads=2, seed=5)
