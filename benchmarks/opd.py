@@ -1,24 +1,29 @@
 """On-policy distillation against GRPO alone on `builtin:arith`: how many student samples each
 needs to bring the student to the teacher's accuracy.
 
-    .venv/bin/python benchmarks/opd.py [--seeds 1 2] [--max-steps 300] [--eval-every 10] [--lr 1e-4]
+    .venv/bin/python benchmarks/opd.py [--seeds 1 2] [--lrs 1e-4 2e-4] [--max-steps 500] [--eval-every 10]
 
 The student is the built-in model (`builtin:tiny-llama`: 344K parameters, warm-started by 135
 supervised steps), the teacher the larger built-in one (`builtin:tiny-llama-teacher`: 3.2M
 parameters, 405 steps); both are built once (seed 1; cached under $XRAY_CACHE/builtin) and every
-run starts from them. Per seed (the run's seed: its sampling and shuffles), two runs from the same
-student with the same settings: 32 prompts x 4 samples a step, `--lr`, 2 epochs of 2 mini-batches,
-clip 0.2, no KL to a reference, `configs/opd_tiny_cpu.yaml` otherwise:
+run starts from them. Per learning rate of `--lrs` and seed (the run's seed: its sampling and
+shuffles), two runs from the same student with the same settings: 32 prompts x 4 samples a step,
+that learning rate, 2 epochs of 2 mini-batches, clip 0.2, no KL to a reference,
+`configs/opd_tiny_cpu.yaml` otherwise:
   opd  - `python -m xray.train opd`: each token's advantage is the teacher's log-prob of it less
          the student's; the reward is only measured;
   grpo - `python -m xray.train grpo`: the group-normalised exact-answer reward.
 Every `--eval-every` steps the student's greedy exact-answer accuracy on the 200 held-out prompts
 (xray's evaluation; the teacher's is the same evaluation of its weights). A run stops at the
 first evaluation with accuracy >= teacher - 0.05; its samples to the target are that step x 128.
-A run that does not get there in `--max-steps` counts `--max-steps` x 128 (printed as ">N"), and
-the ratio is then a bound, said on the line before the last.
-Last line: `opd_samples_over_grpo=<opd samples to the target summed over seeds / grpo's>
-student=<the opd student's accuracy where it stopped, mean over seeds> teacher=<teacher accuracy>`.
+A run that does not get there in `--max-steps` counts `--max-steps` x 128 (printed as ">N").
+Each algorithm is compared at its own best learning rate of `--lrs` (the fewest samples summed
+over the seeds; the two learn best at different rates: GRPO's normalised sequence advantage and
+the teacher's unnormalised per-token one), and where its runs there missed the target, the ratio
+is a bound, said on the line before the last.
+Last line: `opd_samples_over_grpo=<opd samples to the target summed over seeds / grpo's, each at its
+best rate> student=<the opd student's accuracy where it stopped, mean over seeds> teacher=<teacher
+accuracy>`.
 """
 from __future__ import annotations
 
@@ -71,14 +76,15 @@ def accuracy_of(model: str, tmp: Path) -> float:
         return asyncio.run(trainer.evaluate(data.eval_rows))
 
 
-def run(algo: str, seed: int, student: str, teacher: str, target: float, args, tmp: Path) -> tuple[int | None, float]:
+def run(algo: str, seed: int, student: str, teacher: str, target: float, lr: float, args,
+        tmp: Path) -> tuple[int | None, float]:
     """(samples to the target or None, the accuracy where the run stopped)."""
     from algorithms.ppo.run import ppo_trainer
     from xray.run.outputs import RunDir
     from xray.train import resolve
 
-    out = tmp / f"{algo}-{seed}"
-    _, cfg, plan, _, _ = resolve(settings(algo, out, student, teacher, seed, args.lr))
+    out = tmp / f"{algo}-{lr:g}-{seed}"
+    _, cfg, plan, _, _ = resolve(settings(algo, out, student, teacher, seed, lr))
     with ppo_trainer(cfg, plan, RunDir(out), algo=algo) as (trainer, data):
         accuracy, history = asyncio.run(trainer.evaluate(data.eval_rows)), []
         for step in range(1, args.max_steps + 1):
@@ -88,18 +94,18 @@ def run(algo: str, seed: int, student: str, teacher: str, target: float, args, t
             accuracy = asyncio.run(trainer.evaluate(data.eval_rows))
             history.append(f"{step}:{accuracy:.3f}")
             if accuracy >= target:
-                print(f"{algo} seed {seed}: {' '.join(history)} -> target at step {step}", flush=True)
+                print(f"{algo} lr {lr:g} seed {seed}: {' '.join(history)} -> target at step {step}", flush=True)
                 return step * SAMPLES_PER_STEP, accuracy
-    print(f"{algo} seed {seed}: {' '.join(history)} -> target not reached in {args.max_steps} steps", flush=True)
+    print(f"{algo} lr {lr:g} seed {seed}: {' '.join(history)} -> not reached in {args.max_steps} steps", flush=True)
     return None, accuracy
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
-    ap.add_argument("--max-steps", type=int, default=300)
+    ap.add_argument("--lrs", type=float, nargs="+", default=[1e-4, 2e-4])
+    ap.add_argument("--max-steps", type=int, default=500)
     ap.add_argument("--eval-every", type=int, default=10)
-    ap.add_argument("--lr", type=float, default=1e-4)
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     with tempfile.TemporaryDirectory() as name:
@@ -109,13 +115,17 @@ def main() -> None:
         target = teacher_acc - MARGIN
         print(f"teacher accuracy {teacher_acc:.3f}; target {target:.3f} (student before: "
               f"{accuracy_of(student, tmp):.3f})", flush=True)
-        results = {algo: [run(algo, seed, student, teacher, target, args, tmp) for seed in args.seeds]
-                   for algo in ("opd", "grpo")}
+        tried = {(algo, lr): [run(algo, seed, student, teacher, target, lr, args, tmp) for seed in args.seeds]
+                 for algo in ("opd", "grpo") for lr in args.lrs}
     budget = args.max_steps * SAMPLES_PER_STEP
+    total = {key: sum(n if n is not None else budget for n, _ in r) for key, r in tried.items()}
+    for (algo, lr), r in tried.items():
+        print(f"{algo} lr {lr:g}: samples to {target:.3f}: " + ", ".join(
+            str(n) if n is not None else f">{budget}" for n, _ in r), flush=True)
+    best = {algo: min(args.lrs, key=lambda lr: total[(algo, lr)]) for algo in ("opd", "grpo")}
+    print(f"best learning rates: opd {best['opd']:g}, grpo {best['grpo']:g}", flush=True)
+    results = {algo: tried[(algo, lr)] for algo, lr in best.items()}
     counts = {algo: [n if n is not None else budget for n, _ in r] for algo, r in results.items()}
-    for algo, r in results.items():
-        print(f"{algo}: samples to {target:.3f}: " + ", ".join(str(n) if n is not None else f">{budget}"
-                                                               for n, _ in r), flush=True)
     missed = {algo for algo, r in results.items() if any(n is None for n, _ in r)}
     bound = ("opd missed it: the ratio is a lower bound" if "opd" in missed and "grpo" not in missed else
              "grpo missed it: the ratio is an upper bound" if "grpo" in missed and "opd" not in missed else
