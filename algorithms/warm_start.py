@@ -90,9 +90,9 @@ def build_builtin_model(cfg: RunConfig, plan: Plan, run: RunDir, ray_address: st
     sft_dir = RunDir(run.path / ("warm-start" if spec is None else f"{name}-warm-start"))
     out = run_sft(cfg, plan_run(cfg, plan.backend, "sft"), pairs, str(base), sft_dir, tokenizer.pad_token_id or 0,
                   ray_address)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        if (base / name).is_file() and not (out / name).is_file():
-            shutil.copy(base / name, out / name)
+    for file in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (base / file).is_file() and not (out / file).is_file():
+            shutil.copy(base / file, out / file)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_suffix(".tmp")
     shutil.rmtree(tmp, ignore_errors=True)

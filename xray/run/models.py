@@ -248,8 +248,9 @@ def check_layouts(cfg: RunConfig, plan: Plan, model_dir: str) -> None:
         if limit is not None and needed > limit:
             raise ConfigError(f"data.max_prompt_tokens + {room} + 8 = {needed} exceeds the model's "
                               f"max_position_embeddings={limit}; lower {room} or data.max_prompt_tokens")
-    if cfg.teacher.model_path and not cfg.teacher.model_path.startswith("builtin:"):
-        check_teacher_vocab(cfg.teacher.model_path, model_dir)
+    teacher = cfg.teacher.model_path
+    if any(r.role == "teacher" for r in plan.roles) and teacher and not teacher.startswith("builtin:"):
+        check_teacher_vocab(teacher, model_dir)
     for r in plan.roles:
         if r.backend != "megatron":
             continue
