@@ -55,10 +55,11 @@ class CriticFreeTrainer(PPOTrainer):
         self.algo, self.kl_in = algo, kl_placement(cfg, algo)
         self.teacher_coef = 1.0 if algo == "opd" else cfg.distill.teacher_coef
         """The teacher's term's weight in the advantages (0: no teacher runs)."""
+        self.uses_reference = self.kl_in != "none"
         self.more_rows = None
         """Where dynamic sampling draws more prompt rows (the run's `RunData.next_train_rows`)."""
         self.on_policy = (self.kl_in == "none" and not self.teacher_coef and cfg.ppo.ppo_epochs == 1
-                          and cfg.rollout.quantization == "none"
+                          and cfg.rollout.quantization == "none" and cfg.trainer.mode == "sync"
                           and self.batches().mini_batch_size == cfg.ppo.rollout_batch_size * cfg.rollout.n_samples)
         self.policy_loss = dataclasses.replace(
             policy_loss_of(cfg, cfg.ppo.kl_coef if self.kl_in == "loss" else 0.0, cfg.critic_free.kl_estimator),

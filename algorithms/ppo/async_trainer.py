@@ -1,11 +1,12 @@
-"""The trainer of asynchronous PPO: a Ray actor with its own loop (`algorithms.ppo.detached`
-starts it beside the makers and the buffer).
+"""The trainer of an asynchronous run (PPO, or a critic-free algorithm: GRPO, RLOO, REINFORCE++,
+on-policy distillation): a Ray actor with its own loop (`algorithms.ppo.detached` starts it
+beside the makers and the buffer).
 
 Its loop, step after step up to the step the driver allows (a checkpoint or the end): take the
 next `rollout_batch_size` scored groups from the buffer (`algorithms.ppo.buffer`; each trainer,
 an actor replica, its own share from the makers the graph lets feed it, in whatever order they
-were made), fetch them here, recompute log-probs (the proximal policy) and values with the
-current weights, compute advantages, train with the decoupled PPO loss, and every
+were made), fetch them here, recompute log-probs (the proximal policy) and, in PPO, values with
+the current weights, compute advantages (`targets`), train with the decoupled PPO loss, and every
 `async.push_every` steps publish the weights: export them into the object store (queued on the
 actor ahead of the next step, which trains on while they travel) and hand each maker its
 trainer's copy (`ExperienceMaker.load`). A push never waits for a maker: each loads between two of
@@ -26,6 +27,7 @@ from algorithms.critic_free.advantages import teacher_advantages, teacher_metric
 from algorithms.ppo.buffer import fetch
 from algorithms.ppo.maker_episodes import episode_metrics
 from algorithms.ppo.kl_estimators import kl_metrics
+from algorithms.ppo.rewards import run_scores
 from algorithms.ppo.trainer import PPOTrainer, ppo_targets
 from xray.data import columns as C
 from xray.data.batch import Batch
@@ -35,8 +37,13 @@ class AsyncTrainer:
     """The trainer's loop (a Ray actor: `ray.remote(AsyncTrainer)`)."""
 
     def __init__(self, cfg, models, pad_id: int, stop_ids: list[int], buffer, makers: list, pusher: list[int],
-                 step: int, kl_state: dict, model_dir: str, run_path: str | None = None):
-        self.t = PPOTrainer(cfg, models, None, pad_id, stop_ids)
+                 step: int, kl_state: dict, model_dir: str, run_path: str | None = None, algo: str = "ppo"):
+        if algo == "ppo":
+            self.t = PPOTrainer(cfg, models, None, pad_id, stop_ids)
+        else:  # a critic-free run's trainer: its advantages and its loss (no critic, maybe no reference)
+            from algorithms.critic_free.trainer import CriticFreeTrainer
+
+            self.t = CriticFreeTrainer(cfg, models, None, pad_id, stop_ids, algo)
         self.snapshots = None
         """The actor's and critic's snapshots in memory after every step (`trainer.memory_snapshots`;
         taken here, in order with this trainer's own calls): what `recover` restores."""
@@ -165,21 +172,13 @@ class AsyncTrainer:
         parts = [Batch.concat(await fetch(groups), pad_width=True) for groups in taken]
         exp = Batch.concat(parts, pad_width=True)
         waited_s = time.time() - start
-        proximal, values = await asyncio.gather(t.models.actor.forward(exp), t.models.critic.forward(exp))
+        proximal, values = await self.recompute(exp)
         mask = exp[C.LOSS_MASK]
-        fresh = self.check_fresh(proximal[C.LOGPROBS], exp, mask)  # before the batch is trained on
-        advantages, returns = ppo_targets(proximal[C.LOGPROBS], exp[C.REF_LOGPROBS], values[C.VALUES], mask,
-                                          exp[C.SCORES], t.cfg, t.kl.value)
-        teacher = exp[C.TEACHER_LOGPROBS] if C.TEACHER_LOGPROBS in exp else None  # scored by the makers
-        if teacher is not None:  # on-policy distillation's term, against the trained (proximal) policy
-            coef = t.cfg.distill.teacher_coef
-            advantages = advantages + teacher_advantages(proximal[C.LOGPROBS], teacher, mask, coef)
-        train = await t.train(Batch({
-            C.INPUT_IDS: exp[C.INPUT_IDS], C.ATTENTION_MASK: exp[C.ATTENTION_MASK], C.LOSS_MASK: mask,
-            C.OLD_LOGPROBS: proximal[C.LOGPROBS], C.BEHAVIOUR_LOGPROBS: exp[C.BEHAVIOUR_LOGPROBS],
-            C.OLD_VALUES: values[C.VALUES], C.ADVANTAGES: advantages, C.RETURNS: returns}), step, parts=len(parts))
-        kl, kl_coef = kl_metrics(proximal[C.LOGPROBS], exp[C.REF_LOGPROBS], mask), t.kl.value
-        t.kl.update(kl["kl_sequence"], len(exp))
+        fresh = self.check_fresh(proximal, exp, mask)  # before the batch is trained on
+        kl_coef = t.kl.value
+        columns, measured = self.targets(exp, proximal, values, mask)
+        train = await t.train(Batch(columns), step, parts=len(parts))
+        t.kl.update(measured.get("kl_sequence", 0.0), len(exp))
         t.state.step = step
         if self.snapshots is not None:  # queued on the Workhorses before the push's export and the next step
             await self.snapshots.take(step, {"step": step, "kl": t.kl.state_dict()}, persist=False)
@@ -191,8 +190,7 @@ class AsyncTrainer:
         end = time.time()
         scores = exp[C.SCORES]
         return {"reward/mean": float(scores.mean()), "reward/std": float(scores.std()) if len(scores) > 1 else 0.0,
-                **kl, "kl_coef": kl_coef, **train, **t.gap(proximal[C.LOGPROBS], exp, mask), **fresh,
-                **(teacher_metrics(proximal[C.LOGPROBS], teacher, mask) if teacher is not None else {}),
+                **measured, "kl_coef": kl_coef, **train, **t.gap(proximal, exp, mask), **fresh,
                 "response_length": float(mask.sum(1).mean()), **staleness(exp, step - 1),
                 **{f"async/trainer{d}_from_maker{i}": float(sum(g.maker == i for g in groups))
                    for d, groups in enumerate(taken) for i in range(len(self.makers))},
@@ -200,6 +198,41 @@ class AsyncTrainer:
                 "async/experience_bytes": float(sum(b.nbytes() for b in parts)),
                 **(await self.maker_busy(start, end)), "samples_per_s": len(exp) / (end - start), **self.loaded(),
                 **(await self.buffer.stats.remote())}
+
+    async def recompute(self, exp: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The actor's log-probs of `exp` with the weights it holds now (the proximal policy) and the
+        critic's values (None in a critic-free run), at once."""
+        models = self.t.models
+        answers = await asyncio.gather(models.actor.forward(exp),
+                                       *([models.critic.forward(exp)] if models.critic is not None else []))
+        return answers[0][C.LOGPROBS], answers[1][C.VALUES] if len(answers) > 1 else None
+
+    def targets(self, exp: Batch, logprobs: torch.Tensor, values: torch.Tensor | None,
+                mask: torch.Tensor) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        """The train batch's columns and the KL and distillation metrics. PPO: GAE on the critic's
+        `values` (with the KL penalty in the reward); a critic-free run: its algorithm's estimator over
+        each prompt's group (the buffer's groups keep their rows together; rows a reward filter
+        dropped, their loss mask all zero, are left out of their group's statistics), the KL where
+        `critic_free.kl_in` puts it; either plus `distill.teacher_coef` x (teacher - proximal log-prob),
+        and `opd`'s that term alone."""
+        t = self.t
+        ref = exp[C.REF_LOGPROBS] if C.REF_LOGPROBS in exp else None  # no reference: no KL
+        teacher = exp[C.TEACHER_LOGPROBS] if C.TEACHER_LOGPROBS in exp else None  # scored by the makers
+        columns = {C.INPUT_IDS: exp[C.INPUT_IDS], C.ATTENTION_MASK: exp[C.ATTENTION_MASK], C.LOSS_MASK: mask,
+                   C.OLD_LOGPROBS: logprobs, C.BEHAVIOUR_LOGPROBS: exp[C.BEHAVIOUR_LOGPROBS]}
+        if values is None:  # critic-free (CriticFreeTrainer.advantages adds the teacher's term)
+            valid = mask.sum(1) > 0
+            scores = run_scores(torch.where(valid, exp[C.SCORES].float(), 0.0), mask, t.cfg)
+            columns[C.ADVANTAGES] = t.advantages(scores, logprobs, ref, mask, valid, teacher)
+            if t.kl_in == "loss":
+                columns[C.REF_LOGPROBS] = ref
+        else:
+            advantages, returns = ppo_targets(logprobs, ref, values, mask, exp[C.SCORES], t.cfg, t.kl.value)
+            if teacher is not None:  # on-policy distillation's term, against the trained (proximal) policy
+                advantages = advantages + teacher_advantages(logprobs, teacher, mask, t.cfg.distill.teacher_coef)
+            columns.update({C.OLD_VALUES: values, C.ADVANTAGES: advantages, C.RETURNS: returns})
+        kl = kl_metrics(logprobs, ref, mask) if ref is not None else {}
+        return columns, {**kl, **(teacher_metrics(logprobs, teacher, mask) if teacher is not None else {})}
 
     async def maker_busy(self, start: float, end: float) -> dict[str, float]:
         """The makers' mean busy share of [start, end], from their measured intervals; with episodes,

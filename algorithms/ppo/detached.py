@@ -1,4 +1,5 @@
-"""Detached asynchronous PPO (`trainer.mode: async`): the driver's part, which only supervises.
+"""Detached asynchronous PPO and critic-free runs (`trainer.mode: async`): the driver's part, which
+only supervises.
 
 ColossalChat's design on xray's WholeModels, each part a Ray actor with its own loop:
 - the **buffer** (`algorithms.ppo.buffer`): the prompt source, admission control and the queue of
@@ -42,8 +43,8 @@ class MakerLost(RuntimeError):
 
 
 class Detached:
-    """The makers, buffer and trainer of one asynchronous run around a PPOTrainer (the driver's:
-    its models, data and scorer), supervised."""
+    """The makers, buffer and trainer of one asynchronous run around a PPOTrainer or a
+    CriticFreeTrainer (the driver's: its models, data and scorer), supervised."""
 
     def __init__(self, trainer, data, run_path: str | None = None):
         import ray
@@ -80,8 +81,9 @@ class Detached:
         slow = os.environ.get("XRAY_MAKER_SLOWDOWN", "")  # a test hook: "<maker>:<factor>"
         slowdown = float(slow.split(":")[1]) if slow and int(slow.split(":")[0]) == i else 1.0
         return ray.remote(ExperienceMaker).options(num_cpus=0, max_concurrency=1000).remote(
-            i, m.rollout.replica(i), m.reference, t.score_fn, self.buffer, t.cfg, t.stop_ids, t.pad_id,
-            self.share, version, slowdown, self.data.tokenizer if t.cfg.env.name else None, teacher=m.teacher)
+            i, m.rollout.replica(i), m.reference if t.uses_reference else None, t.score_fn, self.buffer, t.cfg,
+            t.stop_ids, t.pad_id, self.share, version, slowdown, self.data.tokenizer if t.cfg.env.name else None,
+            teacher=m.teacher if t.teacher_coef else None)
 
     def start(self) -> None:
         """Start the makers' loops and the trainer (from the driver's trainer state)."""
@@ -95,7 +97,7 @@ class Detached:
         models = dataclasses.replace(t.models, starter=None)
         self.learner = ray.remote(AsyncTrainer).options(num_cpus=0, max_concurrency=1000).remote(
             t.cfg, models, t.pad_id, t.stop_ids, self.buffer, self.makers, list(self.graph.pusher), t.state.step,
-            t.kl.state_dict(), self.data.model_dir, self.run_path)
+            t.kl.state_dict(), self.data.model_dir, self.run_path, t.algo)
 
     async def stop(self) -> None:
         """Stop the makers and the trainer, and free the buffer."""

@@ -1,13 +1,13 @@
-"""An experience maker of asynchronous PPO: a Ray actor with its own loop, driving one rollout
-replica (`algorithms.ppo.detached` starts one per replica).
+"""An experience maker of an asynchronous run (PPO, or a critic-free algorithm): a Ray actor with
+its own loop, driving one rollout replica (`algorithms.ppo.detached` starts one per replica).
 
 Its loop: lease prompts from the buffer (`algorithms.ppo.buffer`: admitted only while the
 staleness bound allows, at most `async.max_in_flight` in flight), and generate for every sample
 in flight at once, `async.segment_tokens` tokens at a time: each segment is one call on the
 engine, which batches all of them, and new prompts join at every segment. A sample that ends
 (a stop token, or `rollout.max_new_tokens`) leaves; when a prompt's samples have all ended, its
-group is scored at once (the reference's log-probs, the teacher's with `distill.teacher_coef`, the
-reward) while the engine generates the others, and put into the buffer as soon as its score is in.
+group is scored at once (the reference's log-probs where the run has one, the teacher's with
+`distill.teacher_coef` or `opd`, the reward) while the engine generates the others, and put into the buffer as soon as its score is in.
 
 Partial rollouts: a weight load (`load`, called by the trainer when it publishes a version, never
 waiting for it) takes the engine between two segments, verified as every sync is; the samples in
@@ -273,7 +273,8 @@ class ExperienceMaker:
         """A task of the reference's log-probs of `batch` (LOGPROBS) and, with a teacher, the
         teacher's (TEACHER_LOGPROBS), the two forwards at once; each model's input padded with
         copies of its first row to a multiple of its dp, whose ranks all take part in every
-        forward, and cut back."""
+        forward, and cut back. A run without a reference (a critic-free one with its KL off) or a
+        teacher leaves their column out."""
         from xray.data import columns as C
         from xray.data.batch import Batch
 
@@ -284,9 +285,10 @@ class ExperienceMaker:
             return out[C.LOGPROBS][:len(batch)]
 
         async def both():
-            models = [self.reference] + ([self.teacher] if self.teacher is not None else [])
-            answers = await asyncio.gather(*map(forward, models))
-            return Batch(dict(zip([C.LOGPROBS, C.TEACHER_LOGPROBS], answers)))
+            models = {C.LOGPROBS: self.reference, C.TEACHER_LOGPROBS: self.teacher}
+            models = {column: model for column, model in models.items() if model is not None}
+            answers = await asyncio.gather(*map(forward, models.values()))
+            return Batch(dict(zip(models, answers)))
         return asyncio.ensure_future(both())
 
     async def _scores(self, samples: list[Sample], batch):
@@ -315,8 +317,8 @@ class ExperienceMaker:
         mask = batch[C.LOSS_MASK] if keep is None else batch[C.LOSS_MASK] * keep[:, None].float()
         whole = Batch({C.INPUT_IDS: batch[C.INPUT_IDS], C.ATTENTION_MASK: batch[C.ATTENTION_MASK], C.LOSS_MASK: mask,
                        C.BEHAVIOUR_LOGPROBS: batch[C.BEHAVIOUR_LOGPROBS],
-                       C.BEHAVIOUR_VERSIONS: batch[C.BEHAVIOUR_VERSIONS], C.REF_LOGPROBS: ref[C.LOGPROBS],
-                       C.SCORES: scores,
+                       C.BEHAVIOUR_VERSIONS: batch[C.BEHAVIOUR_VERSIONS], C.SCORES: scores,
+                       **({C.REF_LOGPROBS: ref[C.LOGPROBS]} if C.LOGPROBS in ref else {}),
                        **({C.TEACHER_LOGPROBS: ref[C.TEACHER_LOGPROBS]} if C.TEACHER_LOGPROBS in ref else {})},
                       {C.PROMPT_IDS: batch[C.PROMPT_IDS], C.RESPONSE_IDS: batch[C.RESPONSE_IDS]})
         ref, entries, first = ray.put(_trimmed(whole)), [], 0  # one object for the groups scored together

@@ -149,6 +149,10 @@ class PPOTrainer:
         self.policy_loss = policy_loss_of(cfg)
         self.value_loss = ValueLoss(cliprange_value=ppo.cliprange_value, vf_coef=ppo.vf_coef)
         self.state = PPOState()
+        self.teacher_coef = cfg.distill.teacher_coef
+        """The teacher's term's weight in the advantages (0: no teacher scores the samples)."""
+        self.uses_reference = True
+        """Whether the reference's log-probs enter the step (PPO's KL penalty always)."""
         plan = getattr(models, "plan", None)
         self.sleeps = bool(plan is not None and plan.rollout_sleep)
         """Whether the rollout engine sleeps while the trained roles work (the plan's `rollout.sleep`)."""
@@ -181,7 +185,7 @@ class PPOTrainer:
         with t("generate"):
             await self.wake_rollout()
             gen = await self.rollout(rows, self.sampling(step))
-            coef = self.cfg.distill.teacher_coef  # on-policy distillation's term (`xray/config/distill.py`)
+            coef = self.teacher_coef  # on-policy distillation's term (`xray/config/distill.py`)
             forwards = (m.actor.forward(gen), reference_forward(m, gen), m.critic.forward(gen),
                         *([m.teacher.forward(gen)] if coef else []))
             exp = gen if isinstance(gen, Batch) else await gen

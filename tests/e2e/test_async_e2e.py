@@ -62,11 +62,13 @@ def async_config(tmp_path: Path, model_dir: Path, backend: str, trainers: int, e
     return path
 
 
-def check(steps: dict[int, dict], expected: list[int], trainers: int, backend: str, killed: bool = False) -> None:
+def check(steps: dict[int, dict], expected: list[int], trainers: int, backend: str, killed: bool = False,
+          prompts: int = 8, paired: bool = True) -> None:
     """A push is reported with the step during which every maker answered it (loaded, or skipped
     for a newer version): usually the next step, a step later when a maker was mid-segment (the
     fresh-clone CI at 011264d saw step 2 end first); `killed`: a maker was lost during the run, so
-    a push's loads may count one replica."""
+    a push's loads may count one replica. `prompts`: the run's rollout_batch_size; `paired`: with 2
+    trainers, maker d feeds trainer d alone (else every maker feeds both)."""
     assert sorted(steps) == expected
     unreported = [step for step, row in steps.items() if step - 1 in steps and "sync/version" not in row]
     assert len(unreported) <= 1 + int(killed), unreported
@@ -86,11 +88,11 @@ def check(steps: dict[int, dict], expected: list[int], trainers: int, backend: s
         # outside the step, would pass 1; the trainer trains in every step
         assert 0.0 < row["async/trainer_busy"] and row["async/maker_busy"] <= 1.0 + 1e-9, row
         assert row["samples_per_s"] > 0
-        share = 8 // trainers  # rollout_batch_size / trainers groups per trainer and step
+        share = prompts // trainers  # rollout_batch_size / trainers groups per trainer and step
         for d in range(trainers):
             made = [row[f"async/trainer{d}_from_maker{i}"] for i in range(2)]
             assert sum(made) == share, row
-            if trainers == 2:  # the graph: maker d feeds trainer d alone
+            if trainers == 2 and paired:  # the graph: maker d feeds trainer d alone
                 assert made[1 - d] == 0, row
         # the end-to-end check of the makers' syncs, on the tokens sampled with the trainer's weights
         # (a step may have none: admission lets makers run a version ahead of what is trained)

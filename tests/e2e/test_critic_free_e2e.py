@@ -16,6 +16,10 @@ actor and rollout share devices: the actor's probe queued behind its last update
 push, and still verified); REINFORCE++ with a guard
 bound below any approx KL, so every update is skipped on both engines and the weights stay; GRPO
 on-policy (one epoch of one mini-batch, no KL): no actor forward before training, ratio exactly 1;
+detached (`trainer.mode: async`, 2 experience makers), once over the two pairs: `opd` on
+megatron-vllm (1 trainer; the makers have the teacher score each group, no reference) and GRPO with
+the teacher's term and the KL loss on deepspeed-dsinfer (2 trainers fed by both makers; the
+advantages over each group the trainer takes), the makers' loads verified;
 and each on multi-turn episodes, once over the two pairs: GRPO on deepspeed-dsinfer with each
 sample a guessing game over up to 3 turns (`env.name`; the engines sized for the episodes) and on
 megatron-vllm with agent code written with the `openai` client (`env.agent`) through the run's
@@ -99,6 +103,8 @@ VARIANTS = {  # run: (algorithm, ppo overrides, critic_free overrides); the teac
     "rloo": ("rloo", {"target_kl": 1e-9}, {}),
     "reinforce_pp": ("reinforce_pp", {"max_approx_kl": -1.0}, {}),
     "grpo-on-policy": ("grpo", {"ppo_epochs": 1, "mini_batch_size": 8}, {"kl_in": "none"}),
+    "opd-async": ("opd", {}, {}),
+    "grpo-async": ("grpo", {}, {}),
     "grpo-episodes": ("grpo", {}, {}),
     "grpo-agent": ("grpo", {}, {}),
     "rloo-episodes": ("rloo", {}, {}),
@@ -106,11 +112,14 @@ VARIANTS = {  # run: (algorithm, ppo overrides, critic_free overrides); the teac
 }
 
 
-TEACHER = {"grpo": 0.5, "opd": 0.0}
+TEACHER = {"grpo": 0.5, "opd": 0.0, "opd-async": 0.0, "grpo-async": 0.5}
 """`distill.teacher_coef` of the runs with a teacher (opd's term has weight 1 whatever it is); 0 elsewhere."""
 EPISODES_ON = {"grpo-episodes": "deepspeed-dsinfer", "grpo-agent": "megatron-vllm",
                "rloo-episodes": "megatron-vllm", "reinforce_pp-episodes": "deepspeed-dsinfer"}
 """The backend pair each episode variant runs on (once: the suite's budget)."""
+ASYNC_ON = {"opd-async": "megatron-vllm", "grpo-async": "deepspeed-dsinfer"}
+"""The detached runs (`trainer.mode: async`, 2 makers; 1 trainer at tp=2, 2 fed by both makers at
+dp=2) and the pair each runs on."""
 
 
 def variant(cfg, name: str):
@@ -120,7 +129,8 @@ def variant(cfg, name: str):
     env = cfg.env if name.endswith("-episodes") else EnvConfig()
     if name == "grpo-agent":
         env = dataclasses.replace(cfg.env, name=None, agent="tests.e2e.test_critic_free_e2e:openai_agent")
-    return dataclasses.replace(cfg, ppo=dataclasses.replace(cfg.ppo, **ppo),
+    trainer = dataclasses.replace(cfg.trainer, mode="async" if name in ASYNC_ON else "sync")
+    return dataclasses.replace(cfg, ppo=dataclasses.replace(cfg.ppo, **ppo), trainer=trainer,
                                critic_free=dataclasses.replace(cfg.critic_free, **critic_free), env=env,
                                distill=dataclasses.replace(cfg.distill, teacher_coef=TEACHER.get(name, 0.0)))
 
@@ -138,8 +148,8 @@ def test_grpo_opd_rloo_reinforce_pp_three_steps_each(tmp_path, tiny_model, tiny_
         assert first.models.critic is None
         evals = []  # (before, after) of each run; each starts from the weights the one before ended on
         for algo, (name, _, _) in VARIANTS.items():
-            if EPISODES_ON.get(algo, backend) != backend:
-                continue  # each episode variant runs on one pair
+            if {**EPISODES_ON, **ASYNC_ON}.get(algo, backend) != backend:
+                continue  # each episode and detached variant runs on one pair
             trainer = make_trainer(name, variant(cfg, algo), first.models, first.score_fn, data)
             assert trainer.on_policy == (algo == "grpo-on-policy")
             trainer.overlap_sync = algo != "rloo"  # rloo: a colocated layout's sync (`early_probe`)
@@ -148,7 +158,7 @@ def test_grpo_opd_rloo_reinforce_pp_three_steps_each(tmp_path, tiny_model, tiny_
             eval_after = asyncio.run(train(trainer, run, data, None))
             run.close()
             check_run(algo, tmp_path / algo, before, backend)
-            assert trainer.queued_probe is None  # each sync took the probe its step queued
+            assert trainer.queued_probe is None  # each sync took the probe its step queued (or none was)
             if algo in EPISODES_ON:  # its evaluation is the episodes' mean return
                 check_episodes(trainer, tmp_path / algo)
                 continue
@@ -185,15 +195,20 @@ def check_episodes(trainer, run: Path) -> None:
 def check_run(algo: str, run: Path, before: dict, backend: str) -> None:
     from safetensors.torch import load_file
 
+    from tests.e2e.test_async_e2e import check as check_detached
+
     rows = {r["step"]: r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
     assert sorted(rows) == [1, 2, 3], algo
+    if algo in ASYNC_ON:  # the makers' verified loads, staleness, each trainer's share from the makers
+        check_detached(rows, [1, 2, 3], 1 if backend.startswith("megatron") else 2, backend, prompts=4, paired=False)
     for row in rows.values():
         assert all(math.isfinite(v) for v in row.values() if isinstance(v, float)), (algo, row)
-        assert row.get("sync/max_abs_logprob_diff", 0.0) <= FP32_PROBE, row
-        check_held(row, backend)
-        assert row["sync/version"] == row["step"]  # verified after every step's sync
+        if algo not in ASYNC_ON:
+            assert row.get("sync/max_abs_logprob_diff", 0.0) <= FP32_PROBE, row
+            check_held(row, backend)
+            assert row["sync/version"] == row["step"]  # verified after every step's sync
         assert not any(k.startswith("critic/") for k in row)
-        assert ("kl" in row and "kl_k3" in row) == (algo not in ("grpo-on-policy", "opd"))  # no reference: no KL
+        assert ("kl" in row and "kl_k3" in row) == (algo not in ("grpo-on-policy", "opd", "opd-async")), row
         assert ("distill/reverse_kl" in row) == (algo in TEACHER)  # the teacher scored the samples
         if algo in TEACHER:  # two different models: the teacher's log-probs are not the student's (a sample
             assert row["distill/reverse_kl"] != 0 and row["distill/teacher_logprob"] < 0, row  # k1 may be < 0)
@@ -207,7 +222,7 @@ def check_run(algo: str, run: Path, before: dict, backend: str) -> None:
             assert r["dynamic_sampling/sampled_groups"] == 4 * rounds and rounds in (1.0, 2.0), r
             assert r["dynamic_sampling/filled_groups"] == max(0.0, 4 - varied), r
         assert all(r["ppo/epochs"] == 2 and r["actor/updates_skipped"] == 0 for r in rows.values())
-    if algo == "opd":  # the teacher's term alone (no reward in it) moved the student, over 2 epochs
+    if algo in ("opd", "opd-async", "grpo-async"):  # opd: the teacher's term alone (no reward in it) moved it
         assert all(r["ppo/epochs"] == 2 and r["actor/updates_skipped"] == 0 for r in rows.values()) and moved > 0
     if algo == "rloo":  # the first epoch's approx KL is above 1e-9: the second never runs
         assert all(r["ppo/epochs"] == 1 for r in rows.values()) and "actor/kl_loss" not in rows[1] and moved > 0

@@ -117,8 +117,10 @@ def test_critic_free_config_mistakes_say_the_fix():
         resolve(["rloo", "--rollout.n_samples=1"])
     _, _, plan, _, _ = resolve(["reinforce_pp", "--rollout.n_samples=1", "--ppo.rollout_batch_size=128"])
     assert [r.role for r in plan.roles] == ["rollout", "actor", "reference"]
-    with pytest.raises(ConfigError, match="trainer.mode=sync"):
-        resolve(["grpo", "--trainer.mode=async"])
+    _, cfg, plan, _, _ = resolve(["opd", "--trainer.mode=async"])  # detached: makers and a trainer, no critic
+    assert cfg.trainer.mode == "async" and [r.role for r in plan.roles] == ["rollout", "actor", "teacher"]
+    with pytest.raises(ConfigError, match="set trainer.mode=sync, or dynamic_sampling=false"):
+        resolve(["grpo", "--trainer.mode=async", "--critic_free.dynamic_sampling=true"])
 
 
 def test_sample_and_distill_mistakes_say_the_fix(tmp_path):

@@ -57,8 +57,9 @@ def check_critic_free(cfg: "RunConfig", algo: str) -> None:
     if algo in ("grpo", "rloo") and cfg.rollout.n_samples < 2:
         raise ConfigError(f"{algo} compares the responses to one prompt: rollout.n_samples={cfg.rollout.n_samples}; "
                           "set --rollout.n_samples to 2 or more (4 to 16 is usual)")
-    if cfg.trainer.mode != "sync":
-        raise ConfigError(f"{algo} runs with trainer.mode=sync; the asynchronous mode is PPO's for now")
+    if cfg.trainer.mode != "sync" and cfg.critic_free.dynamic_sampling:
+        raise ConfigError("critic_free.dynamic_sampling draws more prompts within a synchronous step; an asynchronous "
+                          "run's makers cannot refill it: set trainer.mode=sync, or dynamic_sampling=false")
     if cfg.actor.elasticity is not None or cfg.reference.elasticity is not None:
         raise ConfigError(f"{algo}: elastic device groups are PPO's for now; remove the elasticity blocks")
     if cfg.critic_free.dynamic_sampling and (cfg.env.episodes or cfg.critic_free.max_sample_rounds < 1):

@@ -318,7 +318,7 @@ class SampleConfig:
 @dataclass(frozen=True)
 class AsyncConfig:
     """Detached asynchronous training (`trainer.mode: async`): experience makers (the rollout's
-    replicas, with the reference and the reward) and the trainer (actor and critic) joined by an
+    replicas, with the reference and the reward) and the trainer (actor, and critic in PPO) joined by an
     experience buffer."""
 
     push_every: int = 1
