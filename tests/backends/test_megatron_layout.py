@@ -5,6 +5,7 @@ is built; the HF <-> Megatron tensor layout must round-trip bitwise for every tp
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -53,6 +54,9 @@ def test_vocab_must_split_over_tp(tmp_path):
     ({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}, "GPT2LMHeadModel"),
     ({"rope_parameters": {"rope_theta": 5e5, "rope_type": "llama3", "factor": 8.0}}, "llama3"),
     ({"hidden_act": "gelu"}, "hidden_act"),
+    ({"architectures": ["MistralForCausalLM"], "sliding_window": 64, "max_position_embeddings": 4096},
+     "sliding_window=64 below max_position_embeddings=4096"),
+    ({"attention_bias": True}, "attention_bias=true"),
 ])
 def test_unsupported_models_are_named(tmp_path, changes, words):
     with pytest.raises(UnsupportedModelError, match=words):
@@ -63,7 +67,12 @@ def test_read_spec(tmp_path):
     spec = read_spec(_model_dir(tmp_path, architectures=["Qwen2ForCausalLM"], tie_word_embeddings=True,
                                 rope_parameters={"rope_theta": 1e6, "rope_type": "default"}))
     assert (spec.head_dim, spec.num_kv_heads, spec.rope_theta) == (32, 2, 1e6)
-    assert spec.qkv_bias and spec.tie_word_embeddings
+    assert spec.qkv_bias and spec.tie_word_embeddings and not spec.qk_norm
+    qwen3 = read_spec(_model_dir(tmp_path, architectures=["Qwen3ForCausalLM"], head_dim=64))
+    assert (qwen3.head_dim, qwen3.qk_norm, qwen3.qkv_bias) == (64, True, False)
+    assert read_spec(_model_dir(tmp_path, architectures=["Qwen3ForCausalLM"], attention_bias=True)).qkv_bias
+    mistral = read_spec(_model_dir(tmp_path, architectures=["MistralForCausalLM"], sliding_window=None))
+    assert not (mistral.qkv_bias or mistral.qk_norm)
 
 
 def test_stage_layers_uneven():
@@ -77,14 +86,20 @@ SPEC = ModelSpec(architecture="Qwen2ForCausalLM", vocab_size=64, hidden_size=32,
                  rms_norm_eps=1e-6, max_position_embeddings=64, tie_word_embeddings=False, qkv_bias=True)
 
 
+QWEN3 = dataclasses.replace(SPEC, architecture="Qwen3ForCausalLM", qkv_bias=False, qk_norm=True)
+
+
 @pytest.mark.parametrize("tp", [1, 2, 4])
-def test_shards_round_trip_bitwise(tp):
+@pytest.mark.parametrize("spec", [SPEC, QWEN3], ids=["qwen2", "qwen3"])
+def test_shards_round_trip_bitwise(tp, spec):
     g = torch.Generator().manual_seed(0)
-    for entry in stage_entries(SPEC, 0, 1) + stage_entries(SPEC, 1, 2):
+    entries = stage_entries(spec, 0, 1) + stage_entries(spec, 1, 2)
+    assert sum(e.tp_partial for e in entries) == (6 if spec.qk_norm else 0)  # q and k norms of 3 layer copies
+    for entry in entries:
         full = [torch.randn(_full_shape(name), generator=g) for name in entry.hf_names]
-        shards = [to_shard(entry, full, SPEC, r, tp) for r in range(tp)]
-        assert all(tuple(s.shape) == shard_shape(entry, SPEC, tp) for s in shards), entry
-        back = from_shards(entry, shards, SPEC)
+        shards = [to_shard(entry, full, spec, r, tp) for r in range(tp)]
+        assert all(tuple(s.shape) == shard_shape(entry, spec, tp) for s in shards), entry
+        back = from_shards(entry, shards, spec)
         assert all(torch.equal(a, b) for a, b in zip(back, full)), entry
 
 
@@ -92,6 +107,8 @@ def _full_shape(name: str) -> tuple[int, ...]:
     s, h, d = SPEC, SPEC.hidden_size, SPEC.head_dim
     if "embed_tokens" in name or "lm_head" in name:
         return (s.vocab_size, h)
+    if "q_norm" in name or "k_norm" in name:  # Qwen3's, over one head
+        return (d,)
     if "norm" in name:
         return (h,)
     for proj, rows in (("q_proj", s.num_heads * d), ("k_proj", s.num_kv_heads * d), ("v_proj", s.num_kv_heads * d)):

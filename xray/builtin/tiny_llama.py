@@ -1,7 +1,8 @@
 """Tiny random Hugging Face models built locally: what tests, checks and benchmarks run on.
 
 There is no model hub on our machines, so every test builds its model here: a real
-`transformers` Llama or Qwen2 directory (config.json + safetensors), seeded, small enough for CPU.
+`transformers` Llama, Mistral, Qwen2 or Qwen3 directory (config.json + safetensors), seeded, small
+enough for CPU.
 vLLM's CPU attention needs head_dim >= 32, so the defaults keep head_dim = 32.
 """
 from __future__ import annotations
@@ -17,7 +18,8 @@ class TinySpec:
     """Sizes of a tiny decoder-only model."""
 
     arch: str = "llama"
-    """`llama` or `qwen2` (Qwen2 adds biases on q/k/v)."""
+    """`llama`, `mistral` (Llama's decoder, no sliding window), `qwen2` (adds biases on q/k/v) or
+    `qwen3` (dense: RMSNorms over each head's queries and keys)."""
     vocab_size: int = 256
     """Token ids are 0..vocab_size-1."""
     hidden_size: int = 128
@@ -56,7 +58,7 @@ BENCH_MODELS = {"27M": BENCH_27M, "110M": BENCH_110M, "1B": BENCH_1B}
 
 def hf_config(spec: TinySpec):
     """The `transformers` config object for `spec`."""
-    from transformers import LlamaConfig, Qwen2Config
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     common = dict(vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
                   intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_layers,
@@ -68,7 +70,12 @@ def hf_config(spec: TinySpec):
         return LlamaConfig(**common)
     if spec.arch == "qwen2":
         return Qwen2Config(**common, use_sliding_window=False)
-    raise ValueError(f"unknown tiny architecture {spec.arch!r}; use 'llama' or 'qwen2'")
+    head_dim = spec.hidden_size // spec.num_heads
+    if spec.arch == "qwen3":
+        return Qwen3Config(**common, head_dim=head_dim, use_sliding_window=False, attention_bias=False)
+    if spec.arch == "mistral":
+        return MistralConfig(**common, head_dim=head_dim, sliding_window=None)
+    raise ValueError(f"unknown tiny architecture {spec.arch!r}; use 'llama', 'mistral', 'qwen2' or 'qwen3'")
 
 
 def build_tiny_model(directory: str | Path, spec: TinySpec = TinySpec(), seed: int = 0,
@@ -87,6 +94,10 @@ def build_tiny_model(directory: str | Path, spec: TinySpec = TinySpec(), seed: i
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     torch.nn.init.normal_(proj.bias, std=init_std)
+        if spec.arch == "qwen3":  # q/k norm weights away from their initial ones, so that they matter
+            for layer in model.model.layers:
+                for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                    torch.nn.init.normal_(norm.weight, mean=1.0, std=0.1)
     finally:
         torch.random.set_rng_state(gen_state)
     directory.mkdir(parents=True, exist_ok=True)

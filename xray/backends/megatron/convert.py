@@ -10,7 +10,8 @@ Megatron layouts (per tensor-parallel rank r of tp):
 - fused QKV: for each key/value group g of this rank, the rows [q heads of g; k of g; v of g];
 - fused gate/up (`linear_fc1`): [gate rows of r; up rows of r];
 - column-parallel (embedding, output layer): rows split in tp equal parts;
-- row-parallel (attention output, `linear_fc2`): columns split in tp equal parts.
+- row-parallel (attention output, `linear_fc2`): columns split in tp equal parts;
+- replicated (norms, Qwen3's per-head q/k norms, the value head): whole on every rank.
 """
 from __future__ import annotations
 
@@ -46,6 +47,9 @@ class Entry:
     """How the HF tensors map onto it."""
     exported: bool = True
     """False for a duplicate (the tied output layer on the last stage); the owner exports it."""
+    tp_partial: bool = False
+    """A replicated weight applied to each rank's own heads (Qwen3's q/k norms): each tp rank's
+    gradient is a partial sum, summed over the tp group before the step."""
 
 
 def _layer_entries(spec: ModelSpec, local: int, layer: int) -> list[Entry]:
@@ -57,6 +61,9 @@ def _layer_entries(spec: ModelSpec, local: int, layer: int) -> list[Entry]:
     if spec.qkv_bias:
         out.append(Entry(m + "self_attention.linear_qkv.bias",
                          tuple(attn + f"{p}_proj.bias" for p in "qkv"), Kind.QKV))
+    if spec.qk_norm:  # [head_dim], the same on every rank, applied to the rank's heads
+        out += [Entry(m + f"self_attention.{p}_layernorm.weight", (attn + f"{p}_norm.weight",), Kind.REPLICATED,
+                      tp_partial=True) for p in "qk"]
     out += [Entry(m + "self_attention.linear_proj.weight", (attn + "o_proj.weight",), Kind.ROW),
             Entry(m + "pre_mlp_layernorm.weight", (h + "post_attention_layernorm.weight",),
                   Kind.REPLICATED),
@@ -135,7 +142,7 @@ def shard_shape(entry: Entry, spec: ModelSpec, tp: int) -> tuple[int, ...]:
     qkv_rows = (spec.num_heads + 2 * spec.num_kv_heads) * d // tp
     name = entry.megatron_name
     if entry.kind is Kind.REPLICATED:
-        return (1, h) if entry.hf_names == (VALUE_HEAD,) else (h,)
+        return (1, h) if entry.hf_names == (VALUE_HEAD,) else (d,) if entry.tp_partial else (h,)
     if entry.kind is Kind.COLUMN:
         return (spec.vocab_size // tp, h)
     if entry.kind is Kind.QKV:

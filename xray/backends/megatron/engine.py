@@ -84,6 +84,7 @@ class MegatronEngine(TrainEngine):
         self.lora = lora
         self._adapters = list(adapter_entries)  # this stage's adapter tensors (`lora.lora_entries`)
         self._replicated = {e.megatron_name for e in [*entries, *self._adapters] if e.kind is Kind.REPLICATED}
+        self._tp_partial = {e.megatron_name for e in entries if e.tp_partial}  # Qwen3's q/k norms
         self.device = device
         self.forward_micro_batch_size = forward_micro_batch_size
         self.rank = dist.get_rank()
@@ -208,6 +209,8 @@ class MegatronEngine(TrainEngine):
             self.mixed.finish_grads()
             return None
         params = [p for p in self.model.parameters() if p.requires_grad]
+        grads.allreduce_tensor_partial([p for n, p in self.model.named_parameters()
+                                        if n in self._tp_partial and p.requires_grad])
         grads.allreduce_data_parallel(params)
         grads.allreduce_tied_embedding(self.model)
         return grads.clip_grad_norm(self.model, self.optim.grad_clip, self._replicated)

@@ -3,6 +3,8 @@
 Used by `MegatronEngine.train_step` between the backward passes and the optimizer step (the job
 Megatron's DistributedDataParallel + finalize_model_grads do, on plain `.grad`s so that the torch
 AdamW of `xray/backends/optim.py` steps them exactly like the single-process reference):
+0. `allreduce_tensor_partial`: the replicated weights applied to each tp rank's own heads (Qwen3's
+   q/k norms) sum their partial gradients over the tensor-parallel group;
 1. `allreduce_data_parallel`: mean of every gradient over the data-parallel group, in flat buckets;
 2. `allreduce_tied_embedding`: with pipeline parallelism and tied embeddings, the input embedding
    (first stage) and its copy in the output layer (last stage) sum their gradients;
@@ -20,6 +22,20 @@ BUCKET_ELEMENTS = 32 << 20
 
 def _grads(params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
     return [p.grad for p in params if p.grad is not None]
+
+
+def allreduce_tensor_partial(params: list[torch.nn.Parameter]) -> None:
+    """Sum `params`' gradients over the tensor-parallel group (each rank holds the part its own
+    heads contributed), in one flat bucket."""
+    from megatron.core import parallel_state as ps
+
+    grads = _grads(params)
+    if ps.get_tensor_model_parallel_world_size() == 1 or not grads:
+        return
+    flat = _flatten_dense_tensors(grads)
+    dist.all_reduce(flat, group=ps.get_tensor_model_parallel_group())
+    for g_old, g_new in zip(grads, _unflatten_dense_tensors(flat, grads)):
+        g_old.copy_(g_new)
 
 
 def allreduce_data_parallel(params: list[torch.nn.Parameter]) -> None:

@@ -1,9 +1,10 @@
 """Building one rank's Megatron-core GPTModel from a Hugging Face directory, and filling it.
 
 Third step of `xray.backends.megatron`: `build_gpt` makes this rank's pipeline stage and
-tensor-parallel shard of a Llama / Qwen2 model (RMSNorm, SwiGLU, RoPE with the model's base, GQA,
-tied or untied embeddings, Qwen2's q/k/v bias) with Megatron's local layer spec; `load_hf` copies
-the HF weights into it through `convert.to_shard`. A critic gets the same trunk with a scalar
+tensor-parallel shard of a Llama, Mistral, Qwen2 or Qwen3 dense model (RMSNorm, SwiGLU, RoPE with
+the model's base, GQA, tied or untied embeddings, Qwen2's q/k/v bias, Qwen3's per-head q/k norms)
+with Megatron's local layer spec; `load_hf` copies the HF weights into it through
+`convert.to_shard`. A critic gets the same trunk with a scalar
 `ValueHead` in place of the output layer, read from the directory's `score.weight` if present,
 else initialised from the seed.
 """
@@ -38,13 +39,14 @@ class ValueHead(torch.nn.Module):
         return torch.nn.functional.linear(hidden, self.weight), None
 
 
-def layer_spec(attention: str):
-    """Megatron's local GPT layer spec (RMSNorm), with SDPA core attention unless "megatron"."""
+def layer_spec(attention: str, qk_norm: bool = False):
+    """Megatron's local GPT layer spec (RMSNorm; with `qk_norm`, RMSNorms over each head's queries
+    and keys), with SDPA core attention unless "megatron"."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     if attention not in ATTENTIONS:
         raise ValueError(f"unknown attention {attention!r}; choose one of {', '.join(ATTENTIONS)}")
-    layer = get_gpt_layer_local_spec(normalization="RMSNorm")
+    layer = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_norm)
     if attention == "sdpa":
         from xray.backends.megatron.attention import SDPAttention
 
@@ -61,7 +63,7 @@ def build_gpt(spec: ModelSpec, parallel: ParallelDims, role: str, on_cpu: bool, 
     config = transformer_config(spec, parallel, on_cpu, dtype)
     critic = role == "critic"
     model = GPTModel(
-        config=config, transformer_layer_spec=layer_spec(attention),
+        config=config, transformer_layer_spec=layer_spec(attention, spec.qk_norm),
         vocab_size=spec.vocab_size, max_sequence_length=spec.max_position_embeddings,
         pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
         parallel_output=True, position_embedding_type="rope", rotary_base=spec.rope_theta,

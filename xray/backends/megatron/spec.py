@@ -1,9 +1,9 @@
 """What the Megatron engine reads from a Hugging Face model directory, and the layout check.
 
-First step of `xray.backends.megatron`: `read_spec` turns a local HF `config.json` (Llama or Qwen2)
-into a `ModelSpec`; `check_layout` validates a ParallelDims against it before anything is built
-(the runtime calls it before starting any Workhorse); `transformer_config` turns both into
-Megatron-core's `TransformerConfig`. Only `json` is read here: no torch model, no Megatron import
+First step of `xray.backends.megatron`: `read_spec` turns a local HF `config.json` (Llama,
+Mistral, Qwen2 or Qwen3 dense: `SUPPORTED_ARCHITECTURES`) into a `ModelSpec`; `check_layout`
+validates a ParallelDims against it before anything is built (the runtime calls it before
+starting any Workhorse); `transformer_config` turns both into Megatron-core's `TransformerConfig`. Only `json` is read here: no torch model, no Megatron import
 at module level, so the check is cheap.
 """
 from __future__ import annotations
@@ -14,8 +14,24 @@ from pathlib import Path
 
 from xray.config.parallel import LayoutError, ParallelDims
 
-# HF architecture name -> whether its q/k/v projections carry a bias.
-SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": False, "Qwen2ForCausalLM": True}
+
+@dataclass(frozen=True)
+class Architecture:
+    """What sets one supported HF architecture apart from Llama's decoder."""
+
+    qkv_bias: bool | None
+    """The q/k/v projections carry a bias (None: as the config's `attention_bias` says)."""
+    qk_norm: bool = False
+    """An RMSNorm over each head's queries and keys before RoPE (Qwen3's `q_norm`, `k_norm`)."""
+
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": Architecture(qkv_bias=False),
+    "MistralForCausalLM": Architecture(qkv_bias=False),
+    "Qwen2ForCausalLM": Architecture(qkv_bias=True),
+    "Qwen3ForCausalLM": Architecture(qkv_bias=None, qk_norm=True),
+}
+"""The HF architectures the Megatron engine builds (dense decoders: RMSNorm, SwiGLU, RoPE, GQA)."""
 
 
 class UnsupportedModelError(ValueError):
@@ -51,7 +67,9 @@ class ModelSpec:
     tie_word_embeddings: bool
     """The output layer shares the input embedding's weight."""
     qkv_bias: bool
-    """q/k/v projections carry a bias (Qwen2)."""
+    """q/k/v projections carry a bias (Qwen2; Qwen3 where `attention_bias` is set)."""
+    qk_norm: bool = False
+    """Queries and keys are RMS-normalised per head before RoPE (Qwen3)."""
 
 
 def _rope_theta(cfg: dict) -> float:
@@ -71,14 +89,18 @@ def _check_options(cfg: dict, arch: str) -> None:
         unsupported.append(f"hidden_act={cfg['hidden_act']!r} (only 'silu' / SwiGLU)")
     if cfg.get("mlp_bias"):
         unsupported.append("mlp_bias=true")
-    if arch == "LlamaForCausalLM" and cfg.get("attention_bias"):
+    if SUPPORTED_ARCHITECTURES[arch].qkv_bias is False and cfg.get("attention_bias"):
         unsupported.append("attention_bias=true")
     if cfg.get("use_sliding_window"):
         unsupported.append("use_sliding_window=true")
+    window, longest = cfg.get("sliding_window"), int(cfg.get("max_position_embeddings", 4096))
+    if arch == "MistralForCausalLM" and window is not None and int(window) < longest:
+        unsupported.append(f"sliding_window={window} below max_position_embeddings={longest} "
+                           "(windowed attention; Mistral v0.3 and later have sliding_window null)")
     if unsupported:
         raise UnsupportedModelError(
             f"{arch} with {', '.join(unsupported)} is not supported by the Megatron engine; "
-            "use a standard Llama / Qwen2 checkpoint or the deepspeed backend.")
+            "use a checkpoint without it or the deepspeed backend.")
 
 
 def read_spec(model_dir: str | Path) -> ModelSpec:
@@ -95,7 +117,7 @@ def read_spec(model_dir: str | Path) -> ModelSpec:
             f"engine; supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}. Convert the model "
             "or use the deepspeed backend.")
     _check_options(cfg, arch)
-    heads = int(cfg["num_attention_heads"])
+    known, heads = SUPPORTED_ARCHITECTURES[arch], int(cfg["num_attention_heads"])
     return ModelSpec(
         architecture=arch, vocab_size=int(cfg["vocab_size"]), hidden_size=int(cfg["hidden_size"]),
         intermediate_size=int(cfg["intermediate_size"]), num_layers=int(cfg["num_hidden_layers"]),
@@ -104,7 +126,8 @@ def read_spec(model_dir: str | Path) -> ModelSpec:
         rope_theta=_rope_theta(cfg), rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        qkv_bias=SUPPORTED_ARCHITECTURES[arch])
+        qkv_bias=bool(cfg.get("attention_bias")) if known.qkv_bias is None else known.qkv_bias,
+        qk_norm=known.qk_norm)
 
 
 def check_layout(model_dir: str | Path, parallel: ParallelDims) -> ModelSpec:
@@ -142,7 +165,7 @@ def transformer_config(spec: ModelSpec, parallel: ParallelDims, on_cpu: bool, dt
         num_query_groups=spec.num_kv_heads, kv_channels=spec.head_dim,
         normalization="RMSNorm", layernorm_epsilon=spec.rms_norm_eps,
         gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
-        add_qkv_bias=spec.qkv_bias, hidden_dropout=0.0, attention_dropout=0.0,
+        add_qkv_bias=spec.qkv_bias, qk_layernorm=spec.qk_norm, hidden_dropout=0.0, attention_dropout=0.0,
         tensor_model_parallel_size=parallel.tp, pipeline_model_parallel_size=parallel.pp,
         num_layers_in_first_pipeline_stage=len(first) if uneven else None,
         pipeline_dtype=dtype, params_dtype=dtype, bf16=dtype == torch.bfloat16,
