@@ -1,5 +1,6 @@
-"""DeepSpeed ZeRO-3 at dp=2 on the dense architectures beyond Llama (Qwen3 with its per-head q/k
-norms, Mistral) against the unsharded Hugging Face model.
+"""DeepSpeed ZeRO-3 at dp=2 on the architectures beyond Llama (Qwen3 with its per-head q/k norms,
+Mistral, and the mixtures of experts Qwen3-MoE and Qwen2-MoE, whose experts the export sends fused,
+as transformers 5 holds them) against the unsharded Hugging Face model.
 
 The DeepSpeed engine runs whatever `transformers` loads, so nothing in it is per-architecture;
 this checks that it stays so. One spawn (2 gloo processes) builds each architecture's engine in
@@ -25,7 +26,8 @@ from xray.data import columns as C
 pytestmark = pytest.mark.backends
 
 DP = 2
-SPECS = {"qwen3": TinySpec(arch="qwen3", tie_word_embeddings=True), "mistral": TinySpec(arch="mistral")}
+SPECS = {"qwen3": TinySpec(arch="qwen3", tie_word_embeddings=True), "mistral": TinySpec(arch="mistral"),
+         "qwen3_moe": TinySpec(arch="qwen3_moe"), "qwen2_moe": TinySpec(arch="qwen2_moe")}
 
 
 def _zero3(rank, world, model_dirs: dict[str, str], batch) -> dict:
@@ -79,5 +81,6 @@ def test_zero3_matches_hf(arch):
     assert m["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)
     weights = {n: torch.from_numpy(t) for n, t in res[0]["weights"].items()}
     assert sorted(weights) == sorted(ref["weights"]) and not res[1]["weights"]  # rank 0 exports every tensor
-    assert ("model.layers.0.self_attn.q_norm.weight" in weights) == (arch == "qwen3")
+    assert ("model.layers.0.self_attn.q_norm.weight" in weights) == arch.startswith("qwen3")
+    assert ("model.layers.0.mlp.experts.gate_up_proj" in weights) == arch.endswith("moe")
     assert max_rel_diff(weights, ref["weights"]) <= 1e-5

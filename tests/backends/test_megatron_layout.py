@@ -57,6 +57,7 @@ def test_vocab_must_split_over_tp(tmp_path):
     ({"architectures": ["MistralForCausalLM"], "sliding_window": 64, "max_position_embeddings": 4096},
      "sliding_window=64 below max_position_embeddings=4096"),
     ({"attention_bias": True}, "attention_bias=true"),
+    ({"architectures": ["Qwen3MoeForCausalLM"], "num_experts": 4}, "Qwen3MoeForCausalLM.*supported: Llama"),
 ])
 def test_unsupported_models_are_named(tmp_path, changes, words):
     with pytest.raises(UnsupportedModelError, match=words):

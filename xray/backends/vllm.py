@@ -40,7 +40,9 @@ from xray.backends.quantize import QUANT_DTYPES, vllm_scheme
 from xray.backends.sampling import SamplingSpec, call_seed, rollout_batch
 from xray.backends.vllm_adapter import AdapterSlot
 from xray.backends.vllm_adapter import engine_kwargs as adapter_engine_kwargs
+from xray.backends import vllm_moe
 from xray.backends.vllm_held import ReloadLedger, check_model, fused_layer_of
+from xray.backends.vllm_moe import Routing, moe_block_of
 from xray.config.lora import LoraConfig
 from xray.data.batch import Batch
 
@@ -197,15 +199,22 @@ class FusedLayerStager:
     """Holds back the parts of a fused layer until the whole layer has arrived.
 
     Weight buckets are cut by size, so q/k/v (or gate/up) of one layer may arrive in two buckets;
-    `add` returns the tensors that are ready to reload now, in arrival order. What it holds back it
-    copies: a bucket's memory may be reused once its load returns (`xray/sync/shm.py`).
+    `add` returns the tensors that are ready to reload now, in arrival order. An MoE block (router,
+    experts, shared expert) is one layer, whole when every expert's projections have arrived,
+    fused or one by one (`Routing.units`). What it holds back it copies: a bucket's memory may be
+    reused once its load returns (`xray/sync/shm.py`).
     """
 
-    def __init__(self, names: list[str]):
+    def __init__(self, names: list[str], routing: Routing | None = None):
+        self.routing = routing
         self.members: dict[str, set[str]] = {}
         for name in names:
-            self.members.setdefault(fused_layer_of(name), set()).add(name)
+            self.members.setdefault(fused_layer_of(name), set()).update(self._units(name))
         self.pending: dict[str, dict[str, torch.Tensor]] = {}
+
+    def _units(self, name: str) -> set[str]:
+        moe = self.routing is not None and moe_block_of(name) is not None
+        return self.routing.units(name) if moe else {name}
 
     def add(self, bucket: WeightBucket) -> WeightBucket:
         ready: WeightBucket = []
@@ -217,7 +226,7 @@ class FusedLayerStager:
                 continue
             parts = self.pending.setdefault(layer, {})
             parts[name] = tensor
-            if expected <= parts.keys():
+            if expected <= set().union(*map(self._units, parts)):
                 ready.extend(self.pending.pop(layer).items())
         arrived = {name for name, _ in bucket}
         for parts in self.pending.values():
@@ -262,7 +271,9 @@ class VllmEngine(GenerationEngine):
         with _caller_state_kept():
             self.llm = vllm.LLM(**config.llm_kwargs())
         self.names = sorted(checkpoint_names(config.model_dir))
-        self.stager = FusedLayerStager(self.names)
+        self.routing = Routing.of(config.model_dir)
+        """How the model routes tokens to experts (None: a dense model)."""
+        self.stager = FusedLayerStager(self.names, self.routing)
         self.held = HeldCheck()
         self.ledger = ReloadLedger()
         self.adapter = AdapterSlot(config.lora, config.model_dir) if config.lora is not None else None
@@ -327,6 +338,9 @@ class VllmEngine(GenerationEngine):
         the prefix cache dropped: the floor of every weight sync into this engine."""
         with self.ledger.reloading():
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": tensors})
+        blocks = {block for name, _ in tensors if (block := moe_block_of(name)) is not None}
+        if blocks and self.routing is not None:  # the CPU experts' kernel packs its weights again
+            self.llm.apply_model(lambda model: vllm_moe.reprepare(model, blocks))
         if self.adapter is not None:  # vLLM dropped the adapter: it comes back from memory
             self.adapter.restore(self.llm)
         self.llm.reset_prefix_cache()
@@ -336,7 +350,8 @@ class VllmEngine(GenerationEngine):
         bit for bit where readable, else its own layers' products; a quantized layer's fp8 codes
         and scales against our quantization of them)."""
         dtype, scheme = getattr(torch, self.config.dtype), self.config.scheme
-        self.held.merge(self.llm.apply_model(lambda model: check_model(model, ready, dtype, scheme))[0])
+        moe = (self.routing, self.llm.llm_engine.vllm_config) if self.routing is not None else None
+        self.held.merge(self.llm.apply_model(lambda model: check_model(model, ready, dtype, scheme, moe))[0])
 
     def held_check(self) -> dict:
         return self.held.take()
@@ -355,8 +370,11 @@ class VllmEngine(GenerationEngine):
 
     def weight_names(self) -> dict | None:
         """A full sync writes every tensor of the model directory's checkpoint (None when the
-        engine takes the actor's adapter alone)."""
-        return None if self.adapter is not None else {"needs": self.names, "takes": self.names}
+        engine takes the actor's adapter alone); an MoE block's experts may come fused (`aliases`)."""
+        if self.adapter is not None:
+            return None
+        aliases = vllm_moe.fused_aliases(self.names) if self.routing is not None else {}
+        return {"needs": self.names, "takes": self.names, "aliases": aliases}
 
     def pending_weights(self) -> list[str]:
         """Names loaded but not yet applied because their fused layer is incomplete."""

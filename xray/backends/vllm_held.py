@@ -9,7 +9,8 @@ k and v by kv-head group; row-parallel: columns; vocabulary-parallel: the rank's
 range, padding rows ignored). Then `xray/backends/held.py` checks the layer: bit for bit where
 the engine keeps a readable tensor, else functionally, the layer's own `quant_method.apply` on a
 seeded input (vLLM on CPU keeps only the oneDNN-packed copy of a linear weight). A layout this
-module does not know counts as unchecked, and an unchecked tensor fails the sync.
+module does not know counts as unchecked, and an unchecked tensor fails the sync. An MoE block
+is checked as a whole, by its forward (`xray/backends/vllm_moe.py`).
 
 vLLM's own account of what a reload wrote (its warning "Following weights were not loaded") is
 kept by `ReloadLedger` over the reloads of a sync and reported at its end: a parameter that no
@@ -26,6 +27,7 @@ import torch
 from xray.backends.base import WeightBucket
 from xray.backends.held import HeldCheck
 from xray.backends.quantize import CHECKED_SCHEMES, FP8
+from xray.backends.vllm_moe import check_block, moe_block_of
 
 FUSED_PARTS = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
                "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
@@ -35,7 +37,11 @@ FUSED_ORDER = {"q_proj": 0, "k_proj": 1, "v_proj": 2, "gate_proj": 0, "up_proj":
 
 
 def fused_layer_of(name: str) -> str:
-    """The vLLM layer a Hugging Face tensor lands in: `...q_proj.weight` -> `...qkv_proj`."""
+    """The vLLM layer a Hugging Face tensor lands in: `...q_proj.weight` -> `...qkv_proj`; an MoE
+    block's tensors (router, experts, shared expert) all land in the block (`...mlp`), reloaded
+    and checked as one."""
+    if (block := moe_block_of(name)) is not None:
+        return block
     parts = name.split(".")
     for i, part in enumerate(parts):
         if part in FUSED_PARTS:
@@ -43,14 +49,25 @@ def fused_layer_of(name: str) -> str:
     return name.rsplit(".", 1)[0]
 
 
-def check_model(model: torch.nn.Module, ready: WeightBucket, dtype: torch.dtype, scheme: str | None) -> dict:
-    """Check every layer `ready` (whole Hugging Face tensors, fused layers complete) reloaded in
-    `model`; the counts (`HeldCheck.take`)."""
+def check_model(model: torch.nn.Module, ready: WeightBucket, dtype: torch.dtype, scheme: str | None,
+                moe: tuple | None = None) -> dict:
+    """Check every layer `ready` (whole Hugging Face tensors, fused layers and MoE blocks complete)
+    reloaded in `model`; the counts (`HeldCheck.take`). `moe`: (the model's `Routing`, the engine's
+    vLLM config) for a model with experts, whose blocks are checked by `vllm_moe.check_block`."""
     held = HeldCheck()
     modules = dict(model.named_modules())
     groups: dict[str, list[tuple[str, torch.Tensor]]] = {}
+    blocks: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in ready:
+        if moe is not None and (block := moe_block_of(name)) is not None:
+            blocks.setdefault(block, {})[name] = tensor
+            continue
         groups.setdefault(f"{fused_layer_of(name)}.{name.rsplit('.', 1)[1]}", []).append((name, tensor))
+    for block, tensors in blocks.items():
+        if block in modules:
+            check_block(held, block, modules[block], tensors, *moe, dtype)
+        else:
+            held.unchecked += len(tensors)
     for target, parts in groups.items():
         layer, kind = target.rsplit(".", 1)
         module = modules.get(layer)

@@ -1,8 +1,8 @@
 """Tiny random Hugging Face models built locally: what tests, checks and benchmarks run on.
 
 There is no model hub on our machines, so every test builds its model here: a real
-`transformers` Llama, Mistral, Qwen2 or Qwen3 directory (config.json + safetensors), seeded, small
-enough for CPU.
+`transformers` Llama, Mistral, Qwen2, Qwen3 or Qwen3/Qwen2 mixture-of-experts directory
+(config.json + safetensors), seeded, small enough for CPU.
 vLLM's CPU attention needs head_dim >= 32, so the defaults keep head_dim = 32.
 """
 from __future__ import annotations
@@ -18,8 +18,9 @@ class TinySpec:
     """Sizes of a tiny decoder-only model."""
 
     arch: str = "llama"
-    """`llama`, `mistral` (Llama's decoder, no sliding window), `qwen2` (adds biases on q/k/v) or
-    `qwen3` (dense: RMSNorms over each head's queries and keys)."""
+    """`llama`, `mistral` (Llama's decoder, no sliding window), `qwen2` (adds biases on q/k/v),
+    `qwen3` (dense: RMSNorms over each head's queries and keys), or the mixtures of experts
+    `qwen3_moe` and `qwen2_moe` (with a shared expert)."""
     vocab_size: int = 256
     """Token ids are 0..vocab_size-1."""
     hidden_size: int = 128
@@ -38,6 +39,12 @@ class TinySpec:
     """RoPE base."""
     tie_word_embeddings: bool = False
     """Share the input embedding with the output layer."""
+    num_experts: int = 4
+    """Experts per MoE block (`qwen3_moe`, `qwen2_moe`; every layer is one)."""
+    experts_per_token: int = 2
+    """Experts each token is routed to."""
+    moe_intermediate_size: int = 64
+    """One expert's SwiGLU inner width (Qwen2-MoE's shared expert: `intermediate_size`)."""
 
 
 # The benchmark model of the issues: a Llama of 27.4M parameters (untied 8192-token embedding and
@@ -58,7 +65,7 @@ BENCH_MODELS = {"27M": BENCH_27M, "110M": BENCH_110M, "1B": BENCH_1B}
 
 def hf_config(spec: TinySpec):
     """The `transformers` config object for `spec`."""
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig
 
     common = dict(vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
                   intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_layers,
@@ -75,7 +82,16 @@ def hf_config(spec: TinySpec):
         return Qwen3Config(**common, head_dim=head_dim, use_sliding_window=False, attention_bias=False)
     if spec.arch == "mistral":
         return MistralConfig(**common, head_dim=head_dim, sliding_window=None)
-    raise ValueError(f"unknown tiny architecture {spec.arch!r}; use 'llama', 'mistral', 'qwen2' or 'qwen3'")
+    moe = dict(num_experts=spec.num_experts, num_experts_per_tok=spec.experts_per_token,
+               moe_intermediate_size=spec.moe_intermediate_size, norm_topk_prob=True, decoder_sparse_step=1,
+               mlp_only_layers=[], router_aux_loss_coef=0.0)
+    if spec.arch == "qwen3_moe":
+        return Qwen3MoeConfig(**common, **moe, head_dim=head_dim, use_sliding_window=False, attention_bias=False)
+    if spec.arch == "qwen2_moe":
+        return Qwen2MoeConfig(**common, **moe, shared_expert_intermediate_size=spec.intermediate_size,
+                              use_sliding_window=False)
+    raise ValueError(f"unknown tiny architecture {spec.arch!r}; use llama, mistral, qwen2, qwen3, qwen3_moe "
+                     "or qwen2_moe")
 
 
 def build_tiny_model(directory: str | Path, spec: TinySpec = TinySpec(), seed: int = 0,
@@ -90,11 +106,11 @@ def build_tiny_model(directory: str | Path, spec: TinySpec = TinySpec(), seed: i
     torch.manual_seed(seed)
     try:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        if spec.arch == "qwen2":  # give the q/k/v biases non-zero values so they are exercised
+        if spec.arch in ("qwen2", "qwen2_moe"):  # give the q/k/v biases non-zero values so they are exercised
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     torch.nn.init.normal_(proj.bias, std=init_std)
-        if spec.arch == "qwen3":  # q/k norm weights away from their initial ones, so that they matter
+        if spec.arch in ("qwen3", "qwen3_moe"):  # q/k norm weights away from their initial ones, so they matter
             for layer in model.model.layers:
                 for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
                     torch.nn.init.normal_(norm.weight, mean=1.0, std=0.1)

@@ -4,7 +4,9 @@ written where the engine needs it?
 The actor's exporting shard lists every tensor it sends (`manifest_of`: name, dtype, shape, byte
 count) and returns that manifest with its push (`TrainWorkhorse.push_weights`, `stage_weights`).
 Each rollout replica reports, at `finish_sync`, the names it loaded in order, the names its engine
-needs written by a full sync and can take (`GenerationEngine.weight_names`), and what it still
+needs written by a full sync and can take (`GenerationEngine.weight_names`, with the other names
+that write some of them: an MoE block's experts sent fused where the checkpoint has one tensor per
+expert), and what it still
 holds back (vLLM: a fused layer whose parts did not all arrive). `check_complete` compares them
 and fails the sync naming what is missing, extra, loaded twice or not reloaded. Used by
 `xray/sync/weights.py` before the exact checks.
@@ -46,11 +48,14 @@ def incomplete(manifest: Manifest | None, replica: dict, adapter: bool = False) 
         if loaded.keys() - sent:
             problems.append(_named("tensor(s) loaded but not in the manifest", loaded.keys() - sent))
     names = None if adapter else replica.get("names")
-    if names is not None:
-        if set(names["needs"]) - loaded.keys():
-            problems.append(_named("tensor(s) the engine needs were not sent", set(names["needs"]) - loaded.keys()))
-        if loaded.keys() - set(names["takes"]):
-            problems.append(_named("tensor(s) the engine has no place for", loaded.keys() - set(names["takes"])))
+    if names is not None:  # a name of `aliases` (an MoE block's fused experts) writes the names it stands for
+        aliases = names.get("aliases", {})
+        written = {n for name in loaded for n in aliases.get(name, [name])}
+        if set(names["needs"]) - written:
+            problems.append(_named("tensor(s) the engine needs were not sent", set(names["needs"]) - written))
+        if loaded.keys() - set(names["takes"]) - aliases.keys():
+            problems.append(_named("tensor(s) the engine has no place for",
+                                   loaded.keys() - set(names["takes"]) - aliases.keys()))
     if replica.get("not_reloaded") and not adapter:
         problems.append(_named("engine parameter(s) no reload of this sync wrote (vLLM's own account)",
                                replica["not_reloaded"]))

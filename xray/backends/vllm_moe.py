@@ -1,0 +1,165 @@
+"""Mixture-of-experts blocks in the vLLM engine: which sent tensors make one block, the kernel
+re-preparation an in-place reload needs, and the check of a reloaded block.
+
+Used by the vLLM engine (`xray/backends/vllm.py`) and its held check (`xray/backends/vllm_held.py`).
+An MoE block (`model.layers.i.mlp` of Qwen3-MoE, Qwen2-MoE) is its router (`mlp.gate.weight`), its
+experts (transformers 5's fused `mlp.experts.gate_up_proj` [E, 2I, H] and `down_proj` [E, H, I],
+or per-expert `mlp.experts.e.{gate,up,down}_proj.weight`) and, in Qwen2-MoE, a shared expert and
+its gate. The engine reloads a block only when all of its tensors have arrived (the fused-layer
+stager treats the block as one layer): vLLM keeps each block's experts as one stacked tensor per
+projection, and a block reloaded in part gives wrong outputs.
+
+vLLM's CPU experts keep their weights packed for the kernel. Its in-place reload writes the raw
+tensors over the packed ones and leaves the kernel reading them as packed: silently wrong
+outputs (0.2-0.4 nat on the tiny model). `reprepare` packs them again, on the reloaded blocks only
+(packing a packed tensor again is wrong too).
+
+The held check of a block is functional: the block's own forward (router, top-k, experts, in the
+engine's kernels) on a seeded input against the same computation in torch from the tensors sent,
+so a reload that is not exact, packed or not, fails the sync. Each sent tensor of the block counts
+as checked functionally, or the block is named as mismatched.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+PROBE_TOKENS = 16
+"""Rows of the seeded input a block's check runs."""
+_EXPERT = re.compile(r"\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+
+
+def moe_block_of(name: str) -> str | None:
+    """`model.layers.i.mlp` for a tensor of an MoE block (router, experts, shared expert and its
+    gate); None for any other tensor."""
+    if ".mlp.experts." in name or name.endswith(".mlp.gate.weight") or ".mlp.shared_expert" in name:
+        return name[:name.index(".mlp.") + len(".mlp")]
+    return None
+
+
+@dataclass(frozen=True)
+class Routing:
+    """How a model's router picks experts, from its `config.json`."""
+
+    top_k: int
+    """Experts per token (`num_experts_per_tok`)."""
+    renormalize: bool
+    """The top-k probabilities are divided by their sum (`norm_topk_prob`)."""
+    num_experts: int
+    """Experts per block (`num_experts`; transformers 5 saves Qwen3-MoE's as `num_local_experts`)."""
+
+    @staticmethod
+    def of(model_dir: str | Path) -> "Routing | None":
+        """The routing of the model in `model_dir`; None for a model without experts."""
+        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+        cfg = cfg.get("text_config", cfg)
+        experts = cfg.get("num_experts") or cfg.get("num_local_experts")
+        if not experts:
+            return None
+        return Routing(int(cfg["num_experts_per_tok"]), bool(cfg.get("norm_topk_prob", False)), int(experts))
+
+    def units(self, name: str) -> set[str]:
+        """What of its block a tensor carries, in per-expert terms: transformers 5 saves one
+        tensor per expert and projection (`experts.e.gate_proj.weight`) but its models' state
+        dicts hold the experts fused (`experts.gate_up_proj`), and a block is whole when both
+        projections of every expert have arrived under either name."""
+        part = name[name.index(".mlp.") + len(".mlp."):]
+        if part == "experts.gate_up_proj":
+            return {f"experts.{e}.{p}" for e in range(self.num_experts) for p in ("gate", "up")}
+        if part == "experts.down_proj":
+            return {f"experts.{e}.down" for e in range(self.num_experts)}
+        if m := _EXPERT.search("." + part):
+            return {f"experts.{m.group(1)}.{m.group(2)}"}
+        return {part}
+
+
+def fused_aliases(names: list[str]) -> dict[str, list[str]]:
+    """The fused expert names (`<block>.experts.gate_up_proj`, `down_proj`) that write a
+    checkpoint's per-expert tensors (`<block>.experts.e.{gate,up,down}_proj.weight`), each with
+    the names it stands for: what the weight sync's completeness check counts a fused tensor as."""
+    out: dict[str, list[str]] = {}
+    for name in names:
+        if (m := _EXPERT.search(name)) and (block := moe_block_of(name)):
+            fused = f"{block}.experts.{'down_proj' if m.group(2) == 'down' else 'gate_up_proj'}"
+            out.setdefault(fused, []).append(name)
+    return {k: sorted(v) for k, v in out.items()}
+
+
+def reprepare(model: torch.nn.Module, blocks: set[str]) -> int:
+    """After vLLM's in-place reload of `blocks`: pack each one's CPU experts' weights for the
+    kernel again (see the module docstring); blocks not reloaded keep theirs. Other devices'
+    experts are left to vLLM. Returns how many expert modules were prepared."""
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    prepared = 0
+    for name, module in model.named_modules():
+        if not any(name.startswith(block + ".") for block in blocks):
+            continue
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if isinstance(experts, CPUUnquantizedExperts) and hasattr(module, "w13_weight"):
+            experts.process_weights_after_loading(module)
+            prepared += 1
+    return prepared
+
+
+def expected_output(x: torch.Tensor, tensors: dict[str, torch.Tensor], routing: Routing) -> torch.Tensor:
+    """The block's output for `x` [N, H] in fp32, computed from its sent tensors as transformers
+    does: softmax router, top-k (renormalised if the model says so), SwiGLU experts weighted by
+    their probabilities; plus the shared expert gated by a sigmoid where the block has one."""
+    short = {name[name.index(".mlp.") + len(".mlp."):]: t.float() for name, t in tensors.items()}
+    gate_up, down = _stacked_experts(short)
+    probs = torch.softmax(x @ short["gate.weight"].T, dim=-1)
+    weights, chosen = probs.topk(routing.top_k, dim=-1)
+    if routing.renormalize:
+        weights = weights / weights.sum(-1, keepdim=True)
+    out = torch.zeros_like(x)
+    for slot in range(routing.top_k):
+        for e in chosen[:, slot].unique().tolist():
+            rows = chosen[:, slot] == e
+            g, u = (x[rows] @ gate_up[e].T).chunk(2, dim=-1)
+            out[rows] += weights[rows, slot, None] * ((torch.nn.functional.silu(g) * u) @ down[e].T)
+    if "shared_expert.gate_proj.weight" in short:
+        s = {p: short[f"shared_expert.{p}_proj.weight"] for p in ("gate", "up", "down")}
+        shared = (torch.nn.functional.silu(x @ s["gate"].T) * (x @ s["up"].T)) @ s["down"].T
+        out += torch.sigmoid(x @ short["shared_expert_gate.weight"].T) * shared
+    return out
+
+
+def _stacked_experts(short: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gate_up [E, 2I, H], down [E, H, I]) from fused or per-expert names."""
+    if "experts.gate_up_proj" in short:
+        return short["experts.gate_up_proj"], short["experts.down_proj"]
+    parts: dict[int, dict[str, torch.Tensor]] = {}
+    for name, t in short.items():
+        if m := _EXPERT.search("." + name):
+            parts.setdefault(int(m.group(1)), {})[m.group(2)] = t
+    order = sorted(parts)
+    return (torch.stack([torch.cat([parts[e]["gate"], parts[e]["up"]]) for e in order]),
+            torch.stack([parts[e]["down"] for e in order]))
+
+
+def check_block(held, block: str, module: torch.nn.Module, tensors: dict[str, torch.Tensor], routing: Routing,
+                vllm_config, dtype: torch.dtype) -> None:
+    """Run the engine's block `module` on a seeded input and compare it with `expected_output`
+    within a bound of its precision; `held` (a `HeldCheck`) counts the block's tensors as checked
+    functionally, or names the block as mismatched."""
+    from vllm.forward_context import set_forward_context
+
+    hidden = next(t for n, t in tensors.items() if n.endswith(".mlp.gate.weight")).shape[1]
+    x = torch.randn(PROBE_TOKENS, hidden, generator=torch.Generator().manual_seed(0))
+    device = next(module.parameters()).device
+    with torch.no_grad(), set_forward_context(None, vllm_config):
+        got = module(x.to(device=device, dtype=dtype))
+    got = (got[0] if isinstance(got, tuple) else got).float().cpu().reshape(x.shape)
+    want = expected_output(x.to(dtype).float(), tensors, routing)
+    bound = (1e-4 if dtype == torch.float32 else 5e-2) * (1.0 + float(want.abs().max()))
+    if float((got - want).abs().max()) <= bound:
+        held.functional += len(tensors)
+    else:
+        held.mismatched.append(f"{block} (MoE block: {float((got - want).abs().max()):.3g} from the sent "
+                               f"tensors' output, bound {bound:.3g})")
