@@ -57,7 +57,9 @@ def test_vocab_must_split_over_tp(tmp_path):
     ({"architectures": ["MistralForCausalLM"], "sliding_window": 64, "max_position_embeddings": 4096},
      "sliding_window=64 below max_position_embeddings=4096"),
     ({"attention_bias": True}, "attention_bias=true"),
-    ({"architectures": ["Qwen3MoeForCausalLM"], "num_experts": 4}, "Qwen3MoeForCausalLM.*supported: Llama"),
+    ({"architectures": ["Qwen2MoeForCausalLM"], "num_experts": 4}, "Qwen2MoeForCausalLM.*supported: Llama"),
+    ({"architectures": ["Qwen3MoeForCausalLM"], "num_experts": 4, "num_experts_per_tok": 2,
+      "moe_intermediate_size": 32, "decoder_sparse_step": 2}, "dense layers among the experts'"),
 ])
 def test_unsupported_models_are_named(tmp_path, changes, words):
     with pytest.raises(UnsupportedModelError, match=words):
@@ -74,6 +76,30 @@ def test_read_spec(tmp_path):
     assert read_spec(_model_dir(tmp_path, architectures=["Qwen3ForCausalLM"], attention_bias=True)).qkv_bias
     mistral = read_spec(_model_dir(tmp_path, architectures=["MistralForCausalLM"], sliding_window=None))
     assert not (mistral.qkv_bias or mistral.qk_norm)
+
+
+def test_moe_spec_layout_and_fused_experts(tmp_path):
+    from safetensors.torch import save_file
+
+    from xray.backends.megatron.hf_weights import HFWeights
+
+    moe = {"architectures": ["Qwen3MoeForCausalLM"], "num_local_experts": 4, "num_experts_per_tok": 2,
+           "moe_intermediate_size": 32, "norm_topk_prob": True}
+    spec = read_spec(_model_dir(tmp_path, **moe))
+    assert (spec.num_experts, spec.experts_per_token, spec.moe_intermediate_size) == (4, 2, 32) and spec.norm_topk_prob
+    with pytest.raises(LayoutError, match="use tp=1"):
+        check_layout(str(tmp_path), ParallelDims(tp=2))
+    names = [e.hf_names for e in stage_entries(spec, 0, 1) if ".mlp." in e.megatron_name]
+    assert names[0] == ("model.layers.0.mlp.gate.weight",) and len(names) == 2 * (1 + 2 * 4)
+    g = torch.Generator().manual_seed(0)  # a directory with the experts fused, as transformers 5 holds them
+    gate_up, down = torch.randn(4, 64, 128, generator=g), torch.randn(4, 128, 32, generator=g)
+    save_file({"model.layers.0.mlp.experts.gate_up_proj": gate_up, "model.layers.0.mlp.experts.down_proj": down},
+              str(tmp_path / "model.safetensors"))
+    weights = HFWeights(tmp_path)
+    assert "model.layers.0.mlp.experts.3.up_proj.weight" in weights
+    assert torch.equal(weights.get("model.layers.0.mlp.experts.3.up_proj.weight"), gate_up[3, 32:])
+    assert torch.equal(weights.get("model.layers.0.mlp.experts.1.gate_proj.weight"), gate_up[1, :32])
+    assert torch.equal(weights.get("model.layers.0.mlp.experts.2.down_proj.weight"), down[2])
 
 
 def test_stage_layers_uneven():

@@ -1,6 +1,6 @@
 """Megatron engine vs the single-process Hugging Face reference, for every tp/pp/dp layout and
-every dense architecture it builds (Llama, Qwen2 with q/k/v biases, Qwen3 with per-head q/k norms,
-Mistral).
+every architecture it builds (Llama, Qwen2 with q/k/v biases, Qwen3 with per-head q/k norms,
+Mistral, and Qwen3-MoE: its router and experts, at tp=1).
 
 One spawn per world size (real processes, real gloo) goes through every layout of that size,
 rebuilding Megatron's groups in between (imports dominate a spawn's cost on CPU). Per layout:
@@ -28,7 +28,8 @@ pytestmark = pytest.mark.backends
 BATCH, SEQ, MICRO = 8, 24, 2
 OPTIM = OptimConfig()  # lr 1e-5, clip 1.0: the defaults a run starts from
 SPECS = {"llama": TinySpec(arch="llama"), "qwen2": TinySpec(arch="qwen2", tie_word_embeddings=True),
-         "qwen3": TinySpec(arch="qwen3", tie_word_embeddings=True), "mistral": TinySpec(arch="mistral")}
+         "qwen3": TinySpec(arch="qwen3", tie_word_embeddings=True), "mistral": TinySpec(arch="mistral"),
+         "qwen3_moe": TinySpec(arch="qwen3_moe")}
 
 
 def _numpy(tensors):
@@ -70,7 +71,8 @@ def _one_layout(model_dir, dims):
             reference_engine.train_step(batch, R.policy_loss, MICRO)
         except EngineUsageError:
             refused = True
-    return {"reference_refuses_training": refused,"exports": engine.exports(), "collects": info.collects, "metrics": metrics,
+    return {"reference_refuses_training": refused, "exports": engine.exports(), "collects": info.collects,
+            "metrics": metrics,
             "forward": None if out is None else _numpy(out),
             "forward_megatron_attention": None if plain is None else _numpy(plain),
             "before": _numpy(before), "after": _numpy(after)}
@@ -113,12 +115,30 @@ def reference(arch: str) -> dict:
     model.zero_grad(set_to_none=True)
     losses = R.reference_train_step(model, batch, R.policy_loss, OPTIM, MICRO)
     return {"logprobs": logprobs, "entropy": entropy, "grad_norm": grad_norm, "loss": losses[0],
-            "weights": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+            "weights": per_expert({k: v.detach().clone() for k, v in model.state_dict().items()})}
+
+
+def per_expert(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`weights` with each MoE layer's fused experts (transformers 5's state dict) cut into the
+    per-expert tensors its checkpoints and the Megatron export name."""
+    out = {}
+    for name, t in weights.items():
+        if name.endswith(".mlp.experts.gate_up_proj"):
+            for e, rows in enumerate(t):
+                gate, up = rows.chunk(2)
+                out[name.replace("gate_up_proj", f"{e}.gate_proj.weight")] = gate
+                out[name.replace("gate_up_proj", f"{e}.up_proj.weight")] = up
+        elif name.endswith(".mlp.experts.down_proj"):
+            out.update({name.replace("down_proj", f"{e}.down_proj.weight"): rows for e, rows in enumerate(t)})
+        else:
+            out[name] = t
+    return out
 
 
 LAYOUTS = [("llama", (1, 1, 1)), ("llama", (2, 1, 1)), ("llama", (1, 2, 1)), ("llama", (1, 1, 2)),
            ("llama", (2, 2, 1)), ("qwen2", (2, 1, 1)), ("qwen2", (1, 2, 1)), ("qwen3", (1, 1, 1)),
-           ("qwen3", (2, 1, 1)), ("qwen3", (1, 2, 1)), ("mistral", (2, 1, 1)), ("mistral", (1, 2, 1))]
+           ("qwen3", (2, 1, 1)), ("qwen3", (1, 2, 1)), ("mistral", (2, 1, 1)), ("mistral", (1, 2, 1)),
+           ("qwen3_moe", (1, 1, 1)), ("qwen3_moe", (1, 2, 1)), ("qwen3_moe", (1, 1, 2))]
 
 
 @pytest.mark.parametrize("arch,dims", LAYOUTS, ids=[f"{a}-tp{d[0]}pp{d[1]}dp{d[2]}" for a, d in LAYOUTS])
@@ -156,7 +176,8 @@ def test_megatron_core_attention_matches_hf():
 
 
 @pytest.mark.parametrize("arch,dims", [("llama", (2, 2, 1)), ("qwen2", (2, 1, 1)), ("qwen2", (1, 2, 1)),
-                                       ("qwen3", (2, 1, 1)), ("qwen3", (1, 2, 1)), ("mistral", (2, 1, 1))])
+                                       ("qwen3", (2, 1, 1)), ("qwen3", (1, 2, 1)), ("mistral", (2, 1, 1)),
+                                       ("qwen3_moe", (1, 2, 1))])
 def test_round_trip_is_bitwise(arch, dims):
     from xray.backends.megatron.hf_weights import HFWeights
 

@@ -66,8 +66,16 @@ def _layer_entries(spec: ModelSpec, local: int, layer: int) -> list[Entry]:
                       tp_partial=True) for p in "qk"]
     out += [Entry(m + "self_attention.linear_proj.weight", (attn + "o_proj.weight",), Kind.ROW),
             Entry(m + "pre_mlp_layernorm.weight", (h + "post_attention_layernorm.weight",),
-                  Kind.REPLICATED),
-            Entry(m + "mlp.linear_fc1.weight", (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"),
+                  Kind.REPLICATED)]
+    if spec.num_experts:  # the router, then each expert's SwiGLU under its per-expert HF names
+        out.append(Entry(m + "mlp.router.weight", (h + "mlp.gate.weight",), Kind.REPLICATED))
+        for e in range(spec.num_experts):
+            mine, theirs = f"{m}mlp.experts.local_experts.{e}.", f"{h}mlp.experts.{e}."
+            out += [Entry(mine + "linear_fc1.weight", (theirs + "gate_proj.weight", theirs + "up_proj.weight"),
+                          Kind.GATE_UP),
+                    Entry(mine + "linear_fc2.weight", (theirs + "down_proj.weight",), Kind.ROW)]
+        return out
+    out += [Entry(m + "mlp.linear_fc1.weight", (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"),
                   Kind.GATE_UP),
             Entry(m + "mlp.linear_fc2.weight", (h + "mlp.down_proj.weight",), Kind.ROW)]
     return out
@@ -141,14 +149,17 @@ def shard_shape(entry: Entry, spec: ModelSpec, tp: int) -> tuple[int, ...]:
     h, d = spec.hidden_size, spec.head_dim
     qkv_rows = (spec.num_heads + 2 * spec.num_kv_heads) * d // tp
     name = entry.megatron_name
+    inner = spec.moe_intermediate_size if ".local_experts." in name else spec.intermediate_size
     if entry.kind is Kind.REPLICATED:
+        if name.endswith("mlp.router.weight"):
+            return (spec.num_experts, h)
         return (1, h) if entry.hf_names == (VALUE_HEAD,) else (d,) if entry.tp_partial else (h,)
     if entry.kind is Kind.COLUMN:
         return (spec.vocab_size // tp, h)
     if entry.kind is Kind.QKV:
         return (qkv_rows,) if name.endswith("bias") else (qkv_rows, h)
     if entry.kind is Kind.GATE_UP:
-        return (2 * spec.intermediate_size // tp, h)
+        return (2 * inner // tp, h)
     if name.endswith("linear_proj.weight"):
         return (h, spec.num_heads * d // tp)
-    return (h, spec.intermediate_size // tp)  # linear_fc2
+    return (h, inner // tp)  # linear_fc2

@@ -7,9 +7,13 @@ tensors its pipeline stage needs (one or several `*.safetensors` files, with or 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
+
+_PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+"""A mixture of experts' per-expert projection name, as transformers 5 saves them."""
 
 
 class WeightsNotFoundError(FileNotFoundError):
@@ -43,16 +47,32 @@ class HFWeights:
         return sorted(self._file_of)
 
     def __contains__(self, name: str) -> bool:
-        return name in self._file_of
+        return name in self._file_of or self._fused_source(name) is not None
+
+    def _fused_source(self, name: str) -> tuple[str, int, int | None] | None:
+        """(fused tensor, expert, row half or None) holding per-expert `name` in a directory that
+        stores an MoE layer's experts fused, as transformers 5's state dicts do
+        (`mlp.experts.gate_up_proj` [E, 2I, H]: gate rows then up rows; `down_proj` [E, H, I])."""
+        m = _PER_EXPERT.match(name)
+        if m is None or name in self._file_of:
+            return None
+        prefix, expert, proj = m.group(1), int(m.group(2)), m.group(3)
+        fused = f"{prefix}.{'down_proj' if proj == 'down' else 'gate_up_proj'}"
+        return (fused, expert, None if proj == "down" else int(proj == "up")) if fused in self._file_of else None
 
     def get(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The full tensor `name`, converted to `dtype`."""
+        """The full tensor `name`, converted to `dtype` (an expert's projection cut from its layer's
+        fused experts where the directory stores them so)."""
         from safetensors import safe_open
 
+        if (source := self._fused_source(name)) is not None:
+            fused, expert, half = source
+            tensor = self.get(fused, dtype)[expert]
+            return (tensor if half is None else tensor.chunk(2)[half]).contiguous()
         if name not in self._file_of:
             raise WeightsNotFoundError(
                 f"tensor {name!r} is missing from {self.model_dir}; is it a complete "
-                "Llama / Qwen2 checkpoint?")
+                "checkpoint of a supported architecture (xray/backends/megatron/spec.py)?")
         path = self._file_of[name]
         if path not in self._handles:
             self._handles[path] = safe_open(str(path), framework="pt")

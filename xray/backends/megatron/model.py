@@ -39,14 +39,21 @@ class ValueHead(torch.nn.Module):
         return torch.nn.functional.linear(hidden, self.weight), None
 
 
-def layer_spec(attention: str, qk_norm: bool = False):
+def layer_spec(attention: str, qk_norm: bool = False, num_experts: int = 0):
     """Megatron's local GPT layer spec (RMSNorm; with `qk_norm`, RMSNorms over each head's queries
-    and keys), with SDPA core attention unless "megatron"."""
+    and keys; with `num_experts`, a mixture of experts run one expert after another), with SDPA
+    core attention unless "megatron"."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     if attention not in ATTENTIONS:
         raise ValueError(f"unknown attention {attention!r}; choose one of {', '.join(ATTENTIONS)}")
-    layer = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_norm)
+    if num_experts:  # without Transformer Engine its fused router GEMM is an undefined name: torch's
+        from megatron.core.transformer.moe import moe_utils
+
+        if not hasattr(moe_utils, "te_general_gemm"):
+            moe_utils.te_general_gemm = None
+    layer = get_gpt_layer_local_spec(num_experts=num_experts or None, moe_grouped_gemm=False,
+                                     normalization="RMSNorm", qk_layernorm=qk_norm)
     if attention == "sdpa":
         from xray.backends.megatron.attention import SDPAttention
 
@@ -63,7 +70,7 @@ def build_gpt(spec: ModelSpec, parallel: ParallelDims, role: str, on_cpu: bool, 
     config = transformer_config(spec, parallel, on_cpu, dtype)
     critic = role == "critic"
     model = GPTModel(
-        config=config, transformer_layer_spec=layer_spec(attention, spec.qk_norm),
+        config=config, transformer_layer_spec=layer_spec(attention, spec.qk_norm, spec.num_experts),
         vocab_size=spec.vocab_size, max_sequence_length=spec.max_position_embeddings,
         pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
         parallel_output=True, position_embedding_type="rope", rotary_base=spec.rope_theta,

@@ -1,10 +1,11 @@
 """What the Megatron engine reads from a Hugging Face model directory, and the layout check.
 
 First step of `xray.backends.megatron`: `read_spec` turns a local HF `config.json` (Llama,
-Mistral, Qwen2 or Qwen3 dense: `SUPPORTED_ARCHITECTURES`) into a `ModelSpec`; `check_layout`
-validates a ParallelDims against it before anything is built (the runtime calls it before
-starting any Workhorse); `transformer_config` turns both into Megatron-core's `TransformerConfig`. Only `json` is read here: no torch model, no Megatron import
-at module level, so the check is cheap.
+Mistral, Qwen2, Qwen3 dense and Qwen3-MoE: `SUPPORTED_ARCHITECTURES`) into a `ModelSpec`;
+`check_layout` validates a ParallelDims against it before anything is built (the runtime calls it
+before starting any Workhorse); `transformer_config` turns both into Megatron-core's
+`TransformerConfig`. Only `json` is read here: no torch model, no Megatron import at module level,
+so the check is cheap.
 """
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ class Architecture:
     """The q/k/v projections carry a bias (None: as the config's `attention_bias` says)."""
     qk_norm: bool = False
     """An RMSNorm over each head's queries and keys before RoPE (Qwen3's `q_norm`, `k_norm`)."""
+    moe: bool = False
+    """Every decoder layer's MLP is a mixture of experts (Qwen3-MoE's router and SwiGLU experts)."""
 
 
 SUPPORTED_ARCHITECTURES = {
@@ -30,6 +33,7 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": Architecture(qkv_bias=False),
     "Qwen2ForCausalLM": Architecture(qkv_bias=True),
     "Qwen3ForCausalLM": Architecture(qkv_bias=None, qk_norm=True),
+    "Qwen3MoeForCausalLM": Architecture(qkv_bias=None, qk_norm=True, moe=True),
 }
 """The HF architectures the Megatron engine builds (dense decoders: RMSNorm, SwiGLU, RoPE, GQA)."""
 
@@ -70,6 +74,14 @@ class ModelSpec:
     """q/k/v projections carry a bias (Qwen2; Qwen3 where `attention_bias` is set)."""
     qk_norm: bool = False
     """Queries and keys are RMS-normalised per head before RoPE (Qwen3)."""
+    num_experts: int = 0
+    """Experts of each layer's mixture of experts (0: dense MLPs)."""
+    experts_per_token: int = 0
+    """Experts each token is routed to."""
+    moe_intermediate_size: int = 0
+    """One expert's SwiGLU inner width."""
+    norm_topk_prob: bool = False
+    """The top-k routing probabilities are renormalised to sum to 1."""
 
 
 def _rope_theta(cfg: dict) -> float:
@@ -97,6 +109,9 @@ def _check_options(cfg: dict, arch: str) -> None:
     if arch == "MistralForCausalLM" and window is not None and int(window) < longest:
         unsupported.append(f"sliding_window={window} below max_position_embeddings={longest} "
                            "(windowed attention; Mistral v0.3 and later have sliding_window null)")
+    sparse_every = int(cfg.get("decoder_sparse_step", 1))
+    if SUPPORTED_ARCHITECTURES[arch].moe and (sparse_every != 1 or cfg.get("mlp_only_layers")):
+        unsupported.append("dense layers among the experts' (decoder_sparse_step > 1 or mlp_only_layers)")
     if unsupported:
         raise UnsupportedModelError(
             f"{arch} with {', '.join(unsupported)} is not supported by the Megatron engine; "
@@ -127,13 +142,25 @@ def read_spec(model_dir: str | Path) -> ModelSpec:
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=bool(cfg.get("attention_bias")) if known.qkv_bias is None else known.qkv_bias,
-        qk_norm=known.qk_norm)
+        qk_norm=known.qk_norm, **(_moe_sizes(cfg) if known.moe else {}))
+
+
+def _moe_sizes(cfg: dict) -> dict:
+    """A mixture of experts' ModelSpec fields (transformers 5 saves Qwen3-MoE's expert count as
+    `num_local_experts`)."""
+    return dict(num_experts=int(cfg.get("num_experts") or cfg["num_local_experts"]),
+                experts_per_token=int(cfg["num_experts_per_tok"]),
+                moe_intermediate_size=int(cfg["moe_intermediate_size"]),
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)))
 
 
 def check_layout(model_dir: str | Path, parallel: ParallelDims) -> ModelSpec:
     """Raise LayoutError / UnsupportedModelError if `parallel` cannot shard this model; else its spec."""
     spec = read_spec(model_dir)
     parallel.check_model(spec.num_layers, spec.num_heads, spec.num_kv_heads)
+    if spec.num_experts and parallel.tp > 1:
+        raise LayoutError(f"tp={parallel.tp} with a mixture of experts: Megatron's MoE layers need sequence "
+                          "parallelism at tp > 1, which the CPU layer spec lacks; use tp=1 (with pp or dp)")
     if spec.vocab_size % parallel.tp:
         raise LayoutError(
             f"tp={parallel.tp} does not divide the vocabulary of {spec.vocab_size} tokens; "
@@ -172,4 +199,16 @@ def transformer_config(spec: ModelSpec, parallel: ParallelDims, on_cpu: bool, dt
         use_cpu_initialization=on_cpu, perform_initialization=False,
         bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
         apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
-        attention_softmax_in_fp32=True)
+        attention_softmax_in_fp32=True, **_moe_config(spec))
+
+
+def _moe_config(spec: ModelSpec) -> dict:
+    """Megatron's MoE settings that compute what Hugging Face's Qwen3-MoE does: no load balancing or
+    auxiliary loss, an fp32 router, softmax over the top-k logits (renormalised, `norm_topk_prob`)
+    or top-k of the softmax (not), the experts one by one (no grouped GEMM)."""
+    if not spec.num_experts:
+        return {}
+    return dict(num_moe_experts=spec.num_experts, moe_router_topk=spec.experts_per_token,
+                moe_ffn_hidden_size=spec.moe_intermediate_size, moe_router_load_balancing_type="none",
+                moe_aux_loss_coeff=0.0, moe_router_pre_softmax=not spec.norm_topk_prob, moe_router_dtype="fp32",
+                moe_token_dispatcher_type="allgather", moe_grouped_gemm=False)
