@@ -1,7 +1,9 @@
-"""A mixture of experts end to end: `python -m xray.train grpo --backend deepspeed-vllm` on a tiny
-Qwen3-MoE (2 layers of 4 experts, 2 per token, over the character tokenizer) for 3 steps.
+"""A mixture of experts end to end: `python -m xray.train grpo` on a tiny Qwen3-MoE (2 layers of 4
+experts, 2 per token, over the character tokenizer) for 3 steps, on deepspeed-vllm and megatron-vllm.
 
-The actor and reference train and score on DeepSpeed (ZeRO-3 at dp=2 for the actor), the rollout
+The actor and reference train and score at dp=2 (DeepSpeed ZeRO-3, or Megatron at tp=1 with every
+expert on each rank: no expert parallelism yet), whose exports name the experts fused (DeepSpeed,
+as transformers 5 holds them) or one by one (Megatron, as transformers 5 saves them); the rollout
 generates on vLLM, and every step's sync reloads each MoE block in place (its experts' kernel
 packed again) and checks it by its forward: nothing unchecked, the probe within the fp32 bound.
 The exported `final/actor` loads in transformers and in vLLM, whose log-probs of sequences equal
@@ -33,11 +35,13 @@ def tiny_moe(tmp_path_factory):
     return directory
 
 
-def test_grpo_three_steps_on_qwen3_moe(tmp_path, tiny_moe):
+@pytest.mark.parametrize("backend", ["deepspeed-vllm", "megatron-vllm"])
+def test_grpo_three_steps_on_qwen3_moe(tmp_path, tiny_moe, backend):
     run = tmp_path / "run"
-    args = ["--backend", "deepspeed-vllm", "--config", str(ROOT / "configs/critic_free_tiny_cpu.yaml"),
+    zero = ["--actor.zero_stage=3"] if backend.startswith("deepspeed") else []
+    args = ["--backend", backend, "--config", str(ROOT / "configs/critic_free_tiny_cpu.yaml"),
             f"--model.path={tiny_moe}", "--device_groups.nproc_per_node=3", "--device_groups.train_group.ranks=[0, 1]",
-            "--device_groups.rollout_group.ranks=[2]", "--actor.dp=2", "--actor.zero_stage=3",
+            "--device_groups.rollout_group.ranks=[2]", "--actor.dp=2", *zero,
             "--actor.micro_batch_size=4", "--reference.dp=2", "--reference.micro_batch_size=8",
             "--rollout.n_samples=2", "--rollout.max_new_tokens=4", "--ppo.rollout_batch_size=8",
             "--ppo.mini_batch_size=8", "--data.eval_size=8", "--trainer.steps=3", "--trainer.save_every=0",
@@ -50,9 +54,10 @@ def test_grpo_three_steps_on_qwen3_moe(tmp_path, tiny_moe):
     for step, row in rows.items():
         assert all(math.isfinite(v) for v in row.values() if isinstance(v, float)), row
         assert row["sync/version"] == step and row["sync/unchecked"] == 0, row
-        # per layer: q/k/v and o by their products, the router and the two fused expert tensors by the
-        # block's forward; read back: the embedding, final norm, head and each layer's 4 norms
-        assert (row["sync/held_functional"], row["sync/held_exact"]) == (2 * (2 + 3), 3 + 2 * 4), row
+        # per layer: q/k/v and o by their products, the router and the experts' tensors (2 fused, or 3 for
+        # each of 4 experts) by the block's forward; read back: the embedding, final norm, head, 4 norms a layer
+        experts = 2 if backend.startswith("deepspeed") else 3 * 4
+        assert (row["sync/held_functional"], row["sync/held_exact"]) == (2 * (2 + 1 + experts), 3 + 2 * 4), row
         assert row.get("sync/max_abs_logprob_diff", 0.0) <= FP32_PROBE, row
     check_export(run / "final/actor")
 
