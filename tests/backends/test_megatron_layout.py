@@ -57,7 +57,7 @@ def test_vocab_must_split_over_tp(tmp_path):
     ({"architectures": ["MistralForCausalLM"], "sliding_window": 64, "max_position_embeddings": 4096},
      "sliding_window=64 below max_position_embeddings=4096"),
     ({"attention_bias": True}, "attention_bias=true"),
-    ({"architectures": ["Qwen2MoeForCausalLM"], "num_experts": 4}, "Qwen2MoeForCausalLM.*supported: Llama"),
+    ({"architectures": ["MixtralForCausalLM"], "num_local_experts": 4}, "MixtralForCausalLM.*supported: Llama"),
     ({"architectures": ["Qwen3MoeForCausalLM"], "num_experts": 4, "num_experts_per_tok": 2,
       "moe_intermediate_size": 32, "decoder_sparse_step": 2}, "dense layers among the experts'"),
 ])

@@ -1,6 +1,6 @@
 """Megatron engine vs the single-process Hugging Face reference, for every tp/pp/dp layout and
 every architecture it builds (Llama, Qwen2 with q/k/v biases, Qwen3 with per-head q/k norms,
-Mistral, and Qwen3-MoE: its router and experts, at tp=1).
+Mistral, Qwen3-MoE: its router and experts, and Qwen2-MoE with its gated shared expert, at tp=1).
 
 One spawn per world size (real processes, real gloo) goes through every layout of that size,
 rebuilding Megatron's groups in between (imports dominate a spawn's cost on CPU). Per layout:
@@ -29,7 +29,7 @@ BATCH, SEQ, MICRO = 8, 24, 2
 OPTIM = OptimConfig()  # lr 1e-5, clip 1.0: the defaults a run starts from
 SPECS = {"llama": TinySpec(arch="llama"), "qwen2": TinySpec(arch="qwen2", tie_word_embeddings=True),
          "qwen3": TinySpec(arch="qwen3", tie_word_embeddings=True), "mistral": TinySpec(arch="mistral"),
-         "qwen3_moe": TinySpec(arch="qwen3_moe")}
+         "qwen3_moe": TinySpec(arch="qwen3_moe"), "qwen2_moe": TinySpec(arch="qwen2_moe")}
 
 
 def _numpy(tensors):
@@ -138,7 +138,8 @@ def per_expert(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 LAYOUTS = [("llama", (1, 1, 1)), ("llama", (2, 1, 1)), ("llama", (1, 2, 1)), ("llama", (1, 1, 2)),
            ("llama", (2, 2, 1)), ("qwen2", (2, 1, 1)), ("qwen2", (1, 2, 1)), ("qwen3", (1, 1, 1)),
            ("qwen3", (2, 1, 1)), ("qwen3", (1, 2, 1)), ("mistral", (2, 1, 1)), ("mistral", (1, 2, 1)),
-           ("qwen3_moe", (1, 1, 1)), ("qwen3_moe", (1, 2, 1)), ("qwen3_moe", (1, 1, 2))]
+           ("qwen3_moe", (1, 1, 1)), ("qwen3_moe", (1, 2, 1)), ("qwen3_moe", (1, 1, 2)), ("qwen2_moe", (1, 1, 1)),
+           ("qwen2_moe", (1, 2, 1))]
 
 
 @pytest.mark.parametrize("arch,dims", LAYOUTS, ids=[f"{a}-tp{d[0]}pp{d[1]}dp{d[2]}" for a, d in LAYOUTS])

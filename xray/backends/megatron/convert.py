@@ -74,6 +74,12 @@ def _layer_entries(spec: ModelSpec, local: int, layer: int) -> list[Entry]:
             out += [Entry(mine + "linear_fc1.weight", (theirs + "gate_proj.weight", theirs + "up_proj.weight"),
                           Kind.GATE_UP),
                     Entry(mine + "linear_fc2.weight", (theirs + "down_proj.weight",), Kind.ROW)]
+        if spec.shared_expert_intermediate_size:  # Qwen2-MoE's, on every token, and its sigmoid gate
+            mine, theirs = f"{m}mlp.shared_experts.", f"{h}mlp.shared_expert."
+            out += [Entry(mine + "linear_fc1.weight", (theirs + "gate_proj.weight", theirs + "up_proj.weight"),
+                          Kind.GATE_UP),
+                    Entry(mine + "linear_fc2.weight", (theirs + "down_proj.weight",), Kind.ROW),
+                    Entry(mine + "gate_weight", (h + "mlp.shared_expert_gate.weight",), Kind.REPLICATED)]
         return out
     out += [Entry(m + "mlp.linear_fc1.weight", (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"),
                   Kind.GATE_UP),
@@ -149,10 +155,13 @@ def shard_shape(entry: Entry, spec: ModelSpec, tp: int) -> tuple[int, ...]:
     h, d = spec.hidden_size, spec.head_dim
     qkv_rows = (spec.num_heads + 2 * spec.num_kv_heads) * d // tp
     name = entry.megatron_name
-    inner = spec.moe_intermediate_size if ".local_experts." in name else spec.intermediate_size
+    inner = spec.moe_intermediate_size if ".local_experts." in name else \
+        spec.shared_expert_intermediate_size if ".shared_experts." in name else spec.intermediate_size
     if entry.kind is Kind.REPLICATED:
         if name.endswith("mlp.router.weight"):
             return (spec.num_experts, h)
+        if name.endswith("shared_experts.gate_weight"):
+            return (1, h)
         return (1, h) if entry.hf_names == (VALUE_HEAD,) else (d,) if entry.tp_partial else (h,)
     if entry.kind is Kind.COLUMN:
         return (spec.vocab_size // tp, h)

@@ -1,7 +1,7 @@
 """What the Megatron engine reads from a Hugging Face model directory, and the layout check.
 
 First step of `xray.backends.megatron`: `read_spec` turns a local HF `config.json` (Llama,
-Mistral, Qwen2, Qwen3 dense and Qwen3-MoE: `SUPPORTED_ARCHITECTURES`) into a `ModelSpec`;
+Mistral, Qwen2, Qwen3 dense, Qwen3-MoE and Qwen2-MoE: `SUPPORTED_ARCHITECTURES`) into a `ModelSpec`;
 `check_layout` validates a ParallelDims against it before anything is built (the runtime calls it
 before starting any Workhorse); `transformer_config` turns both into Megatron-core's
 `TransformerConfig`. Only `json` is read here: no torch model, no Megatron import at module level,
@@ -34,6 +34,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": Architecture(qkv_bias=True),
     "Qwen3ForCausalLM": Architecture(qkv_bias=None, qk_norm=True),
     "Qwen3MoeForCausalLM": Architecture(qkv_bias=None, qk_norm=True, moe=True),
+    "Qwen2MoeForCausalLM": Architecture(qkv_bias=True, moe=True),
 }
 """The HF architectures the Megatron engine builds (dense decoders: RMSNorm, SwiGLU, RoPE, GQA)."""
 
@@ -82,6 +83,8 @@ class ModelSpec:
     """One expert's SwiGLU inner width."""
     norm_topk_prob: bool = False
     """The top-k routing probabilities are renormalised to sum to 1."""
+    shared_expert_intermediate_size: int = 0
+    """Qwen2-MoE's shared expert (every token, gated by a sigmoid): its SwiGLU inner width (0: none)."""
 
 
 def _rope_theta(cfg: dict) -> float:
@@ -151,7 +154,8 @@ def _moe_sizes(cfg: dict) -> dict:
     return dict(num_experts=int(cfg.get("num_experts") or cfg["num_local_experts"]),
                 experts_per_token=int(cfg["num_experts_per_tok"]),
                 moe_intermediate_size=int(cfg["moe_intermediate_size"]),
-                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)))
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+                shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0))
 
 
 def check_layout(model_dir: str | Path, parallel: ParallelDims) -> ModelSpec:
@@ -203,12 +207,15 @@ def transformer_config(spec: ModelSpec, parallel: ParallelDims, on_cpu: bool, dt
 
 
 def _moe_config(spec: ModelSpec) -> dict:
-    """Megatron's MoE settings that compute what Hugging Face's Qwen3-MoE does: no load balancing or
-    auxiliary loss, an fp32 router, softmax over the top-k logits (renormalised, `norm_topk_prob`)
-    or top-k of the softmax (not), the experts one by one (no grouped GEMM)."""
+    """Megatron's MoE settings that compute what Hugging Face's Qwen3-MoE and Qwen2-MoE do: no load
+    balancing or auxiliary loss, an fp32 router, softmax over the top-k logits (renormalised,
+    `norm_topk_prob`) or top-k of the softmax (not), the experts one by one (no grouped GEMM), and
+    Qwen2-MoE's shared expert gated by a sigmoid."""
     if not spec.num_experts:
         return {}
     return dict(num_moe_experts=spec.num_experts, moe_router_topk=spec.experts_per_token,
                 moe_ffn_hidden_size=spec.moe_intermediate_size, moe_router_load_balancing_type="none",
                 moe_aux_loss_coeff=0.0, moe_router_pre_softmax=not spec.norm_topk_prob, moe_router_dtype="fp32",
-                moe_token_dispatcher_type="allgather", moe_grouped_gemm=False)
+                moe_token_dispatcher_type="allgather", moe_grouped_gemm=False,
+                moe_shared_expert_intermediate_size=spec.shared_expert_intermediate_size or None,
+                moe_shared_expert_gate=bool(spec.shared_expert_intermediate_size))
