@@ -32,16 +32,16 @@ pytestmark = pytest.mark.backends
 
 BATCH, SEQ, MICRO = 8, 24, 2
 OPTIM = OptimConfig(lr=1e-3)
-SPEC = TinySpec(arch="llama")
+SPECS = {"llama": TinySpec(arch="llama"), "qwen3": TinySpec(arch="qwen3")}
 
 
 @functools.lru_cache(maxsize=None)
-def model_dir() -> str:
-    return str(build_tiny_model(tempfile.mkdtemp(prefix="xray-bf16-"), SPEC, seed=0))
+def model_dir(arch: str = "llama") -> str:
+    return str(build_tiny_model(tempfile.mkdtemp(prefix="xray-bf16-"), SPECS[arch], seed=0))
 
 
 def _batch():
-    return R.random_batch(BATCH, SEQ, SPEC.vocab_size, seed=1)
+    return R.random_batch(BATCH, SEQ, SPECS["llama"].vocab_size, seed=1)
 
 
 def _worker(rank, world, backend, directory):
@@ -67,14 +67,14 @@ def _worker(rank, world, backend, directory):
 
 
 @functools.lru_cache(maxsize=None)
-def reference() -> dict:
+def reference(arch: str = "llama") -> dict:
     """The single-process bf16 model: log-probs, the fp32 model's, one mixed-precision step."""
     from transformers import AutoModelForCausalLM
 
     batch = _batch()
     with torch.no_grad():
-        fp32 = R.hf_logprobs(R.load_hf(model_dir()), batch)
-    model = AutoModelForCausalLM.from_pretrained(model_dir(), dtype=torch.bfloat16)
+        fp32 = R.hf_logprobs(R.load_hf(model_dir(arch)), batch)
+    model = AutoModelForCausalLM.from_pretrained(model_dir(arch), dtype=torch.bfloat16)
     with torch.no_grad():
         bf16 = R.hf_logprobs(model, batch).float()
     params = list(model.parameters())
@@ -99,12 +99,14 @@ def reference() -> dict:
     return {"fp32": fp32, "bf16": bf16, "loss": loss_sum, "grad_norm": norm, "after": after}
 
 
-@pytest.mark.parametrize("backend", ["megatron", pytest.param("deepspeed", marks=pytest.mark.slow)],
-                         ids=["megatron-tp2", "zero3-dp2"])  # zero3: 43 s, slow tier (the default tier's
-# budget); bf16 ZeRO-3 still trains and syncs there in tests/e2e/test_ppo_e2e.py
-def test_bf16_parity(backend):
-    results = run_distributed(_worker, 2, backend, model_dir())
-    ref = reference()
+@pytest.mark.parametrize("backend,arch", [("megatron", "llama"), ("megatron", "qwen3"),
+                                          pytest.param("deepspeed", "llama", marks=pytest.mark.slow)],
+                         ids=["megatron-tp2", "megatron-qwen3-tp2", "zero3-dp2"])  # zero3: 43 s, slow tier (the
+# default tier's budget); bf16 ZeRO-3 still trains and syncs there in tests/e2e/test_ppo_e2e.py. Qwen3: its q/k
+# norms' gradients, partial on each tp rank, summed by Megatron's own finalize_model_grads in bf16
+def test_bf16_parity(backend, arch):
+    results = run_distributed(_worker, 2, backend, model_dir(arch))
+    ref = reference(arch)
     mask = _batch()[C.ATTENTION_MASK][:, 1:].bool()
     bf16_gap = float((ref["bf16"] - ref["fp32"])[mask].abs().max())
     for r in results:
