@@ -6,7 +6,8 @@ of one), `tests/gpu/run_on_device.sh` installs the carried Megatron-core and Dee
 runs it. Skipped without CUDA. `XRAY_GPU_TIER_DEVICE=cpu` runs the same tests on the CPU (gloo,
 with the CPU adaptations): a check of the tests themselves, not of a GPU.
 
-Per engine (Megatron, world of 1; DeepSpeed ZeRO-3, world of 1), both in bf16 (`model.dtype`):
+Per engine (Megatron, world of 1; DeepSpeed ZeRO-3, world of 1), both in bf16 (`model.dtype`), on
+Llama, and on Qwen3 (Megatron) and Qwen3-MoE (both):
 log-probs against the single-process Hugging Face bf16 model, one optimizer step (loss and
 gradient norm against the Hugging Face model's), the export under Hugging Face names, and a
 checkpoint round trip (a fresh engine loaded from it takes the next step exactly as the saved
@@ -34,13 +35,14 @@ DEVICE = os.environ.get("XRAY_GPU_TIER_DEVICE") or ("cuda" if torch.cuda.is_avai
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(DEVICE is None, reason="needs CUDA (or XRAY_GPU_TIER_DEVICE=cpu)")]
 BACKEND = "nccl" if DEVICE == "cuda" else "gloo"
 SPEC = TinySpec(arch="llama")
+SPECS = {"llama": SPEC, "qwen3": TinySpec(arch="qwen3"), "qwen3_moe": TinySpec(arch="qwen3_moe")}
 BATCH, SEQ, MICRO = 8, 24, 4
 OPTIM = OptimConfig(lr=1e-3)
 
 
 @functools.lru_cache(maxsize=None)
-def model_dir() -> str:
-    return str(build_tiny_model(tempfile.mkdtemp(prefix="xray-gpu-"), SPEC, seed=0))
+def model_dir(arch: str = "llama") -> str:
+    return str(build_tiny_model(tempfile.mkdtemp(prefix="xray-gpu-"), SPECS[arch], seed=0))
 
 
 def _batch():
@@ -76,14 +78,14 @@ def _engine_round_trip(rank, world, backend, directory, checkpoint):
 
 
 @functools.lru_cache(maxsize=None)
-def hf_reference() -> dict:
+def hf_reference(arch: str = "llama") -> dict:
     """The Hugging Face bf16 model on the device: log-probs, the fp32 model's, first loss and grad norm."""
     from transformers import AutoModelForCausalLM
 
     batch = _batch()
     with torch.no_grad():
-        fp32 = R.hf_logprobs(R.load_hf(model_dir()), batch)
-    model = AutoModelForCausalLM.from_pretrained(model_dir(), dtype=torch.bfloat16).to(DEVICE)
+        fp32 = R.hf_logprobs(R.load_hf(model_dir(arch)), batch)
+    model = AutoModelForCausalLM.from_pretrained(model_dir(arch), dtype=torch.bfloat16).to(DEVICE)
     on_device = batch.to(DEVICE)
     with torch.no_grad():
         bf16 = R.hf_logprobs(model, on_device).float().cpu()
@@ -98,19 +100,30 @@ def hf_reference() -> dict:
     return {"fp32": fp32, "bf16": bf16, "loss": loss_sum, "grad_norm": norm, "names": names}
 
 
-@pytest.mark.parametrize("backend", ["megatron", "deepspeed"])
-def test_engine_in_bf16_matches_hf_and_resumes_exactly(backend, tmp_path):
-    r, = run_distributed(_engine_round_trip, 1, backend, model_dir(), str(tmp_path / "ckpt"), backend=BACKEND)
-    ref = hf_reference()
+@pytest.mark.parametrize("backend,arch", [("megatron", "llama"), ("deepspeed", "llama"), ("megatron", "qwen3"),
+                                          ("megatron", "qwen3_moe"), ("deepspeed", "qwen3_moe")])
+def test_engine_in_bf16_matches_hf_and_resumes_exactly(backend, arch, tmp_path):
+    r, = run_distributed(_engine_round_trip, 1, backend, model_dir(arch), str(tmp_path / "ckpt"), backend=BACKEND)
+    ref = hf_reference(arch)
     mask = _batch()[C.ATTENTION_MASK][:, 1:].bool()
     gap = float((ref["bf16"] - ref["fp32"])[mask].abs().max())
     diff = float((torch.from_numpy(r["logprobs"]) - ref["bf16"])[mask].abs().max())
     assert diff <= max(0.02, 2 * gap), (diff, gap)
     assert r["first"]["loss"] == pytest.approx(ref["loss"], abs=2e-2)
     assert r["first"]["grad_norm"] == pytest.approx(ref["grad_norm"], rel=5e-2)
-    assert r["exported"] == ref["names"]  # every tensor, under its HF name, in bf16
+    names = ref["names"] if backend == "deepspeed" else per_expert_names(ref["names"])  # Megatron: experts one by one
+    assert r["exported"] == names  # every tensor, under its HF name, in bf16
     assert r["next"] == r["resumed"]  # the checkpoint holds everything the next step reads
     assert r["cpu_compat"] == (DEVICE == "cpu" and backend == "megatron")
+
+
+def per_expert_names(names: dict[str, tuple]) -> dict[str, tuple]:
+    """(dtype, shape) by name with a mixture of experts' fused experts cut into per-expert tensors."""
+    from tests.backends.test_megatron_parity import per_expert
+
+    meta = {n: torch.empty(shape, dtype=getattr(torch, dtype.removeprefix("torch.")), device="meta")
+            for n, (dtype, shape) in names.items()}
+    return {n: (str(t.dtype), tuple(t.shape)) for n, t in per_expert(meta).items()}
 
 
 def _grouped_steps(rank, world, backend, directory):
