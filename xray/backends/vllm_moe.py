@@ -22,15 +22,15 @@ as checked functionally, or the block is named as mismatched.
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from xray.backends.expert_names import expert_part
+
 PROBE_TOKENS = 16
 """Rows of the seeded input a block's check runs."""
-_EXPERT = re.compile(r"\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
 
 
 def moe_block_of(name: str) -> str | None:
@@ -72,8 +72,8 @@ class Routing:
             return {f"experts.{e}.{p}" for e in range(self.num_experts) for p in ("gate", "up")}
         if part == "experts.down_proj":
             return {f"experts.{e}.down" for e in range(self.num_experts)}
-        if m := _EXPERT.search("." + part):
-            return {f"experts.{m.group(1)}.{m.group(2)}"}
+        if one := expert_part(name):
+            return {f"experts.{one.expert}.{one.proj}"}
         return {part}
 
 
@@ -83,9 +83,8 @@ def fused_aliases(names: list[str]) -> dict[str, list[str]]:
     the names it stands for: what the weight sync's completeness check counts a fused tensor as."""
     out: dict[str, list[str]] = {}
     for name in names:
-        if (m := _EXPERT.search(name)) and (block := moe_block_of(name)):
-            fused = f"{block}.experts.{'down_proj' if m.group(2) == 'down' else 'gate_up_proj'}"
-            out.setdefault(fused, []).append(name)
+        if one := expert_part(name):
+            out.setdefault(one.fused, []).append(name)
     return {k: sorted(v) for k, v in out.items()}
 
 
@@ -136,8 +135,8 @@ def _stacked_experts(short: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torc
         return short["experts.gate_up_proj"], short["experts.down_proj"]
     parts: dict[int, dict[str, torch.Tensor]] = {}
     for name, t in short.items():
-        if m := _EXPERT.search("." + name):
-            parts.setdefault(int(m.group(1)), {})[m.group(2)] = t
+        if one := expert_part("x.mlp." + name):
+            parts.setdefault(one.expert, {})[one.proj] = t
     order = sorted(parts)
     return (torch.stack([torch.cat([parts[e]["gate"], parts[e]["up"]]) for e in order]),
             torch.stack([parts[e]["down"] for e in order]))

@@ -7,13 +7,11 @@ tensors its pipeline stage needs (one or several `*.safetensors` files, with or 
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import torch
 
-_PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
-"""A mixture of experts' per-expert projection name, as transformers 5 saves them."""
+from xray.backends.expert_names import expert_part
 
 
 class WeightsNotFoundError(FileNotFoundError):
@@ -53,12 +51,10 @@ class HFWeights:
         """(fused tensor, expert, row half or None) holding per-expert `name` in a directory that
         stores an MoE layer's experts fused, as transformers 5's state dicts do
         (`mlp.experts.gate_up_proj` [E, 2I, H]: gate rows then up rows; `down_proj` [E, H, I])."""
-        m = _PER_EXPERT.match(name)
-        if m is None or name in self._file_of:
+        part = expert_part(name)
+        if part is None or name in self._file_of or part.fused not in self._file_of:
             return None
-        prefix, expert, proj = m.group(1), int(m.group(2)), m.group(3)
-        fused = f"{prefix}.{'down_proj' if proj == 'down' else 'gate_up_proj'}"
-        return (fused, expert, None if proj == "down" else int(proj == "up")) if fused in self._file_of else None
+        return part.fused, part.expert, None if part.proj == "down" else int(part.proj == "up")
 
     def get(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The full tensor `name`, converted to `dtype` (an expert's projection cut from its layer's
