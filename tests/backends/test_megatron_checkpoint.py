@@ -5,6 +5,8 @@ loads A's checkpoint and trains the same two steps: both losses must be bitwise 
 one also checks the AdamW state and the warm-up schedule came back). A flash checkpoint
 (`snapshot`) is written only after the two further steps: what lands on disk is still step K's.
 A snapshot's files held in memory (`Snapshot.held`) restore the same, with the disk's files spoiled.
+A Qwen3-MoE with its experts split over the two ranks (dp=2, ep=2) saves and resumes the same,
+each rank's file holding its own experts.
 """
 from __future__ import annotations
 
@@ -31,10 +33,10 @@ def _train(engine, steps):
     return [engine.train_step(_batch(s), R.policy_loss, 2) for s in steps]
 
 
-def _run_a(rank, world_size, model_dir, ckpt_dir, flash):
+def _run_a(rank, world_size, model_dir, ckpt_dir, flash, dims):
     from xray.backends.megatron import build_engine
 
-    engine = build_engine(model_dir, ParallelDims(*DIMS), "actor", OPTIM, seed=0)
+    engine = build_engine(model_dir, ParallelDims(*dims), "actor", OPTIM, seed=0)
     _train(engine, range(K))
     if not flash:
         engine.save(ckpt_dir)
@@ -45,26 +47,28 @@ def _run_a(rank, world_size, model_dir, ckpt_dir, flash):
     return after, as_bytes(persist.held())
 
 
-def _run_b(rank, world_size, model_dir, ckpt_dir, held):
+def _run_b(rank, world_size, model_dir, ckpt_dir, held, dims):
     from xray.backends.megatron import build_engine
 
-    engine = build_engine(model_dir, ParallelDims(*DIMS), "actor", OPTIM, seed=0)
+    engine = build_engine(model_dir, ParallelDims(*dims), "actor", OPTIM, seed=0)
     engine.load(ckpt_dir, {**from_bytes(held[0]), **from_bytes(held[rank])} if held else None)  # as the Workhorse
     return engine.step, _train(engine, range(K, K + 2))
 
 
-@pytest.mark.parametrize("flash", [False, True, "held"], ids=["save", "flash", "held"])
-def test_resume_is_bitwise(tmp_path, flash):
-    model_dir = str(build_tiny_model(tmp_path / "model", TinySpec(), seed=0))
+@pytest.mark.parametrize("flash,arch", [(False, "llama"), (True, "llama"), ("held", "llama"), (False, "qwen3_moe")],
+                         ids=["save", "flash", "held", "save-moe-ep2"])
+def test_resume_is_bitwise(tmp_path, flash, arch):
+    model_dir = str(build_tiny_model(tmp_path / "model", TinySpec(arch=arch), seed=0))
     ckpt = str(tmp_path / "ckpt")
-    a = run_distributed(_run_a, 2, model_dir, ckpt, bool(flash))
+    dims = (1, 1, 2, 2) if arch == "qwen3_moe" else DIMS
+    a = run_distributed(_run_a, 2, model_dir, ckpt, bool(flash), dims)
     held = None
     if flash == "held":
         held = [files for _, files in a]
         for path in (tmp_path / "ckpt").iterdir():
             path.write_bytes(b"spoiled")  # only the held copy can restore now
     a = [r[0] if flash else r for r in a]
-    b = run_distributed(_run_b, 2, model_dir, ckpt, held)
+    b = run_distributed(_run_b, 2, model_dir, ckpt, held, dims)
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["rank00000.pt", "rank00001.pt"]
     for rank in range(2):
         step, resumed = b[rank]

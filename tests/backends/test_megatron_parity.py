@@ -1,6 +1,8 @@
 """Megatron engine vs the single-process Hugging Face reference, for every tp/pp/dp layout and
 every architecture it builds (Llama, Qwen2 with q/k/v biases, Qwen3 with per-head q/k norms,
-Mistral, Qwen3-MoE: its router and experts, and Qwen2-MoE with its gated shared expert, at tp=1).
+Mistral, Qwen3-MoE: its router and experts, and Qwen2-MoE with its gated shared expert, at tp=1,
+also with the experts split over two replicas, ep=2: each rank trains its own slice of the batch,
+padded to its expert-parallel peer's micro-batch shapes).
 
 One spawn per world size (real processes, real gloo) goes through every layout of that size,
 rebuilding Megatron's groups in between (imports dominate a spawn's cost on CPU). Per layout:
@@ -93,7 +95,7 @@ def run_world(world_size: int) -> dict:
     return {key: [r[i] for r in per_rank] for i, key in enumerate(mine)}
 
 
-def run_layout(arch: str, dims: tuple[int, int, int]) -> list[dict]:
+def run_layout(arch: str, dims: tuple[int, ...]) -> list[dict]:
     return run_world(ParallelDims(*dims).world_size)[(arch, dims)]
 
 
@@ -138,11 +140,15 @@ def per_expert(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 LAYOUTS = [("llama", (1, 1, 1)), ("llama", (2, 1, 1)), ("llama", (1, 2, 1)), ("llama", (1, 1, 2)),
            ("llama", (2, 2, 1)), ("qwen2", (2, 1, 1)), ("qwen2", (1, 2, 1)), ("qwen3", (1, 1, 1)),
            ("qwen3", (2, 1, 1)), ("qwen3", (1, 2, 1)), ("mistral", (2, 1, 1)), ("mistral", (1, 2, 1)),
-           ("qwen3_moe", (1, 1, 1)), ("qwen3_moe", (1, 2, 1)), ("qwen3_moe", (1, 1, 2)), ("qwen2_moe", (1, 1, 1)),
-           ("qwen2_moe", (1, 2, 1))]
+           ("qwen3_moe", (1, 1, 1)), ("qwen3_moe", (1, 2, 1)), ("qwen3_moe", (1, 1, 2)), ("qwen3_moe", (1, 1, 2, 2)),
+           ("qwen2_moe", (1, 1, 1)), ("qwen2_moe", (1, 2, 1)), ("qwen2_moe", (1, 1, 2, 2))]
 
 
-@pytest.mark.parametrize("arch,dims", LAYOUTS, ids=[f"{a}-tp{d[0]}pp{d[1]}dp{d[2]}" for a, d in LAYOUTS])
+def _id(arch: str, dims: tuple[int, ...]) -> str:
+    return f"{arch}-tp{dims[0]}pp{dims[1]}dp{dims[2]}" + (f"ep{dims[3]}" if len(dims) > 3 else "")
+
+
+@pytest.mark.parametrize("arch,dims", LAYOUTS, ids=[_id(a, d) for a, d in LAYOUTS])
 def test_parity(arch, dims):
     results = run_layout(arch, dims)
     ref = reference(arch)
@@ -178,7 +184,7 @@ def test_megatron_core_attention_matches_hf():
 
 @pytest.mark.parametrize("arch,dims", [("llama", (2, 2, 1)), ("qwen2", (2, 1, 1)), ("qwen2", (1, 2, 1)),
                                        ("qwen3", (2, 1, 1)), ("qwen3", (1, 2, 1)), ("mistral", (2, 1, 1)),
-                                       ("qwen3_moe", (1, 2, 1))])
+                                       ("qwen3_moe", (1, 2, 1)), ("qwen3_moe", (1, 1, 2, 2))])
 def test_round_trip_is_bitwise(arch, dims):
     from xray.backends.megatron.hf_weights import HFWeights
 

@@ -1,9 +1,12 @@
 """A mixture of experts end to end: `python -m xray.train grpo` on a tiny Qwen3-MoE (2 layers of 4
 experts, 2 per token, over the character tokenizer) for 3 steps, on deepspeed-vllm and megatron-vllm.
 
-The actor and reference train and score at dp=2 (DeepSpeed ZeRO-3, or Megatron at tp=1 with every
-expert on each rank: no expert parallelism yet), whose exports name the experts fused (DeepSpeed,
-as transformers 5 holds them) or one by one (Megatron, as transformers 5 saves them); the rollout
+The actor and reference train and score at dp=2 (DeepSpeed ZeRO-3, or Megatron at tp=1 with the
+experts split over the two replicas, ep=2: each holds 2 of a layer's 4, and the export gathers them),
+whose exports name the experts fused (DeepSpeed, as transformers 5 holds them) or one by one
+(Megatron, as transformers 5 saves them); the actor adds the router's load-balancing loss
+(`actor.moe`, each engine's own: Hugging Face's on DeepSpeed, Megatron's per-layer one), logged
+each step as `actor/router_aux_loss`; the rollout
 generates on vLLM, and every step's sync reloads each MoE block in place (its experts' kernel
 packed again) and checks it by its forward: nothing unchecked, the probe within the fp32 bound.
 The exported `final/actor` loads in transformers and in vLLM, whose log-probs of sequences equal
@@ -38,10 +41,11 @@ def tiny_moe(tmp_path_factory):
 @pytest.mark.parametrize("backend", ["deepspeed-vllm", "megatron-vllm"])
 def test_grpo_three_steps_on_qwen3_moe(tmp_path, tiny_moe, backend):
     run = tmp_path / "run"
-    zero = ["--actor.zero_stage=3"] if backend.startswith("deepspeed") else []
+    layout = ["--actor.zero_stage=3"] if backend.startswith("deepspeed") else ["--actor.ep=2", "--reference.ep=2"]
     args = ["--backend", backend, "--config", str(ROOT / "configs/critic_free_tiny_cpu.yaml"),
             f"--model.path={tiny_moe}", "--device_groups.nproc_per_node=3", "--device_groups.train_group.ranks=[0, 1]",
-            "--device_groups.rollout_group.ranks=[2]", "--actor.dp=2", *zero,
+            "--device_groups.rollout_group.ranks=[2]", "--actor.dp=2", *layout,
+            "--actor.moe.load_balancing=aux_loss", "--actor.moe.aux_loss_coef=0.01",
             "--actor.micro_batch_size=4", "--reference.dp=2", "--reference.micro_batch_size=8",
             "--rollout.n_samples=2", "--rollout.max_new_tokens=4", "--ppo.rollout_batch_size=8",
             "--ppo.mini_batch_size=8", "--data.eval_size=8", "--trainer.steps=3", "--trainer.save_every=0",
@@ -59,6 +63,7 @@ def test_grpo_three_steps_on_qwen3_moe(tmp_path, tiny_moe, backend):
         experts = 2 if backend.startswith("deepspeed") else 3 * 4
         assert (row["sync/held_functional"], row["sync/held_exact"]) == (2 * (2 + 1 + experts), 3 + 2 * 4), row
         assert row.get("sync/max_abs_logprob_diff", 0.0) <= FP32_PROBE, row
+        assert 0.5 < row["actor/router_aux_loss"] < 2 * 2, row  # balanced: 2 (Megatron 1 a layer; HF top-k)
     check_export(run / "final/actor")
 
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from xray.backends.vllm_moe import Routing, expected_output, fused_aliases, moe_block_of
+from xray.backends.expert_names import moe_block_of
+from xray.backends.vllm_moe import Routing, expected_output, fused_aliases
 from xray.sync.manifest import incomplete
 
 pytestmark = pytest.mark.unit

@@ -42,7 +42,8 @@ from xray.backends.vllm_adapter import AdapterSlot
 from xray.backends.vllm_adapter import engine_kwargs as adapter_engine_kwargs
 from xray.backends import vllm_moe
 from xray.backends.vllm_held import ReloadLedger, check_model, fused_layer_of
-from xray.backends.vllm_moe import Routing, moe_block_of
+from xray.backends.expert_names import moe_block_of
+from xray.backends.vllm_moe import Routing
 from xray.config.lora import LoraConfig
 from xray.data.batch import Batch
 

@@ -27,7 +27,8 @@ import torch
 from xray.backends.base import WeightBucket
 from xray.backends.held import HeldCheck
 from xray.backends.quantize import CHECKED_SCHEMES, FP8
-from xray.backends.vllm_moe import check_block, moe_block_of
+from xray.backends.expert_names import moe_block_of
+from xray.backends.vllm_moe import check_block
 
 FUSED_PARTS = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
                "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}

@@ -33,14 +33,6 @@ PROBE_TOKENS = 16
 """Rows of the seeded input a block's check runs."""
 
 
-def moe_block_of(name: str) -> str | None:
-    """`model.layers.i.mlp` for a tensor of an MoE block (router, experts, shared expert and its
-    gate); None for any other tensor."""
-    if ".mlp.experts." in name or name.endswith(".mlp.gate.weight") or ".mlp.shared_expert" in name:
-        return name[:name.index(".mlp.") + len(".mlp")]
-    return None
-
-
 @dataclass(frozen=True)
 class Routing:
     """How a model's router picks experts, from its `config.json`."""

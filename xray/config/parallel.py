@@ -6,6 +6,12 @@ WholeModel uses it to plan shards and to dispatch, the backends use it to build 
 Rank order follows Megatron-core's default (`tp` fastest, then `dp`, then `pp`):
     rank = tp_rank + tp * (dp_rank + dp * pp_rank)
 so the tensor-parallel peers of one shard are neighbours, as NCCL likes them.
+
+Expert parallelism (`ep`, mixture-of-experts models) divides the data-parallel replicas, as in
+Megatron-core: the world stays `tp * pp * dp`; each run of `ep` consecutive replicas splits every
+MoE layer's experts `ep` ways (the expert-parallel group: `ep_rank = dp_rank % ep`) while the
+other weights stay replicated over all `dp`; an expert is then replicated `dp / ep` times (the
+expert-data-parallel group).
 """
 from __future__ import annotations
 
@@ -36,12 +42,18 @@ class ParallelDims:
     """Pipeline-parallel size: the layers split into this many stages."""
     dp: int = 1
     """Data-parallel size: this many replicas, each seeing its own slice of a batch."""
+    ep: int = 1
+    """Expert-parallel size (mixture-of-experts models): each MoE layer's experts split over this
+    many consecutive data-parallel replicas; a divisor of `dp`."""
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "dp"):
+        for name in ("tp", "pp", "dp", "ep"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise LayoutError(f"{name} must be a positive integer, got {value!r}")
+        if self.dp % self.ep:
+            raise LayoutError(f"ep={self.ep} does not divide dp={self.dp}: experts are split over data-parallel "
+                              f"replicas; choose ep among the divisors of {self.dp} (or raise dp)")
 
     @property
     def world_size(self) -> int:
@@ -58,6 +70,20 @@ class ParallelDims:
 
     def rank_of(self, tp_rank: int, pp_rank: int, dp_rank: int) -> int:
         return tp_rank + self.tp * (dp_rank + self.dp * pp_rank)
+
+    def expert_owner(self, replica: int, expert: int, num_experts: int) -> int:
+        """The data-parallel rank holding `expert` (of `num_experts`) for replica `replica`: the
+        member of that replica's expert-parallel group whose share it is."""
+        return replica - replica % self.ep + expert // (num_experts // self.ep)
+
+    def check_experts(self, num_experts: int) -> None:
+        """Raise LayoutError if `ep` cannot split a model with `num_experts` experts per layer."""
+        if self.ep > 1 and not num_experts:
+            raise LayoutError(f"ep={self.ep} on a dense model: expert parallelism splits the experts of "
+                              "mixture-of-experts layers; use ep=1")
+        if num_experts % self.ep:
+            raise LayoutError(f"ep={self.ep} does not divide the model's {num_experts} experts per layer; "
+                              f"choose ep among the divisors of {num_experts} that divide dp={self.dp}")
 
     def is_collector(self, rank: int) -> bool:
         """True for the shard that answers for its replica: tp_rank 0 on the last pipeline stage."""

@@ -18,6 +18,7 @@ from xray.config.batches import check_batch_info, elastic_ranges, role_lr, train
 from xray.config.critic_free import CRITIC_FREE, check_critic_free, kl_placement
 from xray.config.distill import check_teacher, teacher_needed
 from xray.config.graph import build_graph
+from xray.config.moe import MoeConfigError, check_experts
 from xray.config.packing import Packs, describe_packs, node_packs, spans, whole_replicas
 from xray.config.parallel import LayoutError, ParallelDims
 from xray.config.schema import RunConfig
@@ -120,7 +121,8 @@ class Plan:
             p = r.parallel
             lines.append(
                 f"  {r.role:<9} {r.backend:<9} group={r.group:<14} {r.device} ranks={spans(r.ranks)} "
-                f"nodes={spans(r.nodes)} workhorses={r.num_workhorses} tp={p.tp} pp={p.pp} dp={p.dp}")
+                f"nodes={spans(r.nodes)} workhorses={r.num_workhorses} tp={p.tp} pp={p.pp} dp={p.dp}"
+                f"{f' ep={p.ep}' if p.ep > 1 else ''}")
         lines.append("device groups, each reserved as packs of devices that Ray keeps on one node (STRICT_PACK):")
         for group in dict.fromkeys(r.group for r in self.roles):
             roles = [r for r in self.roles if r.group == group]
@@ -202,7 +204,11 @@ def _role_dims(cfg: RunConfig, role: str, train_backend: str, size: int) -> Para
         if (budget is not None or rc.packing) and (rc.pp > 1 or (budget is not None and budget < 1)):
             raise ConfigError(f"{role}.max_tokens_per_micro_batch and {role}.packing need {role}.pp=1 (a pipeline "
                               "sends one activation shape) and a positive budget; set them to null and false")
-        dims = ParallelDims(rc.tp, rc.pp, rc.dp)
+        try:
+            check_experts(role, rc, train_backend)
+        except MoeConfigError as exc:
+            raise ConfigError(str(exc)) from None
+        dims = ParallelDims(rc.tp, rc.pp, rc.dp, rc.ep)
         what = f"{role}.tp * {role}.pp * {role}.dp = {rc.tp}*{rc.pp}*{rc.dp}"
     elif role in ("rollout", "sampler"):  # the sampler is laid out and samples as the rollout
         dims = ParallelDims(tp=cfg.rollout.tp, pp=1, dp=cfg.rollout.dp)

@@ -15,6 +15,7 @@ from xray.config.critic_free import CriticFreeConfig
 from xray.config.distill import DistillConfig
 from xray.config.env import EnvConfig
 from xray.config.lora import LoraConfig
+from xray.config.moe import MoeConfig
 from xray.config.optim import OptimConfig
 from xray.config.placement import DeviceGroups
 
@@ -43,6 +44,10 @@ class RoleConfig:
     """Pipeline-parallel size (megatron)."""
     dp: int = 1
     """Data-parallel size; tp * pp * dp must equal the role's device group size."""
+    ep: int = 1
+    """Expert-parallel size (megatron, mixture-of-experts models): each MoE layer's experts split over
+    `ep` consecutive data-parallel replicas (a divisor of dp and of the experts per layer); the
+    other weights stay replicated over all dp. Padded micro-batches: no packing, no LoRA, no elasticity."""
     zero_stage: int = 3
     """DeepSpeed ZeRO stage (1, 2 or 3); used by the deepspeed backend only."""
     micro_batch_size: int = 4
@@ -62,6 +67,9 @@ class RoleConfig:
     actor and critic): the base weights stay frozen, only the adapters hold optimizer state, the
     rollout receives only the adapters, and the reference log-probs come from the actor with its
     adapters off (no reference model starts). Null: full fine-tuning."""
+    moe: MoeConfig = field(default_factory=MoeConfig)
+    """Router options of a mixture-of-experts model (`{load_balancing, aux_loss_coef,
+    routing_replay}`); the defaults compute what Hugging Face's model computes."""
     elasticity: Optional[ElasticityConfig] = None
     """DeepSpeed's `elasticity` block (either training backend): the role's device group becomes
     elastic (its size follows the cluster within [min_gpus, max_gpus], synchronous runs), and the

@@ -228,6 +228,8 @@ def role_init_kwargs(cfg: RunConfig, role: str, backend: str, model_dir: str) ->
         kwargs["packing"] = True
     if rc.lora is not None:
         kwargs["lora"] = rc.lora
+    if rc.moe.balanced:  # (routing replay is refused at plan time)
+        kwargs["moe"] = rc.moe
     if role == "teacher":  # built and run as a reference is: frozen, no optimizer
         kwargs["engine_role"] = "reference"
     return kwargs

@@ -185,13 +185,14 @@ class WholeModel:
 
     @classmethod
     def from_pretrained(cls, model_dir: str, *, backend: str = "hf", role: str | None = None, tp: int = 1,
-                        pp: int = 1, dp: int = 1, device: str = "CPU", seed: int = 0, threads: int = 1,
+                        pp: int = 1, dp: int = 1, ep: int = 1, device: str = "CPU", seed: int = 0, threads: int = 1,
                         ray_address: str | None = None, **options) -> "WholeModel":
         """A standalone WholeModel from a local Hugging Face directory: no YAML, for notebooks and scripts.
 
         Backends and the roles they serve (the first is the default):
           - `hf`: actor, reference. Plain transformers, data parallel (dp).
-          - `megatron`: actor, critic, reference. Megatron-core, tensor / pipeline / data parallel.
+          - `megatron`: actor, critic, reference. Megatron-core, tensor / pipeline / data parallel,
+            and expert parallel (`ep`, mixture-of-experts models: the experts split over ep of the dp).
           - `deepspeed`: actor, critic, reference. DeepSpeed ZeRO (`zero_stage`, default 3), dp only.
           - `vllm`, `dsinfer`: rollout. Generation engines; tp inside a replica, dp replicas.
           - `hf-reward`: reward. A sequence-classification model that scores sequences.
@@ -211,7 +212,7 @@ class WholeModel:
         from xray.wholemodel.pretrained import prepare
         from xray.workhorse.roles import workhorse_class
 
-        parallel = ParallelDims(tp, pp, dp)
+        parallel = ParallelDims(tp, pp, dp, ep)
         role, init_kwargs = prepare(model_dir, backend, role, parallel, options)
         return cls(workhorse_class(backend, role), role=role, parallel=parallel, device=device, seed=seed,
                    threads=threads, ray_address=ray_address, init_kwargs=init_kwargs)
@@ -297,6 +298,9 @@ class WholeModel:
         import dataclasses
 
         shards = [s for s in self.layout if s.dp_rank == dp_rank]
+        if self.parallel.ep > 1:
+            raise ValueError(f"{self.role} splits its experts over {self.parallel.ep} replicas (ep), which run "
+                             "every call together: call the whole model, not one replica")
         if not shards:
             raise ValueError(f"{self.role} has replicas 0..{self.parallel.dp - 1}, not {dp_rank}")
         view = copy.copy(self)

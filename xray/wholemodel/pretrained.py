@@ -69,6 +69,8 @@ def _check_layout(backend: str, kind: BackendKind, config: dict, parallel: Paral
     if not kind.tensor_parallel and (parallel.tp, parallel.pp) != (1, 1):
         raise PretrainedError(f"backend {backend!r} is data-parallel only (tp=1, pp=1), got tp={parallel.tp} "
                               f"pp={parallel.pp}; use dp=, or backend='megatron' for tensor/pipeline parallelism")
+    if parallel.ep > 1 and backend != "megatron":
+        raise PretrainedError(f"ep={parallel.ep}: expert parallelism runs on backend='megatron'; use ep=1 here")
     heads = int(config.get("num_attention_heads", 1))
     kv_heads = int(config.get("num_key_value_heads", heads))
     layers = int(config.get("num_hidden_layers", parallel.pp))

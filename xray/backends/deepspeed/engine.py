@@ -29,13 +29,14 @@ from xray.backends.base import LossFn, OptimConfig, ShardInfo, TrainEngine, Weig
 from xray.backends.deepspeed.config import ZeroOptions, deepspeed_config
 from xray.backends.deepspeed.export import adapter_tensors, iter_weight_buckets
 from xray.backends.deepspeed.lora import adapters_off
-from xray.backends.deepspeed.model import load_model, role_outputs
+from xray.backends.deepspeed.model import ROUTER_AUX, load_model, role_outputs, router_aux_coef
 from xray.backends.deepspeed.reshard import ensure_universal, load_universal, saved_dp
 from xray.backends.optim import (ABORT, SKIPPED, build_optimizer, build_scheduler, follow_configured_lr, frozen_lr,
                                  skips_update)
 from xray.backends.optim import state_bytes as optim_state_bytes
 from xray.backends.snapshot import Snapshot, capture_engine, file_key, held_or_on_disk, read, replay_engine, stage_held
 from xray.config.lora import LoraConfig
+from xray.config.moe import MoeConfig
 from xray.config.parallel import LayoutError, ParallelDims
 from xray.data import columns as C
 from xray.data.batch import Batch
@@ -61,9 +62,11 @@ class DeepSpeedEngine(TrainEngine):
     def __init__(self, model_dir: str, parallel: ParallelDims, role: str, optim: OptimConfig, seed: int,
                  zero_stage: int, device: str = "cpu", options: ZeroOptions = ZeroOptions(),
                  forward_micro_batch_size: int | None = None, lora: LoraConfig | None = None,
-                 max_tokens_per_micro_batch: int | None = None, packing: bool = False):
+                 max_tokens_per_micro_batch: int | None = None, packing: bool = False,
+                 moe: MoeConfig = MoeConfig()):
         _check_process(parallel, device)
         self.max_tokens, self.packing = max_tokens_per_micro_batch, packing
+        self.router_aux = router_aux_coef(model_dir, moe)  # 0: no load-balancing loss
         self.lora = lora if role != "reference" else None
         self.forward_micro_batch_size = forward_micro_batch_size
         self.role, self.zero_stage, self.device = role, zero_stage, device
@@ -124,7 +127,12 @@ class DeepSpeedEngine(TrainEngine):
         for i, mb in enumerate(micro):
             last = i == len(micro) - 1
             self.engine.set_gradient_accumulation_boundary(last)
-            loss, metrics = apply_loss(loss_fn, role_outputs(self.engine, mb, self.role, packed=self.packing), mb)
+            outputs = role_outputs(self.engine, mb, self.role, packed=self.packing, router_aux=self.router_aux > 0)
+            aux = outputs.pop(ROUTER_AUX, None)
+            loss, metrics = apply_loss(loss_fn, outputs, mb)
+            if aux is not None:  # the policy's loss and the router's, weighted
+                loss = loss + self.router_aux * aux
+                metrics = {**metrics, "router_aux_loss": float(aux.detach())}
             self.engine.backward(loss)
             for k, v in {"loss": float(loss.detach()), **metrics}.items():
                 sums[k] = sums.get(k, 0.0) + float(v) / len(micro)
@@ -318,15 +326,16 @@ def build_engine(model_dir: str, parallel: ParallelDims, role: str, optim: Optim
                  zero_stage: int, device: str = "cpu", options: ZeroOptions = ZeroOptions(),
                  forward_micro_batch_size: int | None = None, dtype: str | None = None,
                  lora: LoraConfig | None = None, max_tokens_per_micro_batch: int | None = None,
-                 packing: bool = False) -> DeepSpeedEngine:
+                 packing: bool = False, moe: MoeConfig = MoeConfig()) -> DeepSpeedEngine:
     """The DeepSpeed engine of this process's shard (see DeepSpeedEngine); `forward` runs in
     micro-batches of at most `forward_micro_batch_size` rows (None: the whole batch at once);
     `dtype` ("float32" or "bfloat16", DeepSpeed's bf16 with fp32 master weights) overrides the
     options' dtype; `lora` trains adapters only (`xray/backends/deepspeed/lora.py`);
     `max_tokens_per_micro_batch` cuts forwards and length-grouped train steps by that token
     budget instead of by rows (`xray/data/budget.py`); `packing` runs each micro-batch's rows as
-    one sequence without padding (`xray/data/packing.py`)."""
+    one sequence without padding (`xray/data/packing.py`); `moe` adds a mixture of experts' router
+    loss to the training loss (`xray/config/moe.py`)."""
     if dtype is not None:
         options = dataclasses.replace(options, dtype=dtype)
     return DeepSpeedEngine(model_dir, parallel, role, optim, seed, zero_stage, device, options,
-                           forward_micro_batch_size, lora, max_tokens_per_micro_batch, packing)
+                           forward_micro_batch_size, lora, max_tokens_per_micro_batch, packing, moe)

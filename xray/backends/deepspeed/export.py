@@ -17,6 +17,7 @@ import torch
 
 from xray.backends.base import WeightBucket
 from xray.backends.deepspeed.lora import hf_units, is_adapter, peft_name
+from xray.backends.expert_names import bucketed
 from xray.backends.lora import merge
 
 
@@ -30,21 +31,9 @@ Unit = tuple[str, list[torch.nn.Parameter]]
 
 
 def plan_buckets(units: list[Unit], bucket_bytes: int) -> list[list[Unit]]:
-    """Consecutive groups of tensors of at most `bucket_bytes` (a larger one stands alone)."""
-    buckets: list[list[Unit]] = []
-    current: list[Unit] = []
-    size = 0
-    for unit in units:
-        first = unit[1][0]
-        nbytes = full_numel(first) * first.element_size()
-        if current and size + nbytes > bucket_bytes:
-            buckets.append(current)
-            current, size = [], 0
-        current.append(unit)
-        size += nbytes
-    if current:
-        buckets.append(current)
-    return buckets
+    """Consecutive groups of tensors of at most `bucket_bytes` (a larger one stands alone), an MoE
+    block's tensors kept together (`expert_names.bucketed`)."""
+    return bucketed(units, lambda u: u[0], lambda u: full_numel(u[1][0]) * u[1][0].element_size(), bucket_bytes)
 
 
 def _tensor(params: list[torch.nn.Parameter], scaling: float | None) -> torch.Tensor:

@@ -19,6 +19,8 @@ if TYPE_CHECKING:
     from xray.config.lora import LoraConfig
 
 ROLES = ("actor", "reference", "critic")
+ROUTER_AUX = "router_aux_loss"
+"""`role_outputs`' key for a mixture of experts' load-balancing loss (a scalar; the engine adds it)."""
 
 
 class RoleError(ValueError):
@@ -87,12 +89,29 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     return -(logp.exp() * logp).sum(-1)
 
 
+def router_aux_coef(model_dir: str, moe) -> float:
+    """The weight of the router's load-balancing loss (`moe`, a `MoeConfig`): 0 for none; refused on
+    a model without experts."""
+    import json
+    from pathlib import Path
+
+    if not moe.balanced:
+        return 0.0
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    if not (config.get("num_experts") or config.get("num_local_experts")):
+        raise ValueError(f"moe.load_balancing={moe.load_balancing} on {model_dir}, a model without experts; "
+                         "leave <role>.moe unset for a dense model")
+    return moe.aux_loss_coef
+
+
 def role_outputs(module: torch.nn.Module, batch: Batch, role: str, entropy: bool = True,
-                 packed: bool = False) -> dict[str, torch.Tensor]:
+                 packed: bool = False, router_aux: bool = False) -> dict[str, torch.Tensor]:
     """The outputs a loss function receives: LOGPROBS and (if `entropy`) ENTROPY [B, T-1] for
     actor and reference, VALUES [B, T-1] for the critic (value at position t predicts token t+1).
     `packed`: the rows run as one sequence without padding (`xray/data/packing.py`; the module
-    attends with `xray.backends.hf_packed.ROWS`), their outputs laid back out as the rows'."""
+    attends with `xray.backends.hf_packed.ROWS`), their outputs laid back out as the rows'.
+    `router_aux`: also a mixture of experts' load-balancing loss over the batch's tokens under
+    `ROUTER_AUX` (Hugging Face's `load_balancing_loss_func`, unweighted)."""
     ids, mask = batch[C.INPUT_IDS], batch[C.ATTENTION_MASK]
     inputs, unpack = {"input_ids": ids, "attention_mask": mask}, (lambda t: t)
     if packed:
@@ -103,8 +122,11 @@ def role_outputs(module: torch.nn.Module, batch: Batch, role: str, entropy: bool
     if role == "critic":
         values = unpack(module(**inputs)[..., None])[..., 0]
         return {C.VALUES: values[:, :-1].float()}
-    logits = unpack(module(**inputs, use_cache=False).logits)
+    result = module(**inputs, use_cache=False, **({"output_router_logits": True} if router_aux else {}))
+    logits = unpack(result.logits)
     out = {C.LOGPROBS: token_logprobs(logits, ids)}
+    if router_aux:
+        out[ROUTER_AUX] = result.aux_loss
     if entropy:
         out[C.ENTROPY] = entropy_from_logits(logits)
     return out

@@ -7,7 +7,8 @@ about 1.5x torch's `scaled_dot_product_attention`, which has a fused kernel on C
 Same inputs and outputs as Megatron's: q [sq, b, heads, d], k/v [sk, b, groups, d] (this rank's
 heads), Megatron's boolean mask (True = blocked) -> [sq, b, heads * d]. No dropout (the engine
 trains with dropout 0). Packed rows (Megatron's `thd` layout, `xray/data/packing.py`) attend
-inside their own row, one row at a time.
+inside their own row, one row at a time. Also here: the engine's padded attention mask
+(`attention_mask`) and its packed-sequence description (`packed_params`).
 
 On CPU, bf16 (or fp16) attention runs in fp32 and casts back: torch's CPU flash-attention backward
 in bf16 took 32 ms of a 96 ms train step of vs_trl's small model (8 ms a layer), against 7 ms in
@@ -20,6 +21,8 @@ import math
 
 import torch
 import torch.nn.functional as F
+
+from xray.data.packing import Pack
 
 
 class SDPAttention(torch.nn.Module):
@@ -76,3 +79,21 @@ class SDPAttention(torch.nn.Module):
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale).to(dtype)
             out.append(o[0].permute(1, 0, 2).reshape(end - start, -1))  # [L, heads * d]
         return torch.cat(out)
+
+
+def attention_mask(valid: torch.Tensor) -> torch.Tensor:
+    """Megatron's boolean mask [b, 1, T, T], True where attention is blocked: future keys and
+    padding keys (so padded positions see exactly what Hugging Face's masked attention shows)."""
+    T = valid.shape[1]
+    future = torch.ones(T, T, dtype=torch.bool, device=valid.device).triu(1)
+    keys = valid != 0
+    keys[:, 0] |= ~keys.any(dim=1)  # an all-padding row still attends to its first token (no NaN)
+    return future[None, None] | ~keys[:, None, None, :]
+
+
+def packed_params(pack: Pack):
+    """Megatron's description of a packed micro-batch (the `thd` layout)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=pack.cu_seqlens, cu_seqlens_kv=pack.cu_seqlens,
+                           max_seqlen_q=pack.max_len, max_seqlen_kv=pack.max_len)

@@ -83,5 +83,6 @@ def header_in(directory: str | Path, held: dict | None = None) -> dict[str, Any]
 def header_of(spec, parallel, role: str, lora: dict | None = None) -> dict[str, Any]:
     """What must agree between the saving and the loading engine (`lora`: `lora.header` of a LoRA
     engine, whose checkpoint holds only the trained parameters)."""
-    out = {"spec": dataclasses.asdict(spec), "parallel": dataclasses.asdict(parallel), "role": role}
+    layout = {k: v for k, v in dataclasses.asdict(parallel).items() if k != "ep" or v != 1}  # as before ep
+    out = {"spec": dataclasses.asdict(spec), "parallel": layout, "role": role}
     return out if lora is None else {**out, "lora": lora}

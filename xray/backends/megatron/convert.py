@@ -11,7 +11,9 @@ Megatron layouts (per tensor-parallel rank r of tp):
 - fused gate/up (`linear_fc1`): [gate rows of r; up rows of r];
 - column-parallel (embedding, output layer): rows split in tp equal parts;
 - row-parallel (attention output, `linear_fc2`): columns split in tp equal parts;
-- replicated (norms, Qwen3's per-head q/k norms, the value head): whole on every rank.
+- replicated (norms, Qwen3's per-head q/k norms, the value head): whole on every rank;
+- a routed expert (`Entry.expert`): on one member of each expert-parallel group only, as local
+  expert `e % (experts / ep)` of the member `e // (experts / ep)` (`ParallelDims.ep`).
 """
 from __future__ import annotations
 
@@ -50,9 +52,16 @@ class Entry:
     tp_partial: bool = False
     """A replicated weight applied to each rank's own heads (Qwen3's q/k norms): each tp rank's
     gradient is a partial sum, summed over the tp group before the step."""
+    expert: int | None = None
+    """The routed expert's index in its layer (its weights live on one expert-parallel rank)."""
 
 
-def _layer_entries(spec: ModelSpec, local: int, layer: int) -> list[Entry]:
+def expert_rank(spec: ModelSpec, expert: int, ep: int) -> int:
+    """The expert-parallel rank holding `expert` of each MoE layer."""
+    return expert // (spec.num_experts // ep)
+
+
+def _layer_entries(spec: ModelSpec, local: int, layer: int, ep: int = 1, ep_rank: int | None = None) -> list[Entry]:
     m, h = f"decoder.layers.{local}.", f"model.layers.{layer}."
     attn = h + "self_attn."
     out = [Entry(m + "input_layernorm.weight", (h + "input_layernorm.weight",), Kind.REPLICATED),
@@ -69,11 +78,14 @@ def _layer_entries(spec: ModelSpec, local: int, layer: int) -> list[Entry]:
                   Kind.REPLICATED)]
     if spec.num_experts:  # the router, then each expert's SwiGLU under its per-expert HF names
         out.append(Entry(m + "mlp.router.weight", (h + "mlp.gate.weight",), Kind.REPLICATED))
+        per_rank = spec.num_experts // ep
         for e in range(spec.num_experts):
-            mine, theirs = f"{m}mlp.experts.local_experts.{e}.", f"{h}mlp.experts.{e}."
+            if ep_rank is not None and expert_rank(spec, e, ep) != ep_rank:
+                continue
+            mine, theirs = f"{m}mlp.experts.local_experts.{e % per_rank}.", f"{h}mlp.experts.{e}."
             out += [Entry(mine + "linear_fc1.weight", (theirs + "gate_proj.weight", theirs + "up_proj.weight"),
-                          Kind.GATE_UP),
-                    Entry(mine + "linear_fc2.weight", (theirs + "down_proj.weight",), Kind.ROW)]
+                          Kind.GATE_UP, expert=e),
+                    Entry(mine + "linear_fc2.weight", (theirs + "down_proj.weight",), Kind.ROW, expert=e)]
         if spec.shared_expert_intermediate_size:  # Qwen2-MoE's, on every token, and its sigmoid gate
             mine, theirs = f"{m}mlp.shared_experts.", f"{h}mlp.shared_expert."
             out += [Entry(mine + "linear_fc1.weight", (theirs + "gate_proj.weight", theirs + "up_proj.weight"),
@@ -87,14 +99,17 @@ def _layer_entries(spec: ModelSpec, local: int, layer: int) -> list[Entry]:
     return out
 
 
-def stage_entries(spec: ModelSpec, pp_rank: int, pp: int, critic: bool = False) -> list[Entry]:
-    """Every parameter of pipeline stage `pp_rank`, in a fixed order shared by all ranks."""
+def stage_entries(spec: ModelSpec, pp_rank: int, pp: int, critic: bool = False, ep: int = 1,
+                  ep_rank: int | None = None) -> list[Entry]:
+    """Every parameter of pipeline stage `pp_rank`, in a fixed order shared by all ranks; with
+    `ep_rank`, the routed experts of that expert-parallel rank only (of `ep`), else all of them
+    (each under its local name on its own rank)."""
     entries: list[Entry] = []
     if pp_rank == 0:
         entries.append(Entry("embedding.word_embeddings.weight", ("model.embed_tokens.weight",),
                              Kind.COLUMN))
     for local, layer in enumerate(stage_layers(spec.num_layers, pp)[pp_rank]):
-        entries += _layer_entries(spec, local, layer)
+        entries += _layer_entries(spec, local, layer, ep, ep_rank)
     if pp_rank == pp - 1:
         entries.append(Entry("decoder.final_layernorm.weight", ("model.norm.weight",), Kind.REPLICATED))
         if critic:

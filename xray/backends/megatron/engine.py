@@ -22,7 +22,8 @@ import torch.distributed as dist
 
 from xray.backends import cpu_compat
 from xray.backends.base import LossFn, OptimConfig, ShardInfo, TrainEngine, WeightBucket, apply_loss, layout_of
-from xray.backends.megatron import checkpoint, grads, reshard
+from xray.backends.megatron import checkpoint, experts, grads, reshard
+from xray.backends.megatron.attention import attention_mask, packed_params
 from xray.backends.megatron.convert import Entry, Kind, to_shard
 from xray.backends.megatron.export import export_full, gather_entries
 from xray.backends.megatron.logprobs import PolicyOutputs, token_logprobs
@@ -36,36 +37,19 @@ from xray.backends.optim import (ABORT, SKIPPED, build_optimizer, build_schedule
 from xray.backends.optim import state_bytes as optim_state_bytes
 from xray.backends.snapshot import Snapshot, host_copy
 from xray.config.lora import LoraConfig
+from xray.config.moe import MoeConfig
 from xray.config.parallel import LayoutError, ParallelDims
 from xray.data import columns as C
 from xray.data.batch import Batch
 from xray.data.budget import forward_micro_batches, restored
 from xray.data.lengths import train_micro_batches
-from xray.data.packing import Pack, pack_rows
+from xray.data.packing import pack_rows
 
 logger = logging.getLogger(__name__)
 
 
 class EngineUsageError(RuntimeError):
     """An engine call that its role or state does not allow; the message says what to do."""
-
-
-def attention_mask(valid: torch.Tensor) -> torch.Tensor:
-    """Megatron's boolean mask [b, 1, T, T], True where attention is blocked: future keys and
-    padding keys (so padded positions see exactly what Hugging Face's masked attention shows)."""
-    T = valid.shape[1]
-    future = torch.ones(T, T, dtype=torch.bool, device=valid.device).triu(1)
-    keys = valid != 0
-    keys[:, 0] |= ~keys.any(dim=1)  # an all-padding row still attends to its first token (no NaN)
-    return future[None, None] | ~keys[:, None, None, :]
-
-
-def _packed_params(pack: Pack):
-    """Megatron's description of a packed micro-batch (the `thd` layout)."""
-    from megatron.core.packed_seq_params import PackedSeqParams
-
-    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=pack.cu_seqlens, cu_seqlens_kv=pack.cu_seqlens,
-                           max_seqlen_q=pack.max_len, max_seqlen_kv=pack.max_len)
 
 
 class MegatronEngine(TrainEngine):
@@ -75,9 +59,9 @@ class MegatronEngine(TrainEngine):
                  parallel: ParallelDims, role: str, optim: OptimConfig, device: torch.device,
                  forward_micro_batch_size: int | None, mixed: Mixed | None = None,
                  lora: LoraConfig | None = None, adapter_entries: list[Entry] = (),
-                 max_tokens_per_micro_batch: int | None = None, packing: bool = False):
-        self.max_tokens = max_tokens_per_micro_batch
-        self.packing = packing
+                 max_tokens_per_micro_batch: int | None = None, packing: bool = False, balanced: bool = False):
+        self.max_tokens, self.packing = max_tokens_per_micro_batch, packing
+        self.balanced = balanced  # the routers add a load-balancing loss: padding is kept out of it
         self.model, self.spec, self.parallel, self.role = model, spec, parallel, role
         self.mixed = mixed  # bf16: Megatron's Float16Module, DDP and optimizer (`mixed.py`)
         self.runner = mixed.runner if mixed is not None else model
@@ -128,11 +112,12 @@ class MegatronEngine(TrainEngine):
             if self.packing:  # one sequence, no padding: `xray/data/packing.py`
                 pack = pack_rows(ids, mb[C.ATTENTION_MASK])
                 output = model(input_ids=pack.ids, position_ids=pack.positions, attention_mask=None,
-                               packed_seq_params=_packed_params(pack))
+                               packed_seq_params=packed_params(pack))
                 return pack.unpack(output), partial(loss_func, mb)
             positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+            padding = {"padding_mask": mb[C.ATTENTION_MASK] == 0} if self.balanced else {}
             output = model(input_ids=ids, position_ids=positions,
-                           attention_mask=attention_mask(mb[C.ATTENTION_MASK]))
+                           attention_mask=attention_mask(mb[C.ATTENTION_MASK]), **padding)
             return output, partial(loss_func, mb)
 
         return get_forward_backward_func()(
@@ -150,6 +135,9 @@ class MegatronEngine(TrainEngine):
             micro, order = forward_micro_batches(batch, self.max_tokens, packed=self.packing)
         else:
             micro, order = batch.micro_batches(self.forward_micro_batch_size), None
+        shapes = [experts.shape_of(mb) for mb in micro]
+        if self.parallel.ep > 1:  # the expert-parallel group runs micro-batches of one shape together
+            micro = experts.even(micro, self.device, fill=True, one_shape=self.parallel.pp > 1)
 
         def keep(mb: Batch, output: torch.Tensor):
             outputs = self._head_outputs(output, mb)
@@ -163,6 +151,8 @@ class MegatronEngine(TrainEngine):
             stored = self._run(micro, keep, forward_only=True)
         if not self._info.collects:
             return None
+        if self.parallel.ep > 1:
+            stored = experts.uneven(stored, shapes)
         if order is not None:
             return {k: v.cpu() for k, v in restored(stored, order, batch[C.INPUT_IDS].shape[1] - 1).items()}
         return {k: torch.cat([s[k] for s in stored]).cpu() for k in stored[0]}
@@ -176,7 +166,9 @@ class MegatronEngine(TrainEngine):
                                                                    trim=self.parallel.pp == 1,
                                                                    replicas=self.parallel.dp,
                                                                    max_tokens=self.max_tokens,
-                                                                   packed=self.packing)]
+                                                                   packed=self.packing, agree=self._agree)]
+        if self.parallel.ep > 1:
+            micro = experts.even(micro, self.device, fill=False, one_shape=self.parallel.pp > 1)
 
         def loss_func(mb: Batch, output: torch.Tensor):
             loss, metrics = apply_loss(loss_fn, self._head_outputs(output, mb), mb)
@@ -192,6 +184,9 @@ class MegatronEngine(TrainEngine):
             norm = self._finish_grads()
         lr = self.optimizer.param_groups[0]["lr"]
         metrics = self._reduce_metrics(stored)
+        aux = experts.router_loss(len(micro), self.parallel.dp, self.device) if self.balanced else None
+        if aux is not None:
+            metrics["router_aux_loss"] = aux
         skipped = skips_update(metrics.get(SKIPPED), metrics.get(ABORT))  # the same on every rank: reduced over all
         with frozen_lr(self.optimizer, skipped), self._compat():
             stepped = self.mixed.step() if self.mixed is not None else None
@@ -208,12 +203,15 @@ class MegatronEngine(TrainEngine):
         if self.mixed is not None:
             self.mixed.finish_grads()
             return None
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        grads.allreduce_tensor_partial([p for n, p in self.model.named_parameters()
-                                        if n in self._tp_partial and p.requires_grad])
-        grads.allreduce_data_parallel(params)
+        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        grads.allreduce_tensor_partial([p for n, p in named if n in self._tp_partial])
+        grads.allreduce_data_parallel(named)
         grads.allreduce_tied_embedding(self.model)
         return grads.clip_grad_norm(self.model, self.optim.grad_clip, self._replicated)
+
+    def _agree(self, count: int) -> int:
+        """The micro-batch count of a token-budget train step (the expert-parallel group's largest)."""
+        return experts.agree_count(count, self.device) if self.parallel.ep > 1 else count
 
     def _reduce_metrics(self, stored: list[dict[str, float]]) -> dict[str, float]:
         """Mean over micro-batches (last stage) and replicas, then shared with every stage."""
@@ -329,6 +327,10 @@ class MegatronEngine(TrainEngine):
         if saved is not None and saved != header and {k: saved.get(k) for k in ("spec", "role", "lora")} == \
                 {k: header.get(k) for k in ("spec", "role", "lora")}:
             critic = self.role == "critic"
+            if self.parallel.ep > 1 or saved["parallel"].get("ep", 1) > 1:
+                raise checkpoint.CheckpointMismatchError(
+                    f"{directory} was saved with layout {saved['parallel']}, this engine is {header['parallel']}: "
+                    "a checkpoint with expert parallelism reloads only into its own layout; resume with that")
             full, first = reshard.read_full(directory, self.spec, ParallelDims(**saved["parallel"]), critic, self.lora,
                                             held)
             state = reshard.shard_state(full, first, self.spec, self.parallel, self.rank, critic,
@@ -397,24 +399,26 @@ def _init_parallel_state(parallel: ParallelDims) -> None:
 
     if ps.model_parallel_is_initialized():
         have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
-                ps.get_data_parallel_world_size())
-        if have != (parallel.tp, parallel.pp, parallel.dp):
+                ps.get_data_parallel_world_size(), ps.get_expert_model_parallel_world_size())
+        if have != (parallel.tp, parallel.pp, parallel.dp, parallel.ep):
             raise LayoutError(
-                f"this process already holds Megatron groups for tp, pp, dp = {have}, not "
-                f"{(parallel.tp, parallel.pp, parallel.dp)}; engines sharing a process must share a layout")
+                f"this process already holds Megatron groups for tp, pp, dp, ep = {have}, not "
+                f"{(parallel.tp, parallel.pp, parallel.dp, parallel.ep)}; engines sharing a process must share a "
+                "layout")
         return
-    ps.initialize_model_parallel(tensor_model_parallel_size=parallel.tp,
-                                 pipeline_model_parallel_size=parallel.pp)
+    ps.initialize_model_parallel(tensor_model_parallel_size=parallel.tp, pipeline_model_parallel_size=parallel.pp,
+                                 expert_model_parallel_size=parallel.ep)
     c = parallel.coords(dist.get_rank())
     got = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
-           ps.get_data_parallel_rank())
-    assert got == (c.tp_rank, c.pp_rank, c.dp_rank), (got, c)
+           ps.get_data_parallel_rank(), ps.get_expert_model_parallel_rank())
+    assert got == (c.tp_rank, c.pp_rank, c.dp_rank, c.dp_rank % parallel.ep), (got, c)
 
 
 def build_engine(model_dir: str, parallel: ParallelDims, role: str, optim: OptimConfig = OptimConfig(),
                  seed: int = 0, device: str = "cpu", forward_micro_batch_size: int | None = None,
                  attention: str = "sdpa", dtype: str = "float32", lora: LoraConfig | None = None,
-                 max_tokens_per_micro_batch: int | None = None, packing: bool = False) -> MegatronEngine:
+                 max_tokens_per_micro_batch: int | None = None, packing: bool = False,
+                 moe: MoeConfig = MoeConfig()) -> MegatronEngine:
     """Build this rank's engine. torch.distributed's default group must already span exactly
     `parallel.world_size` processes. `role` is "actor", "reference" or "critic";
     `forward_micro_batch_size` bounds the rows per micro-batch of `forward` (None: the whole
@@ -425,7 +429,7 @@ def build_engine(model_dir: str, parallel: ParallelDims, role: str, optim: Optim
     trains too), seeded by `seed`; `max_tokens_per_micro_batch` cuts forwards and length-grouped
     train steps by that token budget instead of by rows (`xray/data/budget.py`; pp=1); `packing`
     runs each micro-batch's rows as one sequence without padding (`xray/data/packing.py`; pp=1,
-    the sdpa attention)."""
+    the sdpa attention); `moe`: a mixture of experts' router loss (`xray/config/moe.py`)."""
     if role not in ROLES:
         raise ValueError(f"unknown role {role!r}; choose one of {', '.join(ROLES)}")
     if attention not in ATTENTIONS:
@@ -436,6 +440,9 @@ def build_engine(model_dir: str, parallel: ParallelDims, role: str, optim: Optim
     if (max_tokens_per_micro_batch is not None or packing) and parallel.pp > 1:
         raise LayoutError(f"max_tokens_per_micro_batch and packing need pp=1, got pp={parallel.pp}: a "
                           "pipeline schedule sends one activation shape; cut by micro_batch_size rows instead")
+    if parallel.ep > 1 and (packing or lora is not None):
+        raise LayoutError(f"ep={parallel.ep} with {'packing' if packing else 'LoRA'}: expert parallelism runs "
+                          "padded micro-batches of full weights; set ep=1, or packing false and lora null")
     if packing and attention != "sdpa":
         raise EngineUsageError(f"packing runs on the sdpa attention, not {attention!r}: its core attention "
                                "keeps each packed row to itself; build with attention='sdpa'")
@@ -459,7 +466,7 @@ def build_engine(model_dir: str, parallel: ParallelDims, role: str, optim: Optim
         torch.manual_seed(seed)
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
     with cpu_compat.device_context(device):
-        model, entries = build_and_load(model_dir, spec, parallel, role, on_cpu, seed, attention, params_dtype)
+        model, entries = build_and_load(model_dir, spec, parallel, role, on_cpu, seed, attention, params_dtype, moe)
         adapter_entries = [] if lora is None else _add_lora(model, spec, parallel, role, lora, seed)
     model.to(dev)
     if role == "reference":
@@ -469,7 +476,8 @@ def build_engine(model_dir: str, parallel: ParallelDims, role: str, optim: Optim
         with cpu_compat.device_context(device):
             mixed = wrap(model, None if role == "reference" else optim)
     return MegatronEngine(model, entries, spec, parallel, role, optim, dev, forward_micro_batch_size, mixed,
-                          lora, adapter_entries, max_tokens_per_micro_batch, packing)
+                          lora, adapter_entries, max_tokens_per_micro_batch, packing,
+                          moe.balanced and role != "reference")
 
 
 def _add_lora(model: torch.nn.Module, spec: ModelSpec, parallel: ParallelDims, role: str, lora: LoraConfig,

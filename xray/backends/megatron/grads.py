@@ -6,10 +6,14 @@ AdamW of `xray/backends/optim.py` steps them exactly like the single-process ref
 0. `allreduce_tensor_partial`: the replicated weights applied to each tp rank's own heads (Qwen3's
    q/k norms) sum their partial gradients over the tensor-parallel group;
 1. `allreduce_data_parallel`: mean of every gradient over the data-parallel group, in flat buckets;
+   a routed expert's (`is_expert`) is summed over its expert-data-parallel group instead and
+   divided by the whole data-parallel size: its gradient already sums the tokens its
+   expert-parallel peers sent it;
 2. `allreduce_tied_embedding`: with pipeline parallelism and tied embeddings, the input embedding
    (first stage) and its copy in the output layer (last stage) sum their gradients;
-3. `clip_grad_norm`: the global norm over all tensor- and pipeline-parallel shards, each element
-   counted once, and torch's clipping rule (`clip_grad_norm_`).
+3. `clip_grad_norm`: the global norm over all tensor- and pipeline-parallel shards (and the
+   experts of every expert-parallel rank), each element counted once, and torch's clipping rule
+   (`clip_grad_norm_`).
 """
 from __future__ import annotations
 
@@ -38,15 +42,27 @@ def allreduce_tensor_partial(params: list[torch.nn.Parameter]) -> None:
         g_old.copy_(g_new)
 
 
-def allreduce_data_parallel(params: list[torch.nn.Parameter]) -> None:
-    """Replace every gradient by its mean over the data-parallel group."""
+def is_expert(name: str) -> bool:
+    """Whether the parameter `name` belongs to a routed expert (held by one expert-parallel rank)."""
+    return ".local_experts." in name
+
+
+def allreduce_data_parallel(named: list[tuple[str, torch.nn.Parameter]]) -> None:
+    """Replace every gradient by its mean over the data-parallel group (a routed expert's: the
+    sum over its expert-data-parallel group / the data-parallel size)."""
     from megatron.core import parallel_state as ps
 
     size = ps.get_data_parallel_world_size()
     if size == 1:
         return
-    group = ps.get_data_parallel_group()
-    grads = _grads(params)
+    dense = _grads([p for n, p in named if not is_expert(n)])
+    experts = _grads([p for n, p in named if is_expert(n)])
+    _bucketed_mean(dense, ps.get_data_parallel_group(), size)
+    _bucketed_mean(experts, ps.get_expert_data_parallel_group(), size)
+
+
+def _bucketed_mean(grads: list[torch.Tensor], group, size: int) -> None:
+    """Sum `grads` over `group` in flat buckets and divide by `size`."""
     bucket: list[torch.Tensor] = []
     for i, g in enumerate(grads):
         bucket.append(g)
@@ -82,7 +98,7 @@ def allreduce_tied_embedding(model: torch.nn.Module) -> None:
     dist.all_reduce(weight.grad, group=ps.get_embedding_group())
 
 
-def _counted_once(model: torch.nn.Module, replicated: set[str]) -> list[torch.nn.Parameter]:
+def _counted_once(model: torch.nn.Module, replicated: set[str]) -> list[tuple[str, torch.nn.Parameter]]:
     """Parameters whose elements this rank counts in the global norm: tensor-parallel shards,
     the `replicated` ones (same on every tp rank) on tp_rank 0 only, and the tied embedding on
     the first stage only."""
@@ -90,22 +106,32 @@ def _counted_once(model: torch.nn.Module, replicated: set[str]) -> list[torch.nn
 
     tp_rank = ps.get_tensor_model_parallel_rank()
     copy = tied_embedding_weight(model) if not ps.is_pipeline_first_stage() else None
-    return [p for name, p in model.named_parameters()
+    return [(name, p) for name, p in model.named_parameters()
             if p.grad is not None and p is not copy and (tp_rank == 0 or name not in replicated)]
 
 
+def _squares(grads: list[torch.Tensor], device: torch.device, group) -> torch.Tensor:
+    """The squared norm of `grads` summed over `group` (torch's own foreach norm of this rank's part)."""
+    squares = torch.zeros((), dtype=torch.float32, device=device)
+    if grads:
+        squares = torch.nn.utils.get_total_norm(grads).float() ** 2
+    dist.all_reduce(squares, group=group)
+    return squares
+
+
 def clip_grad_norm(model: torch.nn.Module, max_norm: float, replicated: set[str]) -> float:
-    """Global gradient norm across tensor and pipeline shards; scale grads down to `max_norm`
-    (0 disables the scaling). `replicated` names the parameters that every tensor-parallel rank
-    holds whole. Returns the norm before clipping."""
+    """Global gradient norm across tensor and pipeline shards and expert-parallel ranks; scale
+    grads down to `max_norm` (0 disables the scaling). `replicated` names the parameters that every
+    tensor-parallel rank holds whole. Returns the norm before clipping."""
     from megatron.core import parallel_state as ps
 
-    counted = [p.grad.detach() for p in _counted_once(model, replicated)]
+    counted = _counted_once(model, replicated)
     device = next(model.parameters()).device
-    squares = torch.zeros((), dtype=torch.float32, device=device)
-    if counted:  # torch's own (foreach) norm of this rank's part, squared to sum across ranks
-        squares = torch.nn.utils.get_total_norm(counted).float() ** 2
-    dist.all_reduce(squares, group=ps.get_model_parallel_group())
+    squares = _squares([p.grad.detach() for n, p in counted if not is_expert(n)], device,
+                       ps.get_model_parallel_group())
+    experts = [p.grad.detach() for n, p in counted if is_expert(n)]
+    if experts or any(is_expert(n) for n, _ in model.named_parameters()):
+        squares = squares + _squares(experts, device, ps.get_expert_tensor_model_pipeline_parallel_group())
     norm = squares.sqrt()
     if max_norm > 0:
         with_grads = [p for p in model.parameters() if p.grad is not None]

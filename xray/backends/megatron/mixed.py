@@ -77,5 +77,19 @@ def wrap(model: torch.nn.Module, optim: OptimConfig | None) -> Mixed:
         params_dtype=torch.bfloat16, decoupled_weight_decay=True)
     optimizer = get_megatron_optimizer(opt_config, [runner], config_overrides={})  # {}: decay on every tensor
     inner = [o.optimizer for o in optimizer.chained_optimizers]
-    assert len(inner) == 1, "one dense model chunk gives one optimizer"
-    return Mixed(runner, optimizer, build_scheduler(inner[0], optim))
+    assert len(inner) in (1, 2), "one model chunk gives one optimizer (and one for its experts when ep > 1)"
+    return Mixed(runner, optimizer, build_scheduler(inner[0] if len(inner) == 1 else _Groups(inner), optim))
+
+
+class _Groups(torch.optim.Optimizer):
+    """The parameter groups of several optimizers seen as one, so that one warm-up schedule sets
+    every group's lr: Megatron keeps the experts (ep > 1) in an optimizer of their own. It is never
+    stepped itself; Megatron's chained optimizer steps the real ones."""
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer]):  # noqa: super().__init__ would want parameters
+        self.param_groups = [g for o in optimizers for g in o.param_groups]
+        self.defaults, self.state = {}, {}
+        self._opt_called = True  # the schedule's "stepped before the optimizer" warning does not apply
+
+    def step(self, closure=None):
+        return None

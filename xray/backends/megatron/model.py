@@ -17,6 +17,7 @@ import torch
 from xray.backends.megatron.convert import VALUE_HEAD, Entry, Kind, stage_entries, to_shard
 from xray.backends.megatron.hf_weights import HFWeights
 from xray.backends.megatron.spec import ModelSpec, stage_layers, transformer_config
+from xray.config.moe import MoeConfig
 from xray.config.parallel import ParallelDims
 
 logger = logging.getLogger(__name__)
@@ -62,12 +63,12 @@ def layer_spec(attention: str, qk_norm: bool = False, num_experts: int = 0):
 
 
 def build_gpt(spec: ModelSpec, parallel: ParallelDims, role: str, on_cpu: bool, attention: str,
-              dtype: torch.dtype = torch.float32):
+              dtype: torch.dtype = torch.float32, moe: MoeConfig = MoeConfig()):
     """This rank's GPTModel in `dtype` (parameters uninitialised; fill them with `load_hf`)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
-    config = transformer_config(spec, parallel, on_cpu, dtype)
+    config = transformer_config(spec, parallel, on_cpu, dtype, moe)
     critic = role == "critic"
     model = GPTModel(
         config=config, transformer_layer_spec=layer_spec(attention, spec.qk_norm, spec.num_experts),
@@ -112,15 +113,16 @@ def load_hf(model: torch.nn.Module, entries: list[Entry], weights: HFWeights, sp
 
 
 def build_and_load(model_dir: str, spec: ModelSpec, parallel: ParallelDims, role: str,
-                   on_cpu: bool, seed: int, attention: str,
-                   dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module, list[Entry]]:
+                   on_cpu: bool, seed: int, attention: str, dtype: torch.dtype = torch.float32,
+                   moe: MoeConfig = MoeConfig()) -> tuple[torch.nn.Module, list[Entry]]:
     """Build this rank's model in `dtype` and fill it from `model_dir` (rounded to nearest when
     bf16); returns it with its entries."""
     from megatron.core import parallel_state as ps
 
     pp_rank, tp_rank = ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()
-    model = build_gpt(spec, parallel, role, on_cpu, attention, dtype)
-    entries = stage_entries(spec, pp_rank, parallel.pp, critic=role == "critic")
+    model = build_gpt(spec, parallel, role, on_cpu, attention, dtype, moe)
+    ep_rank = ps.get_expert_model_parallel_rank() if spec.num_experts else None
+    entries = stage_entries(spec, pp_rank, parallel.pp, critic=role == "critic", ep=parallel.ep, ep_rank=ep_rank)
     load_hf(model, entries, HFWeights(model_dir), spec, tp_rank, parallel.tp, seed)
     mark_tensor_parallel(model, entries, parallel.tp)
     return model, entries

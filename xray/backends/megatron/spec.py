@@ -13,6 +13,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from xray.config.moe import MoeConfig
 from xray.config.parallel import LayoutError, ParallelDims
 
 
@@ -162,6 +163,7 @@ def check_layout(model_dir: str | Path, parallel: ParallelDims) -> ModelSpec:
     """Raise LayoutError / UnsupportedModelError if `parallel` cannot shard this model; else its spec."""
     spec = read_spec(model_dir)
     parallel.check_model(spec.num_layers, spec.num_heads, spec.num_kv_heads)
+    parallel.check_experts(spec.num_experts)
     if spec.num_experts and parallel.tp > 1:
         raise LayoutError(f"tp={parallel.tp} with a mixture of experts: Megatron's MoE layers need sequence "
                           "parallelism at tp > 1, which the CPU layer spec lacks; use tp=1 (with pp or dp)")
@@ -180,9 +182,10 @@ def stage_layers(num_layers: int, pp: int) -> list[range]:
     return [range(start, start + size) for start, size in zip(starts, sizes)]
 
 
-def transformer_config(spec: ModelSpec, parallel: ParallelDims, on_cpu: bool, dtype=None):
+def transformer_config(spec: ModelSpec, parallel: ParallelDims, on_cpu: bool, dtype=None, moe: MoeConfig = MoeConfig()):
     """Megatron-core's TransformerConfig for `spec` under `parallel` with `dtype` parameters
-    (fp32 by default; bf16 sets Megatron's `bf16` flag), no dropout, no fusions."""
+    (fp32 by default; bf16 sets Megatron's `bf16` flag), no dropout, no fusions; `moe`: the
+    router's load-balancing loss."""
     import torch
     import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -203,19 +206,27 @@ def transformer_config(spec: ModelSpec, parallel: ParallelDims, on_cpu: bool, dt
         use_cpu_initialization=on_cpu, perform_initialization=False,
         bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
         apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
-        attention_softmax_in_fp32=True, **_moe_config(spec))
+        attention_softmax_in_fp32=True, **_moe_config(spec, parallel.ep, moe))
 
 
-def _moe_config(spec: ModelSpec) -> dict:
+def _moe_config(spec: ModelSpec, ep: int, moe: MoeConfig) -> dict:
     """Megatron's MoE settings that compute what Hugging Face's Qwen3-MoE and Qwen2-MoE do: no load
-    balancing or auxiliary loss, an fp32 router, softmax over the top-k logits (renormalised,
-    `norm_topk_prob`) or top-k of the softmax (not), the experts one by one (no grouped GEMM), and
-    Qwen2-MoE's shared expert gated by a sigmoid."""
+    balancing or auxiliary loss (unless `moe` asks for one), an fp32 router, softmax over the top-k
+    logits (renormalised, `norm_topk_prob`) or top-k of the softmax (not), the experts one by one (no grouped GEMM), and
+    Qwen2-MoE's shared expert gated by a sigmoid; the experts split over `ep` ranks, whose tokens
+    the allgather dispatcher gathers (so those ranks run micro-batches of one shape together:
+    `xray/backends/megatron/experts.py`)."""
     if not spec.num_experts:
+        if moe != MoeConfig():
+            raise UnsupportedModelError(f"moe options {moe} on a dense model (no experts): leave <role>.moe unset")
         return {}
-    return dict(num_moe_experts=spec.num_experts, moe_router_topk=spec.experts_per_token,
-                moe_ffn_hidden_size=spec.moe_intermediate_size, moe_router_load_balancing_type="none",
-                moe_aux_loss_coeff=0.0, moe_router_pre_softmax=not spec.norm_topk_prob, moe_router_dtype="fp32",
+    # ep > 1: the dispatcher's backward gathers on `torch.cuda.current_device()`, which `cpu_compat`
+    # rewrites only while no other torch function is being handled; Megatron's own backward
+    # (`deallocate_pipeline_outputs`) calls the autograd engine directly, outside torch.autograd.backward
+    return dict(num_moe_experts=spec.num_experts, expert_model_parallel_size=ep, deallocate_pipeline_outputs=ep > 1,
+                moe_router_topk=spec.experts_per_token, moe_ffn_hidden_size=spec.moe_intermediate_size,
+                moe_router_load_balancing_type=moe.load_balancing, moe_aux_loss_coeff=moe.aux_loss_coef,
+                moe_router_pre_softmax=not spec.norm_topk_prob, moe_router_dtype="fp32",
                 moe_token_dispatcher_type="allgather", moe_grouped_gemm=False,
                 moe_shared_expert_intermediate_size=spec.shared_expert_intermediate_size or None,
                 moe_shared_expert_gate=bool(spec.shared_expert_intermediate_size))

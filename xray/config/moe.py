@@ -1,0 +1,84 @@
+"""Mixture-of-experts settings of a trained role (`actor.moe`, `critic.moe`) and their plan-time checks.
+
+Sits in the config layer: the typed section both training backends read (Megatron-core's router
+options through `xray/backends/megatron/spec.py`; DeepSpeed's Hugging Face models through their
+own router loss, `xray/backends/deepspeed/model.py`), and `check_experts`, which the plan calls
+for a role's expert parallelism (`<role>.ep`) and these options. The defaults compute what
+Hugging Face's Qwen3-MoE / Qwen2-MoE compute: no load-balancing loss.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+BALANCING = ("none", "aux_loss", "seq_aux_loss")
+
+
+class MoeConfigError(ValueError):
+    """A mixture-of-experts setting that cannot be used; the message says the fix."""
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """The router's training options of a mixture-of-experts role (ignored by dense models'
+    engines only where left at their defaults: a dense model given any other value is refused)."""
+
+    load_balancing: Literal["none", "aux_loss", "seq_aux_loss"] = "none"
+    """The load-balancing loss added to the policy's: `none` (Hugging Face's training loss without
+    `output_router_logits`), `aux_loss` (the Switch/GShard loss over each micro-batch's tokens:
+    the fraction routed to each expert times its mean router probability, summed over experts, times
+    experts; Megatron's `aux_loss`, Hugging Face's `load_balancing_loss_func`), `seq_aux_loss` (the
+    same per sequence; Megatron only)."""
+    aux_loss_coef: float = 0.0
+    """Its weight (Megatron's `moe_aux_loss_coeff`, Hugging Face's `router_aux_loss_coef`; 0.001
+    to 0.01 is usual); positive exactly when `load_balancing` is not `none`."""
+    routing_replay: bool = False
+    """Replay the experts the rollout engine chose for each token in the training forwards (R3). No
+    rollout engine in this build can report them: the plan refuses it and says why."""
+
+    def __post_init__(self) -> None:
+        if self.load_balancing not in BALANCING:
+            raise MoeConfigError(f"moe.load_balancing={self.load_balancing!r}; choose one of {', '.join(BALANCING)}")
+        if self.aux_loss_coef < 0:
+            raise MoeConfigError(f"moe.aux_loss_coef={self.aux_loss_coef} is negative; give 0 or a positive weight")
+        if (self.load_balancing == "none") != (self.aux_loss_coef == 0):
+            raise MoeConfigError(
+                f"moe.load_balancing={self.load_balancing} with moe.aux_loss_coef={self.aux_loss_coef}: a "
+                "load-balancing loss needs a positive weight and a weight needs a loss; set both (aux_loss and "
+                "0.001, say) or neither")
+
+    @property
+    def balanced(self) -> bool:
+        return self.load_balancing != "none"
+
+
+ROUTING_REPLAY_WHY = (
+    "no rollout engine here reports the experts it chose: vLLM 0.32 returns them only with its "
+    "Model Runner V2 (enable_return_routed_experts), which needs Triton and so a GPU, and the "
+    "training engines do not take them yet; set moe.routing_replay false (the per-step rollout/actor "
+    "log-prob gap, rollout_logprob_gap_mean, shows what routing differences cost)")
+
+
+def check_experts(role: str, rc, train_backend: str) -> None:
+    """A role's expert parallelism and router options against its backend (`rc`: its RoleConfig);
+    ValueError naming the fix."""
+    moe: MoeConfig = rc.moe
+    if moe.routing_replay:
+        raise MoeConfigError(f"{role}.moe.routing_replay: {ROUTING_REPLAY_WHY}")
+    if train_backend == "deepspeed" and moe.load_balancing == "seq_aux_loss":
+        raise MoeConfigError(f"{role}.moe.load_balancing=seq_aux_loss is Megatron's; the deepspeed backend's "
+                             "Hugging Face models compute aux_loss: use that, or --backend megatron-*")
+    if rc.ep == 1:
+        return
+    if train_backend != "megatron":
+        raise MoeConfigError(f"{role}.ep={rc.ep}: expert parallelism runs on Megatron; set --{role}.ep=1 or use "
+                             "--backend megatron-*")
+    if rc.ep < 1 or rc.dp % rc.ep:
+        raise MoeConfigError(f"{role}.ep={rc.ep} must divide {role}.dp={rc.dp}: the experts split over "
+                             f"data-parallel replicas; choose ep among the divisors of {rc.dp}")
+    others = [k for k, on in (("packing", rc.packing), ("lora", rc.lora is not None),
+                              ("elasticity", rc.elasticity is not None)) if on]
+    if others:
+        raise MoeConfigError(f"{role}.ep={rc.ep} with {role}.{others[0]}: an expert-parallel group runs padded "
+                             f"micro-batches of full weights over a fixed dp; set {role}.ep=1 or turn "
+                             f"{role}.{others[0]} off")
