@@ -3,19 +3,21 @@ log-probs of the rollout's own tokens are from the rollout engine's, with and wi
 replay.
 
     .venv/bin/python benchmarks/moe_gap.py [--backend megatron-vllm] [--dtype bfloat16] [--steps 6] [--seed 3]
+                                           [--ep 1]
 
 The model is a tiny Qwen3-MoE built from transformers' config class over the character tokenizer
 (2 layers of 8 experts, 2 per token, hidden 64, random weights, seeded), trained `--steps` GRPO
 steps on `builtin:arith` (8 prompts x 4 samples a step, a graded reward: the share of digits in
-the completion, so that the weights move), the actor at dp=2 and the rollout on vLLM, every sync
-verified. Each step the actor's log-probs of the samples (its forward before training, with the
+the completion, so that the weights move), the actor at dp=2 (on Megatron with its experts split
+over `--ep` of the two replicas) and the rollout on vLLM, every sync verified. Each step the actor's log-probs of the samples (its forward before training, with the
 weights the rollout generated with) are compared with the engine's, token by token: the metric
 `rollout_logprob_gap_mean`, the mean of |actor - rollout| over response tokens. The figure is the
 mean of that over the steps. In bf16 the two sides round differently, and a token whose router
 scores nearly tie goes to other experts on the two sides; routing replay (the training forward
-taking the experts the rollout chose) removes the second part. xray does not replay routing yet
-(vLLM can report the experts it chose, `enable_return_routed_experts`; the training engines
-cannot take them), so `gap_with` is `none`.
+taking the experts the rollout chose) removes the second part. xray does not replay routing:
+vLLM 0.32 reports the experts it chose (`enable_return_routed_experts`) only with its Model
+Runner V2, which needs Triton and so a GPU, and the training engines do not take them; the plan
+refuses `actor.moe.routing_replay`, so `gap_with` is `none`.
 Last line: `gap_without=<mean per-token gap over the steps> gap_with=none`.
 """
 from __future__ import annotations
@@ -48,7 +50,7 @@ def build_model(directory: Path, seed: int) -> Path:
 
 def settings(args, model: Path, out: Path) -> list[str]:
     """`python -m xray.train grpo` arguments of the run."""
-    zero = ["--actor.zero_stage=3"] if args.backend.startswith("deepspeed") else []
+    zero = ["--actor.zero_stage=3"] if args.backend.startswith("deepspeed") else [f"--actor.ep={args.ep}"]
     return ["grpo", "--backend", args.backend, "--config", str(ROOT / "configs/critic_free_tiny_cpu.yaml"),
             f"--model.path={model}", f"--model.dtype={args.dtype}", f"--seed={args.seed}",
             "--device_groups.nproc_per_node=3", "--device_groups.train_group.ranks=[0, 1]",
@@ -66,6 +68,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--seed", type=int, default=3)
+    parser.add_argument("--ep", type=int, default=1, choices=[1, 2], help="megatron: the experts split over 2 replicas")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     from algorithms.ppo.run import ppo_trainer
@@ -83,8 +86,8 @@ def main() -> None:
                 rewards.append(metrics["reward/mean"])
                 print(f"step {step}: gap mean {gaps[-1]:.3g} max {metrics['rollout_logprob_gap_max']:.3g} "
                       f"reward {rewards[-1]:.3f}", flush=True)
-    print(f"{args.backend} {args.dtype}: the per-token gap, mean over {args.steps} steps; no routing replay "
-          "(the training engines cannot take the rollout's routing yet)")
+    print(f"{args.backend} {args.dtype} ep={args.ep}: the per-token gap, mean over {args.steps} steps; no routing "
+          "replay (the plan refuses it: no rollout engine here reports its routing)")
     print(f"gap_without={statistics.mean(gaps):.4g} gap_with=none")
 
 

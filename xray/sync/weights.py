@@ -255,10 +255,12 @@ def check_logprobs(actor_logp: torch.Tensor, engine_logp: list[list[float]], pro
     """The worst |actor - engine| log-prob over the probe; WeightSyncError above `tolerance`."""
     worst, (row, pos) = compare_logprobs(actor_logp, engine_logp, prompt_lens, [len(s) for s in probe])
     if not worst <= tolerance:  # also catches NaN
+        ours = float(actor_logp[row, pos - 1]) if row >= 0 else float("nan")
         raise WeightSyncError(
             f"weight sync to version {version} failed verification: the rollout engine's log-probs differ "
             f"from the actor's by {worst:.3e} (tolerance {tolerance:g}) at probe row {row}, token position "
-            f"{pos}. A tensor was lost or changed in transit, or the two sides map names differently")
+            f"{pos}, where the actor's log-prob is {ours:.4g}. A tensor was lost or changed in transit, or the "
+            "two sides map names differently")
     return worst
 
 

@@ -7,7 +7,9 @@ that meets `xray.backends.base.TrainEngine`: forward (log-probs and entropy, or 
 step through Megatron's pipeline schedule with the shared AdamW (`xray/backends/optim.py`),
 export of full HF-named weights (`export.py`), and sharded save / load (`checkpoint.py`). With
 `lora` the base weights are frozen and adapters (`lora.py`) train on the parallel linear layers:
-the export then yields the merged weights, `export_adapter` the adapter with `peft` names.
+the export then yields the merged weights, `export_adapter` the adapter with `peft` names. With
+expert parallelism (`ParallelDims.ep`) the peers of an expert-parallel group run micro-batches of
+one shape together (`experts.py`).
 On CPU every call into Megatron runs under `cpu_compat`.
 """
 from __future__ import annotations
@@ -166,7 +168,8 @@ class MegatronEngine(TrainEngine):
                                                                    trim=self.parallel.pp == 1,
                                                                    replicas=self.parallel.dp,
                                                                    max_tokens=self.max_tokens,
-                                                                   packed=self.packing, agree=self._agree)]
+                                                                   packed=self.packing,
+                                                                   agree=self._agree if self.parallel.ep > 1 else None)]
         if self.parallel.ep > 1:
             micro = experts.even(micro, self.device, fill=False, one_shape=self.parallel.pp > 1)
 
@@ -210,8 +213,8 @@ class MegatronEngine(TrainEngine):
         return grads.clip_grad_norm(self.model, self.optim.grad_clip, self._replicated)
 
     def _agree(self, count: int) -> int:
-        """The micro-batch count of a token-budget train step (the expert-parallel group's largest)."""
-        return experts.agree_count(count, self.device) if self.parallel.ep > 1 else count
+        """The micro-batch count of a token-budget train step: the expert-parallel group's largest."""
+        return experts.agree_count(count, self.device)
 
     def _reduce_metrics(self, stored: list[dict[str, float]]) -> dict[str, float]:
         """Mean over micro-batches (last stage) and replicas, then shared with every stage."""
