@@ -2,23 +2,25 @@
 log-probs of the rollout's own tokens are from the rollout engine's, with and without routing
 replay.
 
-    .venv/bin/python benchmarks/moe_gap.py [--backend megatron-vllm] [--dtype bfloat16] [--steps 6] [--seed 3]
-                                           [--ep 1]
+    .venv/bin/python benchmarks/moe_gap.py [--backend megatron-vllm|deepspeed-vllm|megatron-dsinfer|deepspeed-dsinfer]
+                                           [--dtype bfloat16] [--steps 6] [--seed 3] [--ep 1]
 
 The model is a tiny Qwen3-MoE built from transformers' config class over the character tokenizer
 (2 layers of 8 experts, 2 per token, hidden 64, random weights, seeded), trained `--steps` GRPO
 steps on `builtin:arith` (8 prompts x 4 samples a step, a graded reward: the share of digits in
 the completion, so that the weights move), the actor at dp=2 (on Megatron with its experts split
-over `--ep` of the two replicas) and the rollout on vLLM, every sync verified. Each step the actor's log-probs of the samples (its forward before training, with the
+over `--ep` of the two replicas) and the rollout on vLLM or DeepSpeed-Inference, every sync
+verified. Each step the actor's log-probs of the samples (its forward before training, with the
 weights the rollout generated with) are compared with the engine's, token by token: the metric
 `rollout_logprob_gap_mean`, the mean of |actor - rollout| over response tokens. The figure is the
 mean of that over the steps. In bf16 the two sides round differently, and a token whose router
 scores nearly tie goes to other experts on the two sides; routing replay (the training forward
-taking the experts the rollout chose) removes the second part. xray does not replay routing:
-vLLM 0.32 reports the experts it chose (`enable_return_routed_experts`) only with its Model
-Runner V2, which needs Triton and so a GPU, and the training engines do not take them; the plan
-refuses `actor.moe.routing_replay`, so `gap_with` is `none`.
-Last line: `gap_without=<mean per-token gap over the steps> gap_with=none`.
+taking the experts the rollout chose, `actor.moe.routing_replay`) removes the second part. On a
+`*-dsinfer` pair, whose rollout runs the Hugging Face model and reports its routing, the run is
+made twice from the same seed, without and with replay. vLLM 0.32 reports the experts it chose
+(`enable_return_routed_experts`) only with its Model Runner V2, which needs Triton and so a GPU:
+on the vLLM pairs the plan refuses replay and `gap_with` is `none`.
+Last line: `gap_without=<mean per-token gap over the steps> gap_with=<the same with replay, or none>`.
 """
 from __future__ import annotations
 
@@ -62,33 +64,48 @@ def settings(args, model: Path, out: Path) -> list[str]:
             "--trainer.memory_snapshots=false", "--output-dir", str(out)]
 
 
+def gaps_of(args, replay: bool, tmp: Path) -> tuple[list[float], list[float]]:
+    """Each step's mean and largest per-token gap of one run (`replay`: the actor's forwards replay the
+    rollout's routing)."""
+    from algorithms.ppo.run import ppo_trainer
+    from xray.run.outputs import RunDir
+    from xray.train import resolve
+
+    model = build_model(tmp / "model", args.seed)
+    extra = ["--actor.moe.routing_replay=true"] if replay else []
+    _, cfg, plan, _, _ = resolve(settings(args, model, tmp / "run") + extra)
+    gaps, worst = [], []
+    with ppo_trainer(cfg, plan, RunDir(tmp / "run"), algo="grpo") as (trainer, data):
+        for step in range(1, args.steps + 1):
+            metrics = asyncio.run(trainer.step(data.next_train_rows()))
+            gaps.append(metrics["rollout_logprob_gap_mean"])
+            worst.append(metrics["rollout_logprob_gap_max"])
+            print(f"{'with' if replay else 'without'} replay, step {step}: gap mean {gaps[-1]:.3g} "
+                  f"max {metrics['rollout_logprob_gap_max']:.3g} reward {metrics['reward/mean']:.3f}", flush=True)
+    return gaps, worst
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--backend", default="megatron-vllm", choices=["megatron-vllm", "deepspeed-vllm"])
+    parser.add_argument("--backend", default="megatron-vllm",
+                        choices=["megatron-vllm", "deepspeed-vllm", "megatron-dsinfer", "deepspeed-dsinfer"])
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--seed", type=int, default=3)
     parser.add_argument("--ep", type=int, default=1, choices=[1, 2], help="megatron: the experts split over 2 replicas")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    from algorithms.ppo.run import ppo_trainer
-    from xray.run.outputs import RunDir
-    from xray.train import resolve
-
+    reports = args.backend.endswith("dsinfer")  # the rollout engine that reports its routing
     with tempfile.TemporaryDirectory(prefix="xray-moe-gap-") as tmp:
-        model = build_model(Path(tmp) / "model", args.seed)
-        _, cfg, plan, _, _ = resolve(settings(args, model, Path(tmp) / "run"))
-        gaps, rewards = [], []
-        with ppo_trainer(cfg, plan, RunDir(Path(tmp) / "run"), algo="grpo") as (trainer, data):
-            for step in range(1, args.steps + 1):
-                metrics = asyncio.run(trainer.step(data.next_train_rows()))
-                gaps.append(metrics["rollout_logprob_gap_mean"])
-                rewards.append(metrics["reward/mean"])
-                print(f"step {step}: gap mean {gaps[-1]:.3g} max {metrics['rollout_logprob_gap_max']:.3g} "
-                      f"reward {rewards[-1]:.3f}", flush=True)
-    print(f"{args.backend} {args.dtype} ep={args.ep}: the per-token gap, mean over {args.steps} steps; no routing "
-          "replay (the plan refuses it: no rollout engine here reports its routing)")
-    print(f"gap_without={statistics.mean(gaps):.4g} gap_with=none")
+        without, worst_without = gaps_of(args, False, Path(tmp) / "without")
+        with_replay, worst_with = gaps_of(args, True, Path(tmp) / "with") if reports else (None, None)
+    print(f"{args.backend} {args.dtype} ep={args.ep}: the per-token gap, mean over {args.steps} steps, without and "
+          + ("with routing replay (the same seed, samples and steps)" if reports else
+             "(no replay: vLLM on CPU does not report its routing; the plan refuses it)"))
+    gap_with = f"{statistics.mean(with_replay):.4g}" if with_replay is not None else "none"
+    print(f"the largest token gap of a step, mean over the steps: without {statistics.mean(worst_without):.4g}"
+          + (f", with {statistics.mean(worst_with):.4g}" if worst_with is not None else ""))
+    print(f"gap_without={statistics.mean(without):.4g} gap_with={gap_with}")
 
 
 if __name__ == "__main__":

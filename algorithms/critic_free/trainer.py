@@ -61,9 +61,11 @@ class CriticFreeTrainer(PPOTrainer):
         self.on_policy = (self.kl_in == "none" and not self.teacher_coef and cfg.ppo.ppo_epochs == 1
                           and cfg.rollout.quantization == "none" and cfg.trainer.mode == "sync"
                           and self.batches().mini_batch_size == cfg.ppo.rollout_batch_size * cfg.rollout.n_samples)
+        self.replays = cfg.actor.moe.routing_replay
+        """The actor's forwards replay the rollout's expert routing (ROUTED_EXPERTS)."""
         self.policy_loss = dataclasses.replace(
             policy_loss_of(cfg, cfg.ppo.kl_coef if self.kl_in == "loss" else 0.0, cfg.critic_free.kl_estimator),
-            on_policy=self.on_policy)
+            on_policy=self.on_policy, routing=self.replays)
         if self.on_policy and cfg.sync.verify:  # no separate actor forward: the check rides on the training one
             self.policy_loss = dataclasses.replace(self.policy_loss, end_to_end_bound=self.end_to_end_bound())
 
@@ -100,7 +102,7 @@ class CriticFreeTrainer(PPOTrainer):
         with t("generate"):
             await self.wake_rollout()
             gen = await self.rollout(rows, self.sampling(step))
-            forwards = ([] if self.on_policy else [m.actor.forward(gen)]) + \
+            forwards = ([] if self.on_policy else [m.actor.forward(gen, routing=self.replays)]) + \
                 ([reference_forward(m, gen)] if self.kl_in != "none" else []) + \
                 ([m.teacher.forward(gen)] if self.teacher_coef else [])
             exp = gen if isinstance(gen, Batch) else await gen
@@ -139,6 +141,8 @@ class CriticFreeTrainer(PPOTrainer):
         columns = {C.INPUT_IDS: exp[C.INPUT_IDS], C.ATTENTION_MASK: exp[C.ATTENTION_MASK], C.LOSS_MASK: mask,
                    C.ADVANTAGES: self.advantages(shaped, logprobs, ref_logprobs, mask, keep, teacher),
                    **self.behaviour(exp)}
+        if self.replays:  # the actor's forwards route as the rollout did
+            columns[C.ROUTED_EXPERTS] = exp[C.ROUTED_EXPERTS]
         if not self.on_policy:
             columns[C.OLD_LOGPROBS] = logprobs
         if self.kl_in == "loss":

@@ -156,9 +156,15 @@ class PolicyLoss:
     replica agreeing) and the trainer fails the run. Reports `rollout_gap_mean` and
     `rollout_gap_max` (their means over micro-batches). None: no check."""
 
+    routing: bool = False
+    """The engine's forward replays the rollout's expert routing (ROUTED_EXPERTS, a mixture of
+    experts' `moe.routing_replay`): the column ships with the batch."""
+
     @property
     def reads(self) -> tuple[str, ...]:
         base = (C.LOSS_MASK, C.ADVANTAGES) if self.on_policy else (C.LOSS_MASK, C.OLD_LOGPROBS, C.ADVANTAGES)
+        if self.routing:
+            base = (*base, C.ROUTED_EXPERTS)
         if self.kl_coef:
             base = (*base, C.REF_LOGPROBS)
         weighs = self.behaviour_weight_cap is not None or self.end_to_end_bound is not None

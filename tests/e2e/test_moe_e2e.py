@@ -1,12 +1,15 @@
 """A mixture of experts end to end: `python -m xray.train grpo` on a tiny Qwen3-MoE (2 layers of 4
-experts, 2 per token, over the character tokenizer) for 3 steps, on deepspeed-vllm and megatron-vllm.
+experts, 2 per token, over the character tokenizer) for 3 steps, on deepspeed-vllm, megatron-vllm and
+megatron-dsinfer.
 
 The actor and reference train and score at dp=2 (DeepSpeed ZeRO-3, or Megatron at tp=1 with the
 experts split over the two replicas, ep=2: each holds 2 of a layer's 4, and the export gathers them),
 whose exports name the experts fused (DeepSpeed, as transformers 5 holds them) or one by one
 (Megatron, as transformers 5 saves them); the actor adds the router's load-balancing loss
 (`actor.moe`, each engine's own: Hugging Face's on DeepSpeed, Megatron's per-layer one), logged
-each step as `actor/router_aux_loss`; the rollout
+each step as `actor/router_aux_loss`. On megatron-dsinfer the rollout reports the experts it chose
+and the actor's forwards replay them (`actor.moe.routing_replay`), Megatron's export (one tensor per
+expert) written into DeepSpeed-Inference's fused experts. On the vLLM pairs the rollout
 generates on vLLM, and every step's sync reloads each MoE block in place (its experts' kernel
 packed again) and checks it by its forward: nothing unchecked, the probe within the fp32 bound.
 The exported `final/actor` loads in transformers and in vLLM, whose log-probs of sequences equal
@@ -38,10 +41,12 @@ def tiny_moe(tmp_path_factory):
     return directory
 
 
-@pytest.mark.parametrize("backend", ["deepspeed-vllm", "megatron-vllm"])
+@pytest.mark.parametrize("backend", ["deepspeed-vllm", "megatron-vllm", "megatron-dsinfer"])
 def test_grpo_three_steps_on_qwen3_moe(tmp_path, tiny_moe, backend):
     run = tmp_path / "run"
     layout = ["--actor.zero_stage=3"] if backend.startswith("deepspeed") else ["--actor.ep=2", "--reference.ep=2"]
+    if backend.endswith("dsinfer"):  # the rollout reports its routing, the actor's forwards replay it
+        layout.append("--actor.moe.routing_replay=true")
     args = ["--backend", backend, "--config", str(ROOT / "configs/critic_free_tiny_cpu.yaml"),
             f"--model.path={tiny_moe}", "--device_groups.nproc_per_node=3", "--device_groups.train_group.ranks=[0, 1]",
             "--device_groups.rollout_group.ranks=[2]", "--actor.dp=2", *layout,
@@ -61,8 +66,13 @@ def test_grpo_three_steps_on_qwen3_moe(tmp_path, tiny_moe, backend):
         # per layer: q/k/v and o by their products, the router and the experts' tensors (2 fused, or 3 for
         # each of 4 experts) by the block's forward; read back: the embedding, final norm, head, 4 norms a layer
         experts = 2 if backend.startswith("deepspeed") else 3 * 4
-        assert (row["sync/held_functional"], row["sync/held_exact"]) == (2 * (2 + 1 + experts), 3 + 2 * 4), row
+        if backend.endswith("dsinfer"):  # every tensor read back: per layer q/k/v/o, their 2 norms, 2 more,
+            # the router and each expert's 3 as they arrive (into the module's fused experts)
+            assert (row["sync/held_functional"], row["sync/held_exact"]) == (0, 3 + 2 * (4 + 2 + 2 + 1 + 12)), row
+        else:
+            assert (row["sync/held_functional"], row["sync/held_exact"]) == (2 * (2 + 1 + experts), 3 + 2 * 4), row
         assert row.get("sync/max_abs_logprob_diff", 0.0) <= FP32_PROBE, row
+        assert row["rollout_logprob_gap_max"] <= FP32_PROBE, row  # the actor's forward (replaying, on dsinfer)
         assert 0.5 < row["actor/router_aux_loss"] < 2 * 2, row  # balanced: 2 (Megatron 1 a layer; HF top-k)
     check_export(run / "final/actor")
 

@@ -113,3 +113,29 @@ def test_exports_keep_each_moe_block_in_one_bucket():
              "model.layers.1.mlp.gate.weight", "model.layers.1.mlp.experts.gate_up_proj"]
     cut = bucketed(names, str, lambda n: 100, bucket_bytes=250)
     assert cut == [names[:1], names[1:4], names[4:5], names[5:]]  # blocks whole, larger than a bucket or not
+
+
+def test_routing_replay_where_the_rollout_reports_routing():
+    train = {"device": "GPU", "ranks": [0, 1], "workers": ["actor", "reference"]}
+    base = groups(train=train) + [("actor.moe.routing_replay", True), ("rollout.n_samples", 4)]
+    plan_run(load_config(DEFAULT, base), "megatron-dsinfer", "grpo")
+    for backend, algo, extra, match in [("megatron-vllm", "grpo", [], "Model Runner V2"),
+                                        ("megatron-dsinfer", "ppo", [("device_groups.train.workers",
+                                                                      ["actor", "critic", "reference"])],
+                                         "critic-free commands only"),
+                                        ("megatron-dsinfer", "grpo", [("trainer.mode", "async")], "trainer.mode async"),
+                                        ("megatron-dsinfer", "grpo", [("critic.moe.routing_replay", True)],
+                                         "set it on actor.moe only")]:
+        with pytest.raises(ConfigError, match=match):
+            plan_run(load_config(DEFAULT, base + extra), backend, algo)
+
+
+def test_the_routing_column_lies_with_the_model_inputs():
+    from xray.data.sequences import pack_sequences
+
+    rows = [torch.full((4, 2, 2), 3, dtype=torch.int16), torch.full((2, 2, 2), 5, dtype=torch.int16)]
+    packed = pack_sequences([[1, 2], [1]], [[7, 8, 9], [4, 2]], routed_experts=rows)
+    routing = packed[C.ROUTED_EXPERTS]
+    assert routing.shape == (2, 5, 2, 2) and routing.dtype == torch.int16
+    assert (routing[0, :4] == 3).all() and (routing[1, :2] == 5).all()
+    assert routing[0, 4].tolist() == [[0, 1], [0, 1]] and routing[1, 2:].flatten().tolist() == [0, 1] * 6

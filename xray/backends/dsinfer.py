@@ -19,6 +19,7 @@ therefore keeps the kernel only where it is correct, and otherwise sends DeepSpe
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from dataclasses import dataclass, field
@@ -29,8 +30,10 @@ import torch
 import torch.distributed as dist
 
 from xray.backends.base import GenerationEngine, WeightBucket
+from xray.backends.expert_names import expert_part, expert_view, fused_parts
 from xray.backends.held import HeldCheck
-from xray.backends.sampling import SamplingSpec, call_seed, rollout_batch
+from xray.backends.hf_routing import RoutingRecorder, routers
+from xray.backends.sampling import ROUTED_EXPERTS_ROWS, SamplingSpec, call_seed, rollout_batch
 from xray.data.batch import Batch
 
 logger = logging.getLogger(__name__)
@@ -60,17 +63,21 @@ class DsInferConfig:
     """cpu or cuda."""
     generate_batch: int = 32
     """Rows per Hugging Face `generate` call (prompts x n are cut into chunks of this size)."""
+    report_routing: bool = False
+    """A mixture of experts: also return the experts each token was routed to (`ROUTED_EXPERTS_ROWS`,
+    `xray/backends/hf_routing.py`), for the training forwards to replay."""
     init_kwargs: dict[str, Any] = field(default_factory=dict)
     """Further keyword arguments for `deepspeed.init_inference`."""
 
 
 def build_engine(model_dir: str | Path, *, dtype: str = "float32", seed: int = 0,
                  max_model_len: int = 1024, tp: int = 1, device: str = "cpu",
-                 generate_batch: int = 32, **init_kwargs: Any) -> "DsInferEngine":
+                 generate_batch: int = 32, report_routing: bool = False, **init_kwargs: Any) -> "DsInferEngine":
     """Build this process's DeepSpeed-Inference shard of `model_dir` (collective when tp > 1)."""
     config = DsInferConfig(model_dir=str(model_dir), dtype=dtype, seed=seed,
                            max_model_len=max_model_len, tp=tp, device=device,
-                           generate_batch=generate_batch, init_kwargs=dict(init_kwargs))
+                           generate_batch=generate_batch, report_routing=report_routing,
+                           init_kwargs=dict(init_kwargs))
     return DsInferEngine(config)
 
 
@@ -165,9 +172,13 @@ class DsInferEngine(GenerationEngine):
         kwargs.update(config.init_kwargs)
         self.engine = deepspeed.init_inference(model, **kwargs)
         self.module = self.engine.module
+        if config.report_routing and not routers(self.module):
+            raise DsInferError(f"report_routing: {config.model_dir} has no mixture-of-experts routers to report; "
+                               "build without it (moe.routing_replay is for mixtures of experts)")
         self.params = dict(self.module.named_parameters(remove_duplicate=False))
         self.slices = self._shard_slices(full_shapes, tp_config.get("mpu"))
         self.held = HeldCheck()
+        self._expert_parts: dict[str, set[tuple[int, str]]] = {}  # fused experts written one expert at a time
         gen = self.module.generation_config
         eos = gen.eos_token_id if gen.eos_token_id is not None else self.module.config.eos_token_id
         self.eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
@@ -223,7 +234,7 @@ class DsInferEngine(GenerationEngine):
 
     @torch.no_grad()
     def _generate_chunk(self, rows: list[list[int]], spec: SamplingSpec, seed: int
-                        ) -> tuple[list[list[int]], list[list[float]], list[str]]:
+                        ) -> tuple[list[list[int]], list[list[float]], list[str], list[torch.Tensor]]:
         from transformers import LogitsProcessorList
 
         width = max(len(r) for r in rows)
@@ -234,7 +245,8 @@ class DsInferEngine(GenerationEngine):
             mask[i, width - len(r):] = 1
         device = self.config.device if self.config.device == "cpu" else torch.device("cuda", torch.cuda.current_device())
         recorder = _ChosenTokenLogprobs()
-        with torch.random.fork_rng(devices=[] if self.config.device == "cpu" else None):
+        routing = RoutingRecorder(self.module) if self.config.report_routing else contextlib.nullcontext()
+        with torch.random.fork_rng(devices=[] if self.config.device == "cpu" else None), routing:
             torch.manual_seed(seed)
             out = self.module.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
                                        logits_processor=LogitsProcessorList([recorder]),
@@ -248,7 +260,9 @@ class DsInferEngine(GenerationEngine):
             responses.append(row[:end] if end else row)
             lps.append(lp[:end] if end else lp)
             reasons.append("stop" if end else "length")
-        return responses, lps, reasons
+        routed = (routing.rows(len(rows), width, [len(r) for r in rows], [len(r) for r in responses])
+                  if self.config.report_routing else [])
+        return responses, lps, reasons, routed
 
     def generate(self, prompts: list[list[int]], sampling: dict[str, Any]) -> Batch:
         spec = SamplingSpec.from_dict(sampling)
@@ -256,20 +270,36 @@ class DsInferEngine(GenerationEngine):
         seed = call_seed(spec, self.config.seed, self._calls)
         self._calls += 1
         rows = [list(map(int, p)) for p in prompts for _ in range(spec.n)]
-        responses, logprobs, reasons = [], [], []
+        responses, logprobs, reasons, routed = [], [], [], []
         step = self.config.generate_batch
         for c, start in enumerate(range(0, len(rows), step)):
-            r, lp, why = self._generate_chunk(rows[start:start + step], spec, seed + c)
+            r, lp, why, rt = self._generate_chunk(rows[start:start + step], spec, seed + c)
             responses += r
             logprobs += lp
             reasons += why
-        return rollout_batch(prompts, spec.n, responses, logprobs, reasons)
+            routed += rt
+        out = rollout_batch(prompts, spec.n, responses, logprobs, reasons)
+        if self.config.report_routing:
+            out.lists[ROUTED_EXPERTS_ROWS] = routed
+        return out
+
+    def _target(self, name: str) -> torch.Tensor | None:
+        """Where `name` is written: its parameter, or for one expert's tensor of a layer whose
+        experts the module holds fused (transformers 5, as Megatron exports them one by one) its
+        view of the fused parameter."""
+        part = expert_part(name)
+        if name in self.params or part is None or part.fused not in self.params:
+            return self.params.get(name)
+        if part.fused in self.slices:
+            raise DsInferError(f"{name}: the experts are split over tensor-parallel ranks here; send them fused")
+        self._expert_parts.setdefault(part.fused, set()).add((part.expert, part.proj))
+        return expert_view(self.params[part.fused], part)
 
     @torch.no_grad()
     def load_weights(self, bucket: WeightBucket, check: bool = True) -> None:
         """Copy full Hugging Face tensors into this shard's parameters, in place."""
         for name, tensor in bucket:
-            param = self.params.get(name)
+            param = self._target(name)
             if param is None:
                 raise DsInferError(f"no parameter {name!r} in the model; names look like "
                                    f"{list(self.params)[:3]} (Hugging Face names of the full model)")
@@ -289,8 +319,11 @@ class DsInferEngine(GenerationEngine):
         this rank's piece of each full tensor sent, cut anew from every rank's shard sizes
         (`shard_sizes`), not with the slice map the load used."""
         for name, tensor in bucket:
-            owner, _, attr = name.rpartition(".")
+            part = expert_part(name) if name not in self.params else None
+            owner, _, attr = (part.fused if part else name).rpartition(".")
             held = getattr(self.module.get_submodule(owner), attr, None)
+            if part is not None and held is not None:
+                held = expert_view(held, part)
             if name in self.shard_sizes:
                 dim, sizes = self.shard_sizes[name]
                 tensor = tensor.split(sizes, dim)[self.tp_rank]
@@ -299,9 +332,19 @@ class DsInferEngine(GenerationEngine):
 
     def weight_names(self) -> dict | None:
         """A full sync writes every parameter of the model once (tied ones under their first
-        name) and may also send a tied parameter's other names."""
-        return {"needs": sorted(dict(self.module.named_parameters())),
-                "takes": sorted(self.params)}
+        name) and may also send a tied parameter's other names; a layer's fused experts may come
+        one tensor per expert (`aliases`; `not_reloaded` names a fused one left partly written)."""
+        fused = [n for n in self.params if n.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj"))]
+        aliases = {f"{n.rsplit('.', 1)[0]}.{e}.{p}_proj.weight": [n] for n in fused
+                   for e, p in fused_parts(n, self.params[n].shape[0])}
+        return {"needs": sorted(dict(self.module.named_parameters())), "takes": sorted(self.params),
+                "aliases": aliases}
+
+    def not_reloaded(self) -> list[str]:
+        """The fused experts written one expert at a time since the last call that some part of
+        was not written."""
+        parts, self._expert_parts = self._expert_parts, {}
+        return sorted(n for n, got in parts.items() if got != fused_parts(n, self.params[n].shape[0]))
 
     def held_check(self) -> dict:
         return self.held.take()

@@ -12,6 +12,8 @@ from __future__ import annotations
 import re
 from typing import Callable, NamedTuple, TypeVar
 
+import torch
+
 T = TypeVar("T")
 
 _PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
@@ -68,3 +70,19 @@ def bucketed(items: list[T], name: Callable[[T], str], nbytes: Callable[[T], int
         buckets[-1].extend(unit)
         size += unit_bytes
     return buckets
+
+
+def expert_view(fused: torch.Tensor, part: ExpertPart) -> torch.Tensor:
+    """The view of a layer's fused experts (`gate_up_proj` [E, 2I, H] or `down_proj` [E, H, I]) that
+    holds `part`, the tensor of one expert and projection (gate: the first I rows, up: the next)."""
+    one = fused[part.expert]
+    if part.proj == "down":
+        return one
+    inner = one.shape[0] // 2
+    return one[:inner] if part.proj == "gate" else one[inner:]
+
+
+def fused_parts(fused_name: str, num_experts: int) -> set[tuple[int, str]]:
+    """Every (expert, projection) a fused experts tensor holds."""
+    projs = ("down",) if fused_name.endswith("down_proj") else ("gate", "up")
+    return {(e, p) for e in range(num_experts) for p in projs}

@@ -14,6 +14,8 @@ from xray.data import columns as C
 from xray.data.batch import Batch
 
 RESPONSE_LOGPROBS = "response_logprobs"  # list of B lists of float: log p of each response token
+ROUTED_EXPERTS_ROWS = "routed_experts_rows"  # list of B int16 tensors [prompt + response - 1, L, K]: the experts
+                                             # each fed token went to (an engine that reports its routing)
 FINISH_REASON = "finish_reason"          # list of B str: "stop" (eos or a stop token) or "length"
 WEIGHT_VERSION = "weight_version"        # int, where the caller knows it: the weight version that generated
 

@@ -33,8 +33,10 @@ class MoeConfig:
     """Its weight (Megatron's `moe_aux_loss_coeff`, Hugging Face's `router_aux_loss_coef`; 0.001
     to 0.01 is usual); positive exactly when `load_balancing` is not `none`."""
     routing_replay: bool = False
-    """Replay the experts the rollout engine chose for each token in the training forwards (R3). No
-    rollout engine in this build can report them: the plan refuses it and says why."""
+    """The actor's forwards route each token to the experts the rollout engine chose for it (routing
+    replay, R3), instead of choosing again: the critic-free commands, synchronous, with the dsinfer
+    rollout (it runs the Hugging Face model and reports its routing; vLLM on CPU cannot, and the
+    plan says why)."""
 
     def __post_init__(self) -> None:
         if self.load_balancing not in BALANCING:
@@ -52,19 +54,34 @@ class MoeConfig:
         return self.load_balancing != "none"
 
 
-ROUTING_REPLAY_WHY = (
-    "no rollout engine here reports the experts it chose: vLLM 0.32 returns them only with its "
-    "Model Runner V2 (enable_return_routed_experts), which needs Triton and so a GPU, and the "
-    "training engines do not take them yet; set moe.routing_replay false (the per-step rollout/actor "
-    "log-prob gap, rollout_logprob_gap_mean, shows what routing differences cost)")
+VLLM_ROUTING_WHY = (
+    "vLLM 0.32 reports the experts it chose (enable_return_routed_experts) only with its Model Runner V2, "
+    "which needs Triton and so a GPU, and xray does not read them from it yet")
+
+
+def check_routing_replay(cfg, gen_backend: str, algo: str, critic_free: tuple[str, ...]) -> None:
+    """`actor.moe.routing_replay` against the run (`cfg`: its RunConfig); ValueError naming the fix."""
+    if any(getattr(cfg, role).moe.routing_replay for role in ("critic", "reference")):
+        raise MoeConfigError("moe.routing_replay is the actor's (its forwards replay the rollout's routing); "
+                             "set it on actor.moe only")
+    if not cfg.actor.moe.routing_replay:
+        return
+    if gen_backend != "dsinfer":
+        raise MoeConfigError(f"actor.moe.routing_replay with the {gen_backend} rollout: {VLLM_ROUTING_WHY}; use "
+                             "--backend <train>-dsinfer (it runs the Hugging Face model and reports its routing), "
+                             "or set it false (rollout_logprob_gap_mean shows what routing differences cost)")
+    off = [why for why, on in ((f"{algo} (critic-free commands only)", algo not in critic_free),
+                               ("trainer.mode async", cfg.trainer.mode != "sync"), ("env episodes", cfg.env.episodes),
+                               ("actor.packing", cfg.actor.packing)) if on]
+    if off:
+        raise MoeConfigError(f"actor.moe.routing_replay with {off[0]}: replay runs in synchronous critic-free "
+                             "steps of single completions, padded; turn one of them off")
 
 
 def check_experts(role: str, rc, train_backend: str) -> None:
     """A role's expert parallelism and router options against its backend (`rc`: its RoleConfig);
     ValueError naming the fix."""
     moe: MoeConfig = rc.moe
-    if moe.routing_replay:
-        raise MoeConfigError(f"{role}.moe.routing_replay: {ROUTING_REPLAY_WHY}")
     if train_backend == "deepspeed" and moe.load_balancing == "seq_aux_loss":
         raise MoeConfigError(f"{role}.moe.load_balancing=seq_aux_loss is Megatron's; the deepspeed backend's "
                              "Hugging Face models compute aux_loss: use that, or --backend megatron-*")

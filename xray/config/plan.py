@@ -18,7 +18,7 @@ from xray.config.batches import check_batch_info, elastic_ranges, role_lr, train
 from xray.config.critic_free import CRITIC_FREE, check_critic_free, kl_placement
 from xray.config.distill import check_teacher, teacher_needed
 from xray.config.graph import build_graph
-from xray.config.moe import MoeConfigError, check_experts
+from xray.config.moe import MoeConfigError, check_experts, check_routing_replay
 from xray.config.packing import Packs, describe_packs, node_packs, spans, whole_replicas
 from xray.config.parallel import LayoutError, ParallelDims
 from xray.config.schema import RunConfig
@@ -439,6 +439,10 @@ def plan_run(cfg: RunConfig, backend: str, algo: str = "ppo") -> Plan:
     groups = cfg.device_groups
     if not groups.groups:
         raise ConfigError("device_groups: no groups; add one with device, ranks and workers")
+    try:
+        check_routing_replay(cfg, gen_backend, algo, CRITIC_FREE)
+    except MoeConfigError as exc:
+        raise ConfigError(str(exc)) from None
     if algo in CRITIC_FREE:
         check_critic_free(cfg, algo)
     check_teacher(cfg, algo)

@@ -21,5 +21,7 @@ ENTROPY = "entropy"                # [B, T-1] float: entropy of the actor's next
 PROMPT_IDS = "prompt_ids"          # list of B lists of int
 RESPONSE_IDS = "response_ids"      # list of B lists of int
 SCORES = "scores"                  # [B] float: the reward model's or function's score per sequence
+ROUTED_EXPERTS = "routed_experts"  # [B, T, L, K] int16: the K experts the rollout engine routed token t to
+                                   # in each of the L MoE layers (routing replay; the last token: any)
 
 MODEL_INPUTS = (INPUT_IDS, ATTENTION_MASK)  # what a forward reads

@@ -210,6 +210,8 @@ def role_init_kwargs(cfg: RunConfig, role: str, backend: str, model_dir: str) ->
             kwargs["lora"] = cfg.actor.lora  # it serves the actor's adapter, synced alone
         if backend == "vllm" and role == "rollout":  # the sampler never sleeps: nothing trains beside it
             kwargs["sleep_mode"] = rollout_sleeps(cfg, backend)
+        if cfg.actor.moe.routing_replay and role == "rollout":  # dsinfer: the plan refused the others
+            kwargs["report_routing"] = True
         return kwargs
     if role == "reward" or (role == "orm" and cfg.reward.model):
         return dict(model_dir=cfg.reward.model)
@@ -228,7 +230,7 @@ def role_init_kwargs(cfg: RunConfig, role: str, backend: str, model_dir: str) ->
         kwargs["packing"] = True
     if rc.lora is not None:
         kwargs["lora"] = rc.lora
-    if rc.moe.balanced:  # (routing replay is refused at plan time)
+    if rc.moe.balanced or rc.moe.routing_replay:
         kwargs["moe"] = rc.moe
     if role == "teacher":  # built and run as a reference is: frozen, no optimizer
         kwargs["engine_role"] = "reference"

@@ -15,6 +15,7 @@ from typing import Any, Iterator
 
 from xray.backends import load_backend
 from xray.backends.base import GenerationEngine, ShardInfo, layout_of
+from xray.backends.sampling import ROUTED_EXPERTS_ROWS
 from xray.data import columns as C
 from xray.data.batch import Batch
 from xray.data.sequences import pack_sequences
@@ -128,8 +129,10 @@ class RolloutWorkhorse(Workhorse):
         if texts is not None:
             out["prompt_text"] = [t for t in texts for _ in range(len(out) // len(texts))]
             out["completion"] = self.tokenizer.batch_decode(list(out[C.RESPONSE_IDS]), skip_special_tokens=True)
+        routed = out.lists.pop(ROUTED_EXPERTS_ROWS, None)  # laid out with the model inputs, or dropped
         if pad_id is not None:
-            packed = pack_sequences(out[C.PROMPT_IDS], out[C.RESPONSE_IDS], pad_id, out["response_logprobs"])
+            packed = pack_sequences(out[C.PROMPT_IDS], out[C.RESPONSE_IDS], pad_id, out["response_logprobs"],
+                                    routed_experts=routed)
             out.tensors.update(packed.tensors)
         return out
 

@@ -70,6 +70,11 @@ def _exported(layout: list[ShardInfo], results: list) -> Any:
     return found[0] if found else None
 
 
+def forward_columns(args: tuple, kwargs: dict) -> tuple[str, ...]:
+    """What `forward` ships: the model inputs, and the routing to replay when asked."""
+    return (*C.MODEL_INPUTS, C.ROUTED_EXPERTS) if kwargs.get("routing") else C.MODEL_INPUTS
+
+
 class TrainWorkhorse(Workhorse):
     """A shard of an actor, critic or reference model on `megatron` or `deepspeed`."""
 
@@ -105,10 +110,13 @@ class TrainWorkhorse(Workhorse):
     def shard_info(self) -> ShardInfo:
         return self.engine.shard_info()
 
-    @fanout(dispatch="slice", collect="flatten", reads=C.MODEL_INPUTS)
-    def forward(self, batch: Batch, entropy: bool = False, adapters: bool = True) -> Batch | None:
+    @fanout(dispatch="slice", collect="flatten", reads=forward_columns)
+    def forward(self, batch: Batch, entropy: bool = False, adapters: bool = True,
+                routing: bool = False) -> Batch | None:
         """LOGPROBS (and ENTROPY if asked) for a policy, VALUES for a critic; [b, T-1] per column.
-        A LoRA model with `adapters=False` answers as its frozen base: the reference's log-probs."""
+        A LoRA model with `adapters=False` answers as its frozen base: the reference's log-probs.
+        `routing`: a mixture of experts routes each token as the batch's ROUTED_EXPERTS say (routing
+        replay); otherwise as it chooses."""
         if not adapters and self.engine.lora is None:
             raise ValueError(f"forward(adapters=False): the {self.role} trains no LoRA adapters; "
                              "score the reference with a reference model instead")

@@ -6,11 +6,13 @@ imports DeepSpeed: tests build the same modules to compare against the sharded e
 """
 from __future__ import annotations
 
-import torch
-
+import contextlib
 from typing import TYPE_CHECKING
 
+import torch
+
 from xray.backends.hf_logprobs import token_logprobs
+from xray.backends.hf_routing import replayed
 from xray.data import columns as C
 from xray.data.batch import Batch
 from xray.data.packing import pack_rows
@@ -111,7 +113,8 @@ def role_outputs(module: torch.nn.Module, batch: Batch, role: str, entropy: bool
     `packed`: the rows run as one sequence without padding (`xray/data/packing.py`; the module
     attends with `xray.backends.hf_packed.ROWS`), their outputs laid back out as the rows'.
     `router_aux`: also a mixture of experts' load-balancing loss over the batch's tokens under
-    `ROUTER_AUX` (Hugging Face's `load_balancing_loss_func`, unweighted)."""
+    `ROUTER_AUX` (Hugging Face's `load_balancing_loss_func`, unweighted). A batch with ROUTED_EXPERTS
+    routes each token to those experts (routing replay)."""
     ids, mask = batch[C.INPUT_IDS], batch[C.ATTENTION_MASK]
     inputs, unpack = {"input_ids": ids, "attention_mask": mask}, (lambda t: t)
     if packed:
@@ -122,7 +125,9 @@ def role_outputs(module: torch.nn.Module, batch: Batch, role: str, entropy: bool
     if role == "critic":
         values = unpack(module(**inputs)[..., None])[..., 0]
         return {C.VALUES: values[:, :-1].float()}
-    result = module(**inputs, use_cache=False, **({"output_router_logits": True} if router_aux else {}))
+    routing = batch.tensors.get(C.ROUTED_EXPERTS)  # the rollout's routing, replayed (`hf_routing.replayed`)
+    with replayed(module, routing, mask) if routing is not None else contextlib.nullcontext():
+        result = module(**inputs, use_cache=False, **({"output_router_logits": True} if router_aux else {}))
     logits = unpack(result.logits)
     out = {C.LOGPROBS: token_logprobs(logits, ids)}
     if router_aux:

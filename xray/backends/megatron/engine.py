@@ -118,8 +118,9 @@ class MegatronEngine(TrainEngine):
                 return pack.unpack(output), partial(loss_func, mb)
             positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
             padding = {"padding_mask": mb[C.ATTENTION_MASK] == 0} if self.balanced else {}
-            output = model(input_ids=ids, position_ids=positions,
-                           attention_mask=attention_mask(mb[C.ATTENTION_MASK]), **padding)
+            with experts.replaying(self.model, mb):  # the rollout's routing, where the batch carries it
+                output = model(input_ids=ids, position_ids=positions,
+                               attention_mask=attention_mask(mb[C.ATTENTION_MASK]), **padding)
             return output, partial(loss_func, mb)
 
         return get_forward_backward_func()(
@@ -132,7 +133,7 @@ class MegatronEngine(TrainEngine):
         return self._info
 
     def forward(self, batch: Batch, entropy: bool = False, adapters: bool = True) -> dict[str, torch.Tensor] | None:
-        batch = batch.select([C.INPUT_IDS, C.ATTENTION_MASK]).to(self.device)
+        batch = batch.select([k for k in (*C.MODEL_INPUTS, C.ROUTED_EXPERTS) if k in batch]).to(self.device)
         if self.max_tokens is not None:
             micro, order = forward_micro_batches(batch, self.max_tokens, packed=self.packing)
         else:

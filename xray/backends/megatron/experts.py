@@ -10,9 +10,13 @@ no output at a real position and no loss term changes). A forward whose ranks ho
 numbers of micro-batches is topped up with empty ones; a train step's count must agree before
 its loss denominators are cut (they divide by the number of micro-batches), so there a
 difference is an error that names the fix. `uneven` cuts the outputs back to each micro-batch's
-own rows and width.
+own rows and width. Also here: Megatron's load-balancing loss as a metric (`router_loss`) and
+routing replay (`replaying`).
 """
 from __future__ import annotations
+
+import contextlib
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -105,3 +109,35 @@ def router_loss(micro_batches: int, dp: int, device: torch.device) -> float | No
     dist.all_reduce(total, group=ps.get_pipeline_model_parallel_group())
     dist.all_reduce(total, group=ps.get_data_parallel_group())
     return float(total) / (micro_batches * dp)
+
+
+@contextlib.contextmanager
+def replaying(model: torch.nn.Module, mb: Batch) -> Iterator[None]:
+    """Inside, the model's routers take the experts the micro-batch's ROUTED_EXPERTS `[b, s, L, K]`
+    name for each token (routing replay: Megatron's `RouterReplay`, each router's own, so that two
+    engines of one process never mix) instead of choosing; padding positions go to experts 0..K-1.
+    Without the column, a plain forward."""
+    from megatron.core.transformer.moe.router import TopKRouter
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    routing = mb.tensors.get(C.ROUTED_EXPERTS)
+    if routing is None:
+        yield
+        return
+    k = routing.shape[-1]
+    filler = torch.arange(k, dtype=routing.dtype, device=routing.device)
+    routing = torch.where((mb[C.ATTENTION_MASK] != 0)[..., None, None], routing, filler)
+    routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
+    for router in routers:
+        if router.router_replay is None:
+            raise ExpertBatchError("the batch carries ROUTED_EXPERTS but the engine was built without routing "
+                                   "replay; build it with moe=MoeConfig(routing_replay=True)")
+        chosen = routing[:, :, router.layer_number - 1].transpose(0, 1).reshape(-1, k)  # Megatron's [s * b] order
+        router.router_replay.set_target_indices(chosen.long())
+        router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+    try:
+        yield
+    finally:
+        for router in routers:
+            router.router_replay.clear_indices()
+            router.router_replay.clear_router_replay_action()

@@ -227,6 +227,7 @@ def _moe_config(spec: ModelSpec, ep: int, moe: MoeConfig) -> dict:
                 moe_router_topk=spec.experts_per_token, moe_ffn_hidden_size=spec.moe_intermediate_size,
                 moe_router_load_balancing_type=moe.load_balancing, moe_aux_loss_coeff=moe.aux_loss_coef,
                 moe_router_pre_softmax=not spec.norm_topk_prob, moe_router_dtype="fp32",
+                moe_enable_routing_replay=moe.routing_replay,
                 moe_token_dispatcher_type="allgather", moe_grouped_gemm=False,
                 moe_shared_expert_intermediate_size=spec.shared_expert_intermediate_size or None,
                 moe_shared_expert_gate=bool(spec.shared_expert_intermediate_size))
