@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from xray.backends.base import GenerationEngine, WeightBucket
-from xray.backends.expert_names import expert_part, expert_view, fused_parts
+from xray.backends.expert_names import ExpertPart, expert_part, expert_view, fused_parts
 from xray.backends.held import HeldCheck
 from xray.backends.hf_routing import RoutingRecorder, routers
 from xray.backends.sampling import ROUTED_EXPERTS_ROWS, SamplingSpec, call_seed, rollout_batch
@@ -178,7 +178,7 @@ class DsInferEngine(GenerationEngine):
         self.params = dict(self.module.named_parameters(remove_duplicate=False))
         self.slices = self._shard_slices(full_shapes, tp_config.get("mpu"))
         self.held = HeldCheck()
-        self._expert_parts: dict[str, set[tuple[int, str]]] = {}  # fused experts written one expert at a time
+        self._expert_parts: dict[str, set[ExpertPart]] = {}  # fused experts written one expert at a time
         gen = self.module.generation_config
         eos = gen.eos_token_id if gen.eos_token_id is not None else self.module.config.eos_token_id
         self.eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
@@ -292,7 +292,7 @@ class DsInferEngine(GenerationEngine):
             return self.params.get(name)
         if part.fused in self.slices:
             raise DsInferError(f"{name}: the experts are split over tensor-parallel ranks here; send them fused")
-        self._expert_parts.setdefault(part.fused, set()).add((part.expert, part.proj))
+        self._expert_parts.setdefault(part.fused, set()).add(part)
         return expert_view(self.params[part.fused], part)
 
     @torch.no_grad()
@@ -335,8 +335,7 @@ class DsInferEngine(GenerationEngine):
         name) and may also send a tied parameter's other names; a layer's fused experts may come
         one tensor per expert (`aliases`; `not_reloaded` names a fused one left partly written)."""
         fused = [n for n in self.params if n.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj"))]
-        aliases = {f"{n.rsplit('.', 1)[0]}.{e}.{p}_proj.weight": [n] for n in fused
-                   for e, p in fused_parts(n, self.params[n].shape[0])}
+        aliases = {part.name: [n] for n in fused for part in fused_parts(n, self.params[n].shape[0])}
         return {"needs": sorted(dict(self.module.named_parameters())), "takes": sorted(self.params),
                 "aliases": aliases}
 
@@ -344,7 +343,7 @@ class DsInferEngine(GenerationEngine):
         """The fused experts written one expert at a time since the last call that some part of
         was not written."""
         parts, self._expert_parts = self._expert_parts, {}
-        return sorted(n for n, got in parts.items() if got != fused_parts(n, self.params[n].shape[0]))
+        return sorted(n for n, got in parts.items() if got != set(fused_parts(n, self.params[n].shape[0])))
 
     def held_check(self) -> dict:
         return self.held.take()

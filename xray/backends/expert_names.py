@@ -30,6 +30,11 @@ class ExpertPart(NamedTuple):
     """`gate`, `up` or `down`."""
 
     @property
+    def name(self) -> str:
+        """Its per-expert tensor name (`...experts.<e>.<proj>_proj.weight`)."""
+        return f"{self.experts}.{self.expert}.{self.proj}_proj.weight"
+
+    @property
     def fused(self) -> str:
         """The fused tensor holding it (`...experts.gate_up_proj` or `...experts.down_proj`)."""
         return f"{self.experts}.{'down_proj' if self.proj == 'down' else 'gate_up_proj'}"
@@ -82,7 +87,8 @@ def expert_view(fused: torch.Tensor, part: ExpertPart) -> torch.Tensor:
     return one[:inner] if part.proj == "gate" else one[inner:]
 
 
-def fused_parts(fused_name: str, num_experts: int) -> set[tuple[int, str]]:
-    """Every (expert, projection) a fused experts tensor holds."""
+def fused_parts(fused_name: str, num_experts: int) -> list[ExpertPart]:
+    """Every per-expert tensor a fused experts tensor (`...experts.gate_up_proj` or `down_proj`) holds."""
+    experts = fused_name.rsplit(".", 1)[0]
     projs = ("down",) if fused_name.endswith("down_proj") else ("gate", "up")
-    return {(e, p) for e in range(num_experts) for p in projs}
+    return [ExpertPart(experts, e, p) for e in range(num_experts) for p in projs]

@@ -11,10 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from xray.config.typed import ConfigError
+
 BALANCING = ("none", "aux_loss", "seq_aux_loss")
 
 
-class MoeConfigError(ValueError):
+class MoeConfigError(ConfigError):
     """A mixture-of-experts setting that cannot be used; the message says the fix."""
 
 

@@ -18,7 +18,7 @@ from xray.config.batches import check_batch_info, elastic_ranges, role_lr, train
 from xray.config.critic_free import CRITIC_FREE, check_critic_free, kl_placement
 from xray.config.distill import check_teacher, teacher_needed
 from xray.config.graph import build_graph
-from xray.config.moe import MoeConfigError, check_experts, check_routing_replay
+from xray.config.moe import check_experts, check_routing_replay
 from xray.config.packing import Packs, describe_packs, node_packs, spans, whole_replicas
 from xray.config.parallel import LayoutError, ParallelDims
 from xray.config.schema import RunConfig
@@ -204,10 +204,7 @@ def _role_dims(cfg: RunConfig, role: str, train_backend: str, size: int) -> Para
         if (budget is not None or rc.packing) and (rc.pp > 1 or (budget is not None and budget < 1)):
             raise ConfigError(f"{role}.max_tokens_per_micro_batch and {role}.packing need {role}.pp=1 (a pipeline "
                               "sends one activation shape) and a positive budget; set them to null and false")
-        try:
-            check_experts(role, rc, train_backend)
-        except MoeConfigError as exc:
-            raise ConfigError(str(exc)) from None
+        check_experts(role, rc, train_backend)
         dims = ParallelDims(rc.tp, rc.pp, rc.dp, rc.ep)
         what = f"{role}.tp * {role}.pp * {role}.dp = {rc.tp}*{rc.pp}*{rc.dp}"
     elif role in ("rollout", "sampler"):  # the sampler is laid out and samples as the rollout
@@ -439,10 +436,7 @@ def plan_run(cfg: RunConfig, backend: str, algo: str = "ppo") -> Plan:
     groups = cfg.device_groups
     if not groups.groups:
         raise ConfigError("device_groups: no groups; add one with device, ranks and workers")
-    try:
-        check_routing_replay(cfg, gen_backend, algo, CRITIC_FREE)
-    except MoeConfigError as exc:
-        raise ConfigError(str(exc)) from None
+    check_routing_replay(cfg, gen_backend, algo, CRITIC_FREE)
     if algo in CRITIC_FREE:
         check_critic_free(cfg, algo)
     check_teacher(cfg, algo)
