@@ -88,7 +88,7 @@ def check_exact(version: int, replicas: list[dict], manifest=None, adapter: bool
             "quantized": any(r.get("quantization", "none") != "none" for r in replicas)}
 
 
-QUANTIZED_PROBE_FACTOR = 8.0
+QUANTIZED_PROBE_FACTOR = 4.0
 """A quantized rollout's probe bound, in units of `sync.bf16_tolerance` (2 nats by default): fp8
 log-probs differ from the actor's by design, on average by 0.04-0.05 nat against fp32 at 27M
 (FACTS.md), and on a sampled token by up to 0.57 nat already on the tiny test model (mean 0.017),
