@@ -116,3 +116,21 @@ def test_an_asynchronous_trainer_checks_the_tokens_sampled_with_its_own_weights(
     versions[2], versions[1] = 6, 7  # a fresh row that is right
     out = AsyncTrainer.check_fresh(owner, proximal, exp, b[C.LOSS_MASK])
     assert out["sync/fresh_tokens"] == 4.0 and out["sync/fresh_gap_max"] == 0.0
+
+
+def test_the_bf16_bound_passes_each_sides_own_bf16_error_and_fails_a_wrong_model():
+    """Measured on vs_trl's small model at sync 257 (a false alarm at the old 0.25 bound): at one
+    token HF fp32 gave -1.4468, Megatron bf16 -1.6314 and vLLM bf16 -1.3630, each side's own
+    rounding, 0.268 apart. The default bf16 bound passes it; a model off by 1 nat fails."""
+    from xray.config.schema import SyncConfig
+    from xray.sync.weights import check_logprobs, probe_tolerance
+
+    bound = probe_tolerance(SyncConfig(), ["bfloat16", "float32"])
+    probe, lens = [[1] * 9], [6]
+    actor = torch.full((1, 8), -0.5)
+    actor[0, 6] = -1.6314  # position 7's log-prob (predicted from position 6)
+    engine = [[-0.5, -1.3630, -0.5]]  # the rollout's log-probs of the 3 response tokens
+    assert check_logprobs(actor, engine, probe, lens, 257, bound) == pytest.approx(0.2684, abs=1e-4)
+    engine[0][1] = -1.6314 + 1.0
+    with pytest.raises(WeightSyncError, match="differ from the actor's by 1.000e"):
+        check_logprobs(actor, engine, probe, lens, 258, bound)
