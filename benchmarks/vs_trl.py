@@ -243,12 +243,16 @@ def run_xray(model_dir: Path, length: int, completions: int, micro: int, steps: 
                  *extra]
     _, cfg, plan, _, _ = resolve(["grpo", *overrides])
     seconds, phases = [], []
-    with ppo_trainer(cfg, plan, RunDir(out), algo="grpo") as (trainer, data):
+
+    async def train(trainer, data) -> None:  # one event loop for every step, as `xray.train` runs them
         for _ in range(steps):
             t0 = time.perf_counter()
-            metrics = asyncio.run(trainer.step(data.next_train_rows()))
+            metrics = await trainer.step(data.next_train_rows())
             seconds.append(time.perf_counter() - t0)
             phases.append({k: v for k, v in metrics.items() if k.startswith("time/")})
+
+    with ppo_trainer(cfg, plan, RunDir(out), algo="grpo") as (trainer, data):
+        asyncio.run(train(trainer, data))
         save_hf_model(trainer.models.actor.state_dict().get(), model_dir, out / "final")
     timed = phases[1:] or phases
     print("xray phases (median s): " + " ".join(f"{k[5:-2]}={statistics.median(p[k] for p in timed):.3f}"
