@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from algorithms.specs import command_spec
 from xray.config.plan import Plan, plan_run
 from xray.config.schema import RunConfig
 from xray.config.typed import ConfigError
@@ -74,7 +75,7 @@ def distill_command(cfg: RunConfig, plan: Plan, output_dir: Path, ray_address: O
         tokenizer = load_tokenizer(model_dir)
         pairs = distill_pairs(cfg, tokenizer)
         losses: list[float] = []
-        final = run_sft(cfg, plan_run(cfg, plan.backend, "sft"), pairs, model_dir, run, tokenizer.pad_token_id or 0,
+        final = run_sft(cfg, plan_run(cfg, plan.backend, command_spec("sft")), pairs, model_dir, run, tokenizer.pad_token_id or 0,
                         ray_address, losses)
         tail = losses[-max(1, len(losses) // 10):]
         return DistillResult(final, len(pairs), losses[0], sum(tail) / len(tail))

@@ -44,9 +44,10 @@ def chunk_pairs(chunks: list[list[int]]) -> list[tuple[list[int], list[int]]]:
 def pt_command(cfg: RunConfig, plan: Plan, output_dir: Path, ray_address: Optional[str]) -> PTResult:
     """Continue pre-training `model.path` (or the built-in tiny Llama, untrained) on `data.path`."""
     from algorithms.sft import run_sft
+    from xray.builtin.sources import read_documents
     from xray.builtin.tiny_llama import BUILTIN_MODEL, build_base_model
     from xray.config.typed import to_dict
-    from xray.data.text import TextDataError, pack_documents, read_documents, split_documents
+    from xray.data.text import TextDataError, pack_documents, split_documents
     from xray.run.inputs import load_tokenizer, model_directory
 
     run = RunDir(output_dir, cfg.trainer.loggers)

@@ -148,8 +148,8 @@ def run_rm(cfg: RunConfig, plan: Plan, train: list[Pair], held_out: list[Pair], 
 
 def rm_command(cfg: RunConfig, plan: Plan, output_dir: Path, ray_address: str | None) -> tuple[Path, float, float]:
     """`python -m xray.train rm`: train a reward model from `model.path` on the data's pairs."""
+    from xray.builtin.sources import load_prompt_splits
     from xray.config.typed import to_dict
-    from xray.data.prompts import load_prompt_splits
     from algorithms.warm_start import model_dir as resolve_model
     from xray.run.inputs import load_tokenizer
 

@@ -32,6 +32,7 @@ import torch
 from tqdm import tqdm
 
 from algorithms.best_of_n import StepSplitter, padded_ends, rank_candidates, weakest_step
+from algorithms.specs import command_spec
 from xray.config.plan import Plan, plan_run
 from xray.config.schema import RunConfig
 from xray.data import columns as C
@@ -72,7 +73,7 @@ def sampler_model(cfg: RunConfig, plan: Plan, run: RunDir, ray_address: Optional
     group = DeviceGroup("warm_start", first.device, first.ranks[:1], ("actor",), first.resources)
     warm = dataclasses.replace(cfg, device_groups=dataclasses.replace(cfg.device_groups, groups=(group,)),
                                actor=dataclasses.replace(cfg.actor, tp=1, pp=1, dp=1))
-    return str(build_builtin_model(warm, plan_run(warm, plan.backend, "sft"), run, ray_address))
+    return str(build_builtin_model(warm, plan_run(warm, plan.backend, command_spec("sft")), run, ray_address))
 
 
 @contextmanager
@@ -123,7 +124,7 @@ class Sampling:
         self.splitter = StepSplitter(tokenizer, cfg.sample.step_separator, self.stop_ids)
 
     def generate(self, rows: list[dict], call: int):
-        from algorithms.ppo.trainer import rollout_sampling
+        from xray.run.phases import rollout_sampling
 
         sampling = rollout_sampling(self.cfg, self.stop_ids, call)
         return fitted(self.models["sampler"], len(rows)).generate([row["prompt_ids"] for row in rows], sampling,
@@ -228,8 +229,8 @@ def _mean(values: Optional[torch.Tensor]) -> float:
 
 def sample_command(cfg: RunConfig, plan: Plan, output_dir: Path, ray_address: Optional[str]) -> SampleSummary:
     """`python -m xray.train sample`: sample, score and choose over the data's training prompts."""
+    from xray.builtin.sources import load_prompt_splits
     from xray.config.typed import to_dict
-    from xray.data.prompts import load_prompt_splits
     from xray.run.inputs import load_tokenizer
 
     run = RunDir(output_dir, cfg.trainer.loggers)

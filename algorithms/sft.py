@@ -102,7 +102,7 @@ def answer_pairs(prompt_ids: list[list[int]], answers: list, tokenizer) -> list[
 
 def sft_command(cfg: RunConfig, plan: Plan, output_dir: Path, ray_address: str | None) -> Path:
     """`python -m xray.train sft`: fine-tune `model.path` on the data's (prompt, answer) rows."""
-    from xray.data.prompts import load_prompt_splits
+    from xray.builtin.sources import load_prompt_splits
     from xray.builtin.tiny_llama import BUILTIN_MODEL, build_base_model
     from xray.run.inputs import load_tokenizer
 

@@ -16,6 +16,8 @@ import os
 import shutil
 from pathlib import Path
 
+from algorithms.specs import command_spec
+from xray.builtin.sources import load_prompt_splits
 from xray.builtin.tasks import get_task
 from xray.builtin.tiny_llama import (BUILTIN_MODEL, TEACHER_MODEL, TinySpec, build_base_model, builtin_spec,
                                      teacher_spec)
@@ -23,7 +25,6 @@ from xray.config.env import EnvConfig
 from xray.config.plan import Plan, plan_run
 from xray.config.schema import RunConfig
 from xray.config.typed import to_dict
-from xray.data.prompts import load_prompt_splits
 from xray.run.inputs import load_tokenizer, model_directory
 from xray.run.outputs import RunDir
 
@@ -88,7 +89,7 @@ def build_builtin_model(cfg: RunConfig, plan: Plan, run: RunDir, ray_address: st
         pairs = answer_pairs(train.prompt_ids, train.extras[cfg.data.answer_field], tokenizer)
     log.info("warm start: %d supervised steps on %d prompts", cfg.sft.steps, len(pairs))
     sft_dir = RunDir(run.path / ("warm-start" if spec is None else f"{name}-warm-start"))
-    out = run_sft(cfg, plan_run(cfg, plan.backend, "sft"), pairs, str(base), sft_dir, tokenizer.pad_token_id or 0,
+    out = run_sft(cfg, plan_run(cfg, plan.backend, command_spec("sft")), pairs, str(base), sft_dir, tokenizer.pad_token_id or 0,
                   ray_address)
     for file in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         if (base / file).is_file() and not (out / file).is_file():

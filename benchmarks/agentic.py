@@ -10,7 +10,7 @@ tool-use demonstrations of `builtin:calculator`, xray/env/tasks.py: prompt, comp
 the tool's answer, final answer; loss on the model's turns only), so that it writes tool calls.
 The result is cached under `$XRAY_CACHE/benchmarks/` (default ~/.cache/xray), keyed by what shapes
 it. It then starts one vLLM rollout WholeModel (fp32, one CPU Workhorse) and plays `--episodes`
-calculator episodes (xray/run/episodes.py, `CalculatorEnv`, at most 3 turns, temperature 1), the
+calculator episodes (xray/run/episodes/runner.py, `CalculatorEnv`, at most 3 turns, temperature 1), the
 calculator answering each call after a latency drawn from a log-normal of median `--median-ms`
 and log-sigma `--sigma`, seeded by the call's text (the same call waits as long in both modes),
 awaited without using the CPU as a remote tool would.
@@ -163,7 +163,7 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from xray.run.episodes import EpisodeRunner
+    from xray.run.episodes.runner import EpisodeRunner
     from xray.wholemodel import WholeModel
     from xray.wholemodel.cluster import ensure_ray
 

@@ -34,18 +34,18 @@ import statistics
 import tempfile
 import time
 
-from algorithms.ppo.detached import Detached
-from algorithms.ppo.run import ppo_trainer
-from algorithms.ppo.trainer import PPOTrainer
-from xray.config import DEFAULT_CONFIGS
+from xray.run.detached.supervisor import Detached
+from algorithms.rl import rl_trainer
+from xray.run.step import RLTrainer
 from xray.run.outputs import RunDir
 from xray.train import resolve
+from algorithms.specs import default_config
 
 SETTINGS = {"compute": [], "latency": ["--reward.function=xray.rewards.builtin:judged_answer"]}
 """Each setting's overrides of the job."""
 
 
-async def run_mode(trainer: PPOTrainer, data, steps: int, warmup: int) -> tuple[list[float], list[dict], float]:
+async def run_mode(trainer: RLTrainer, data, steps: int, warmup: int) -> tuple[list[float], list[dict], float]:
     """Step end times, per-step metrics, and the eval after training."""
     ends, rows = [], []
 
@@ -65,7 +65,7 @@ async def run_mode(trainer: PPOTrainer, data, steps: int, warmup: int) -> tuple[
 def measure(mode: str, args, overrides: list[str]) -> dict:
     _, cfg, plan, _, _ = resolve(["ppo", "--backend", args.backend, "--config", args.config,
                                   f"--trainer.mode={mode}", *overrides])
-    with tempfile.TemporaryDirectory() as tmp, ppo_trainer(cfg, plan, RunDir(tmp)) as (trainer, data):
+    with tempfile.TemporaryDirectory() as tmp, rl_trainer(cfg, plan, RunDir(tmp)) as (trainer, data):
         ends, rows, evaluated = asyncio.run(run_mode(trainer, data, args.steps, args.warmup))
     samples = cfg.ppo.rollout_batch_size * cfg.rollout.n_samples * args.steps
     out = {"samples_per_s": samples / (ends[-1] - ends[args.warmup - 1]), "eval": evaluated}
@@ -84,7 +84,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20, help="timed steps per mode")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (at least 1)")
     parser.add_argument("--backend", default="megatron-vllm", help="TRAIN-GENERATION backend pair")
-    parser.add_argument("--config", default=str(DEFAULT_CONFIGS["ppo"]), help="the run's YAML config")
+    parser.add_argument("--config", default=str(default_config("ppo")), help="the run's YAML config")
     parser.add_argument("--settings", default="compute,latency", help="comma-separated: compute, latency")
     args, overrides = parser.parse_known_args()
     if not any(o.startswith("--pin_cpu_devices") for o in overrides):

@@ -9,7 +9,7 @@ micro-batches of `--micro` rows, length-grouped and trimmed as the trainer's are
 loss totals: `xray.data.lengths.with_totals`) in each layout, rotating which goes first:
 - **rows**: the rows as they come, the first half to replica 0 (equal row counts: xray before
   issue 42);
-- **balanced**: the rows ordered by `algorithms.ppo.trainer.balanced_rows` (Karmarkar-Karp on
+- **balanced**: the rows ordered by `xray.run.step.balanced_rows` (Karmarkar-Karp on
   tokens and attention) before the same cut into replicas, each replica's rows then cut into
   micro-batches by a token budget (`--budget`, default the longest row a round can draw, 6 x
   `--short`: `actor.max_tokens_per_micro_batch`, `xray/data/budget.py`) rather than by rows, and
@@ -70,7 +70,7 @@ def long_tailed(rows: int, short: int, seed: int) -> Batch:
 def padding(batch: Batch, micro: int, replicas: int, budget: int | None, packed: bool) -> tuple[int, int]:
     """(padded slots, all slots) of the length-grouped, trimmed micro-batches of each replica's slice
     (by `micro` rows, or with a `budget` by tokens; `packed`: no padded slot)."""
-    from algorithms.ppo.losses import PolicyLoss
+    from algorithms.core.policy_loss import PolicyLoss
     from xray.data.lengths import train_micro_batches, with_totals
 
     padded = slots = 0
@@ -89,7 +89,7 @@ def padding(batch: Batch, micro: int, replicas: int, budget: int | None, packed:
 def _steps(rank, world_size, model_dir, batches, micro, budget, packing):
     from megatron.core import parallel_state
 
-    from algorithms.ppo.losses import PolicyLoss
+    from algorithms.core.policy_loss import PolicyLoss
     from xray.backends.base import OptimConfig
     from xray.backends.megatron import build_engine
     from xray.config.parallel import ParallelDims
@@ -115,7 +115,7 @@ def _steps(rank, world_size, model_dir, batches, micro, budget, packing):
 
 
 def main() -> None:
-    from algorithms.ppo.trainer import balanced_rows
+    from xray.run.minibatches import balanced_rows
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rows", type=int, default=16)

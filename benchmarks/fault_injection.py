@@ -14,7 +14,7 @@ process, uninterrupted, then faulted, at steps drawn (seeded) from stretches of 
 actor's rank-0 Workhorse SIGKILLed at a random moment of a step in the 15%-35% stretch; the critic's
 rank-0 Workhorse SIGTERMed as a preemption notice would be (SIGKILLed 5 s later if still alive) as
 a step of the 40%-50% stretch begins; the second node removed as a step of the 55%-75% stretch
-begins (the group shrinks to dp=1, `algorithms/ppo/elastic.py`) and added back 10 steps later (it
+begins (the group shrinks to dp=1, `xray/run/recovery/elastic.py`) and added back 10 steps later (it
 grows to dp=2 at the next step boundary). Every time is taken in the driver. Figures:
 - goodput = wall seconds of the uninterrupted run / of the faulted one (first step's end to the
   last step's end);
@@ -43,12 +43,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from algorithms.ppo.run import ppo_trainer, sync_steps
-from xray.config import DEFAULT_CONFIGS
+from algorithms.rl import rl_trainer
+from xray.run.loop import sync_steps
 from xray.run.checkpoints import FlashCheckpoints
 from xray.run.graceful import GracefulStop
 from xray.run.outputs import RunDir
 from xray.train import resolve
+from algorithms.specs import default_config
 
 
 WORKER = {"num_cpus": 2, "resources": {"xray_trainer": 1}}
@@ -77,7 +78,7 @@ def elastic_config(path: str, tmp: Path) -> str:
 async def steps_with_fault(trainer, data, run: RunDir, cluster, faults: dict | None, stall_steps: int = 0) -> dict:
     """Run the steps (then, unfaulted, `stall_steps` more with a snapshot after every other one):
     each step's end time (every run of it), the faults (time, step in flight), the stall figures."""
-    from algorithms.ppo.run import save_checkpoint
+    from xray.run.loop import save_checkpoint
 
     checkpoints = FlashCheckpoints(run, trainer.models)
     ends: list[tuple[int, float]] = []
@@ -143,7 +144,7 @@ def measure(args, overrides: list[str], cluster, faults: dict | None) -> dict:
         config = elastic_config(args.config, Path(tmp))
         _, cfg, plan, _, _ = resolve(["ppo", "--backend", args.backend, "--config", config,
                                       f"--trainer.steps={args.steps}", *overrides])
-        with ppo_trainer(cfg, plan, RunDir(tmp), cluster.address) as (trainer, data):
+        with rl_trainer(cfg, plan, RunDir(tmp), cluster.address) as (trainer, data):
             run = RunDir(Path(tmp) / "run")
 
             return asyncio.run(steps_with_fault(trainer, data, run, cluster, faults,
@@ -189,7 +190,7 @@ def main() -> None:
     parser.add_argument("--backend", default="megatron-vllm")
     parser.add_argument("--seed", type=int, default=0, help="draws the steps of the faults")
     parser.add_argument("--stall-steps", type=int, default=40, help="steps measuring checkpoint_stall")
-    parser.add_argument("--config", default=str(DEFAULT_CONFIGS["ppo"]))
+    parser.add_argument("--config", default=str(default_config("ppo")))
     parser.add_argument("--timeline", help="also write both runs' step end times and the faults to this JSON file")
     args, overrides = parser.parse_known_args()
     if not any(o.startswith("--trainer.save_every") for o in overrides):

@@ -43,6 +43,7 @@ import torch
 from xray.backends.base import OptimConfig
 from xray.builtin.tiny_llama import BENCH_MODELS, build_tiny_model
 from xray.check.reference import policy_loss, random_batch
+from xray.config.engines import engine, names
 from xray.config.lora import LoraConfig
 from xray.config.parallel import ParallelDims
 from xray.config.schema import SyncConfig
@@ -58,7 +59,7 @@ QUIET = {"PYTHONWARNINGS": "ignore", "VLLM_LOGGING_LEVEL": "ERROR"}
 def start_pair(model_dir: str, backend: str, lora: LoraConfig | None) -> tuple[WholeModel, WholeModel]:
     extra = {"lora": lora} if lora is not None else {}
     train = dict(backend=backend, model_dir=model_dir, optim=OptimConfig(lr=1e-4), **extra)
-    if backend == "deepspeed":
+    if engine(backend).zero:
         train["zero_stage"] = 1
     actor = WholeModel(TrainWorkhorse, role="actor", parallel=ParallelDims(), init_kwargs=train, env=QUIET)
     rollout = WholeModel(RolloutWorkhorse, role="rollout", parallel=ParallelDims(),
@@ -83,7 +84,7 @@ def one_round(pair, batch, version: int, probe, lens) -> tuple[float, float, obj
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--backend", choices=("megatron", "deepspeed"), default="megatron")
+    parser.add_argument("--backend", choices=names("train"), default=names("train")[0])
     parser.add_argument("--model", choices=sorted(BENCH_MODELS), default="27M")
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds (after one warm-up)")
     parser.add_argument("--batch", type=int, default=8)
@@ -99,7 +100,7 @@ def main() -> None:
         model_dir = str(build_tiny_model(f"{tmp}/bench{args.model}", spec, seed=0))
         probe, lens = random_probe(model_dir, 1, 1, seed=0)
         # one sequence for both (a LoRA engine scores one sequence per call; a run probes it so:
-        # PPOTrainer.probe_size): the same verification level
+        # RLTrainer.probe_size): the same verification level
         probes = {"full": (probe[:1], lens[:1]), "lora": (probe[:1], lens[:1])}
         pairs = {"full": start_pair(model_dir, args.backend, None), "lora": start_pair(model_dir, args.backend, lora)}
         try:

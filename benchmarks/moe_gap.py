@@ -31,6 +31,8 @@ import statistics
 import tempfile
 from pathlib import Path
 
+from xray.config.engines import PAIRS, engine, split_pair
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -52,7 +54,7 @@ def build_model(directory: Path, seed: int) -> Path:
 
 def settings(args, model: Path, out: Path) -> list[str]:
     """`python -m xray.train grpo` arguments of the run."""
-    zero = ["--actor.zero_stage=3"] if args.backend.startswith("deepspeed") else [f"--actor.ep={args.ep}"]
+    zero = ["--actor.zero_stage=3"] if engine(split_pair(args.backend)[0]).zero else [f"--actor.ep={args.ep}"]
     return ["grpo", "--backend", args.backend, "--config", str(ROOT / "configs/critic_free_tiny_cpu.yaml"),
             f"--model.path={model}", f"--model.dtype={args.dtype}", f"--seed={args.seed}",
             "--device_groups.nproc_per_node=3", "--device_groups.train_group.ranks=[0, 1]",
@@ -67,7 +69,7 @@ def settings(args, model: Path, out: Path) -> list[str]:
 def gaps_of(args, replay: bool, tmp: Path) -> tuple[list[float], list[float]]:
     """Each step's mean and largest per-token gap of one run (`replay`: the actor's forwards replay the
     rollout's routing)."""
-    from algorithms.ppo.run import ppo_trainer
+    from algorithms.rl import rl_trainer
     from xray.run.outputs import RunDir
     from xray.train import resolve
 
@@ -75,7 +77,7 @@ def gaps_of(args, replay: bool, tmp: Path) -> tuple[list[float], list[float]]:
     extra = ["--actor.moe.routing_replay=true"] if replay else []
     _, cfg, plan, _, _ = resolve(settings(args, model, tmp / "run") + extra)
     gaps, worst = [], []
-    with ppo_trainer(cfg, plan, RunDir(tmp / "run"), algo="grpo") as (trainer, data):
+    with rl_trainer(cfg, plan, RunDir(tmp / "run"), algo="grpo") as (trainer, data):
         for step in range(1, args.steps + 1):
             metrics = asyncio.run(trainer.step(data.next_train_rows()))
             gaps.append(metrics["rollout_logprob_gap_mean"])
@@ -87,15 +89,14 @@ def gaps_of(args, replay: bool, tmp: Path) -> tuple[list[float], list[float]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--backend", default="megatron-vllm",
-                        choices=["megatron-vllm", "deepspeed-vllm", "megatron-dsinfer", "deepspeed-dsinfer"])
+    parser.add_argument("--backend", default=PAIRS[0], choices=PAIRS)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--seed", type=int, default=3)
     parser.add_argument("--ep", type=int, default=1, choices=[1, 2], help="megatron: the experts split over 2 replicas")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    reports = args.backend.endswith("dsinfer")  # the rollout engine that reports its routing
+    reports = engine(split_pair(args.backend)[1]).reports_routing  # the rollout engine reports its routing
     with tempfile.TemporaryDirectory(prefix="xray-moe-gap-") as tmp:
         without, worst_without = gaps_of(args, False, Path(tmp) / "without")
         with_replay, worst_with = gaps_of(args, True, Path(tmp) / "with") if reports else (None, None)

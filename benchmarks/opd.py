@@ -34,6 +34,7 @@ import tempfile
 from pathlib import Path
 
 import yaml
+from algorithms.specs import default_config
 
 SAMPLES_PER_STEP = 32 * 4
 MARGIN = 0.05
@@ -41,9 +42,8 @@ MARGIN = 0.05
 
 def settings(algo: str, out: Path, model: str, teacher: str, seed: int, lr: float) -> list[str]:
     """`python -m xray.train` arguments of one run."""
-    from xray.config import DEFAULT_CONFIGS
-
-    cfg = yaml.safe_load(DEFAULT_CONFIGS["opd"].read_text())
+    
+    cfg = yaml.safe_load(default_config("opd").read_text())
     if algo != "opd":
         cfg["device_groups"]["train_group"]["workers"] = ["actor"]
     out.mkdir(parents=True, exist_ok=True)
@@ -67,25 +67,25 @@ def built_models(tmp: Path) -> tuple[str, str]:
 
 def accuracy_of(model: str, tmp: Path) -> float:
     """xray's evaluation of `model`: greedy exact-answer accuracy on the held-out prompts."""
-    from algorithms.ppo.run import ppo_trainer
+    from algorithms.rl import rl_trainer
     from xray.run.outputs import RunDir
     from xray.train import resolve
 
     _, cfg, plan, _, _ = resolve(settings("grpo", tmp / "teacher-eval", model, model, 1, 1e-4))
-    with ppo_trainer(cfg, plan, RunDir(tmp / "teacher-eval"), algo="grpo") as (trainer, data):
+    with rl_trainer(cfg, plan, RunDir(tmp / "teacher-eval"), algo="grpo") as (trainer, data):
         return asyncio.run(trainer.evaluate(data.eval_rows))
 
 
 def run(algo: str, seed: int, student: str, teacher: str, target: float, lr: float, args,
         tmp: Path) -> tuple[int | None, float]:
     """(samples to the target or None, the accuracy where the run stopped)."""
-    from algorithms.ppo.run import ppo_trainer
+    from algorithms.rl import rl_trainer
     from xray.run.outputs import RunDir
     from xray.train import resolve
 
     out = tmp / f"{algo}-{lr:g}-{seed}"
     _, cfg, plan, _, _ = resolve(settings(algo, out, student, teacher, seed, lr))
-    with ppo_trainer(cfg, plan, RunDir(out), algo=algo) as (trainer, data):
+    with rl_trainer(cfg, plan, RunDir(out), algo=algo) as (trainer, data):
         accuracy, history = asyncio.run(trainer.evaluate(data.eval_rows)), []
         for step in range(1, args.max_steps + 1):
             asyncio.run(trainer.step(data.next_train_rows()))

@@ -6,7 +6,7 @@
 One run prepares the default job exactly as `python -m xray.train ppo` does (configs/ppo_tiny_cpu.yaml
 unless --config, any key overridable; the built-in warm-started tiny Llama, cached under $XRAY_CACHE
 or ~/.cache/xray), starts its WholeModels, and runs `--warmup` PPO steps, then `--steps` timed ones,
-through the real `PPOTrainer.step`. `--small` is the small job where the runtime's own costs show
+through the real `RLTrainer.step`. `--small` is the small job where the runtime's own costs show
 most: 8 prompts x 8 samples, 12 new tokens, one PPO epoch of one mini-batch of 64 (`SMALL`). For each step it records the wall-clock window of every phase
 (generate, score, train, sync) and reads every Workhorse's busy intervals (`Workhorse.busy_time`:
 time inside its methods; for the weight sync, the actor's export and the rollout's reload, not the
@@ -32,14 +32,14 @@ import tempfile
 import time
 from contextlib import contextmanager
 
-import algorithms.ppo.trainer as ppo_trainer
-from algorithms.ppo.run import ppo_trainer as started_trainer
-from algorithms.ppo.trainer import PPOTrainer
-from xray.config import DEFAULT_CONFIGS
+import xray.run.step as step_module
+from algorithms.rl import rl_trainer as started_trainer
+from xray.run.step import RLTrainer
 from xray.run.models import Models
 from xray.run.outputs import RunDir
 from xray.train import resolve
 from xray.workhorse.busy import covered_seconds
+from algorithms.specs import default_config
 
 PHASES = ("generate", "score", "train", "sync")
 SMALL = ["--ppo.rollout_batch_size=8", "--rollout.n_samples=8", "--rollout.max_new_tokens=12",
@@ -47,7 +47,7 @@ SMALL = ["--ppo.rollout_batch_size=8", "--rollout.n_samples=8", "--rollout.max_n
 WINDOWS: list[dict[str, tuple[float, float]]] = []
 
 
-class WindowedPhaseTimer(ppo_trainer.PhaseTimer):
+class WindowedPhaseTimer(step_module.PhaseTimer):
     """The trainer's PhaseTimer that also keeps each phase's wall-clock window (epoch seconds)."""
 
     def __init__(self) -> None:
@@ -71,7 +71,7 @@ def drain(models: Models) -> dict[str, list[tuple[float, float]]]:
     return out
 
 
-def measure_step(trainer: PPOTrainer, models: Models, rows: list[dict]) -> dict[str, float]:
+def measure_step(trainer: RLTrainer, models: Models, rows: list[dict]) -> dict[str, float]:
     """Run one step; its wall time, compute and overhead, in total and per phase."""
     drain(models)
     start = time.time()
@@ -121,12 +121,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8, help="timed PPO steps")
     parser.add_argument("--warmup", type=int, default=1, help="untimed PPO steps first")
     parser.add_argument("--backend", default="megatron-vllm", help="TRAIN-GENERATION backend pair")
-    parser.add_argument("--config", default=str(DEFAULT_CONFIGS["ppo"]), help="the run's YAML config")
+    parser.add_argument("--config", default=str(default_config("ppo")), help="the run's YAML config")
     args, overrides = parser.parse_known_args()
     logging.basicConfig(level=logging.WARNING)
     small = SMALL if args.small else []
     _, cfg, plan, _, _ = resolve(["ppo", "--backend", args.backend, "--config", args.config, *small, *overrides])
-    ppo_trainer.PhaseTimer = WindowedPhaseTimer
+    step_module.PhaseTimer = WindowedPhaseTimer
     with tempfile.TemporaryDirectory() as tmp, started_trainer(cfg, plan, RunDir(tmp)) as (trainer, data):
         steps = []
         for i in range(args.warmup + args.steps):

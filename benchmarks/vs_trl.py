@@ -58,6 +58,7 @@ from xray.data.tokenizer import VOCAB_SIZE, save_char_tokenizer
 from xray.builtin.tiny_llama import TinySpec, build_tiny_model
 from xray.rewards.builtin import exact_answer
 from xray.builtin.arith import ARITH
+from algorithms.specs import default_config
 
 @dataclass(frozen=True)
 class Size:
@@ -211,9 +212,8 @@ def xray_config(layout: str, out: Path) -> Path:
     core each) or colocated on one device of two threads that they take in turn."""
     import yaml
 
-    from xray.config import DEFAULT_CONFIGS
-
-    cfg = yaml.safe_load(DEFAULT_CONFIGS["grpo"].read_text())
+    
+    cfg = yaml.safe_load(default_config("grpo").read_text())
     if layout == "colocated":
         cfg["threads_per_worker"] = 2
         cfg["device_groups"] = {"nproc_per_node": 1, "all_group": {"device": "CPU", "ranks": [0],
@@ -228,7 +228,7 @@ def xray_config(layout: str, out: Path) -> Path:
 
 def run_xray(model_dir: Path, length: int, completions: int, micro: int, steps: int, lr: float, out: Path,
              layout: str, dtype: str, extra: tuple[str, ...] = ()) -> list[float]:
-    from algorithms.ppo.run import ppo_trainer
+    from algorithms.rl import rl_trainer
     from xray.backends.hf_dir import save_hf_model
     from xray.run.outputs import RunDir
     from xray.train import resolve
@@ -251,7 +251,7 @@ def run_xray(model_dir: Path, length: int, completions: int, micro: int, steps: 
             seconds.append(time.perf_counter() - t0)
             phases.append({k: v for k, v in metrics.items() if k.startswith("time/")})
 
-    with ppo_trainer(cfg, plan, RunDir(out), algo="grpo") as (trainer, data):
+    with rl_trainer(cfg, plan, RunDir(out), algo="grpo") as (trainer, data):
         asyncio.run(train(trainer, data))
         save_hf_model(trainer.models.actor.state_dict().get(), model_dir, out / "final")
     timed = phases[1:] or phases

@@ -25,8 +25,8 @@ import torch
 
 from xray.config.parallel import ParallelDims
 from xray.data.batch import Batch
+from xray.protocol import slice_parts
 from xray.wholemodel import WholeModel
-from xray.wholemodel.protocol import slice_parts
 from xray.workhorse.echo import EchoWorkhorse
 
 

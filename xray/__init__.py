@@ -12,6 +12,7 @@ _LAZY = {
     "WholeModel": ("xray.wholemodel", "WholeModel"),
     "Batch": ("xray.data.batch", "Batch"),
     "load_config": ("xray.config", "load_config"),
+    "sync_to": ("xray.sync", "sync_to"),
 }
 
 

@@ -1,23 +1,18 @@
 """The registry of `python -m xray.train` commands, which the algorithms layer fills.
 
-`xray` never imports `algorithms`: each algorithm's command is an installed entry point of the
-group `xray.commands` (see `pyproject.toml`), `name = "module:function"`, loaded only when that
-command runs. A command is `function(cfg, plan, output_dir, args) -> str`: it runs the job and
-returns the one result line the CLI prints (after Ray is shut down). A third-party package adds an
-algorithm the same way, with its own entry point.
+`xray` never imports `algorithms`: each command's spec (`xray.config.job.JobSpec`: its roles,
+checks, default config, `command(cfg, plan, output_dir, args) -> result line`, and an RL
+algorithm's object) is an installed entry point of the group `xray.commands` (see
+`pyproject.toml`), `name = "module:SPEC"`, loaded only when that command is named. A third-party
+package adds an algorithm the same way, with its own entry point.
 """
 from __future__ import annotations
 
-import argparse
 from importlib.metadata import EntryPoint, entry_points
-from pathlib import Path
-from typing import Callable
 
-from xray.config.plan import Plan
-from xray.config.schema import RunConfig
+from xray.config.job import JobSpec
 
 GROUP = "xray.commands"
-Command = Callable[[RunConfig, Plan, Path, argparse.Namespace], str]
 
 
 class NoCommandsError(RuntimeError):
@@ -34,9 +29,13 @@ def registered() -> dict[str, EntryPoint]:
     return found
 
 
-def load(name: str) -> Command:
-    """The command `name`, imported now."""
+def load(name: str) -> JobSpec:
+    """The spec of command `name`, imported now."""
     commands = registered()
     if name not in commands:
         raise KeyError(f"unknown command {name!r}; registered: {', '.join(sorted(commands))}")
-    return commands[name].load()
+    found = commands[name].load()
+    if not isinstance(found, JobSpec) or found.name != name:
+        raise TypeError(f"entry point {GROUP}:{name} = {commands[name].value} is not the JobSpec named {name!r}; "
+                        "point it at the command's spec object")
+    return found

@@ -25,9 +25,10 @@ from pathlib import Path
 
 import yaml
 
-from xray.backends import BACKEND_PAIRS, BackendError
+from xray.backends import BackendError
 from xray.commands import load, registered
-from xray.config import DEFAULT_CONFIGS, ConfigError, LayoutError, load_config, to_dict
+from xray.config import CONFIG_DIR, ConfigError, LayoutError, load_config, to_dict
+from xray.config.engines import PAIRS
 from xray.config.plan import plan_run
 from xray.run.console import console_flags, console_level, setup_console
 from xray.run.graceful import RunInterrupted
@@ -45,7 +46,7 @@ def parser() -> argparse.ArgumentParser:
                                 description="Train a language model with reinforcement learning on Ray.",
                                 epilog="Any config key can be overridden: --ppo.kl_coef=0.05")
     p.add_argument("algo", choices=list(registered()), help="the algorithm to run")
-    p.add_argument("--backend", default="megatron-vllm", help=f"TRAIN-GENERATION pair: {', '.join(BACKEND_PAIRS)}")
+    p.add_argument("--backend", default=PAIRS[0], help=f"TRAIN-GENERATION pair: {', '.join(PAIRS)}")
     p.add_argument("--config", default=None, help="YAML config (default: the algorithm's in configs/)")
     p.add_argument("--output-dir", default=None, help="where the run writes (default: runs/<algo>-<time>)")
     p.add_argument("--resume", nargs="?", const="latest", default=None,
@@ -57,11 +58,12 @@ def parser() -> argparse.ArgumentParser:
 
 def resolve(argv: list[str]):
     args, extra = parser().parse_known_args(argv)
-    config_path = Path(args.config) if args.config else DEFAULT_CONFIGS[args.algo]
+    spec = load(args.algo)
+    config_path = Path(args.config) if args.config else CONFIG_DIR / spec.config
     cfg = load_config(config_path, extra)
-    if args.backend not in BACKEND_PAIRS:
-        raise UsageError(f"unknown --backend {args.backend!r}; choose one of {', '.join(BACKEND_PAIRS)}")
-    plan = plan_run(cfg, args.backend, args.algo)
+    if args.backend not in PAIRS:
+        raise UsageError(f"unknown --backend {args.backend!r}; choose one of {', '.join(PAIRS)}")
+    plan = plan_run(cfg, args.backend, spec)
     check_loggers(cfg.trainer.loggers)  # an optional logger's package: missing is one line, before anything starts
     output_dir = Path(args.output_dir or f"runs/{args.algo}-{time.strftime('%Y%m%d-%H%M%S')}")
     return args, cfg, plan, config_path, output_dir
@@ -89,14 +91,14 @@ def main(argv: list[str] | None = None) -> int:
     setup_console(console_level(console_flags(exclusive=False).parse_known_args(argv)[0]))
     try:
         args, cfg, plan, config_path, output_dir = resolve(argv)
+        spec = load(args.algo)
         if args.dry_run:
             sys.stdout.write(f"# config: {config_path} (backend {args.backend})\n")
             sys.stdout.write(yaml.safe_dump(to_dict(cfg), sort_keys=False))
             sys.stdout.write(plan.describe() + "\n")
             return 0
-        command = load(args.algo)
         try:
-            result = command(cfg, plan, output_dir, args)
+            result = spec.command(cfg, plan, output_dir, args)
         except RunInterrupted as stop:
             shutdown_ray()
             sys.stdout.write(f"stopped: the latest checkpoint is step {stop.step}; continue with:\n"

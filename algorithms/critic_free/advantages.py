@@ -1,5 +1,6 @@
 """Advantage estimators of the critic-free family: no value model, the other samples are the
-baseline. Pure torch, unit-tested against hand-computed values.
+baseline. Pure torch, unit-tested against hand-computed values; registered by name
+(`algorithms.core.registry`) as `grpo`, `rloo` and `reinforce_pp`.
 
 Rows come in groups: the `n` responses to one prompt are rows `g*n .. g*n+n-1`. `valid` `[B]`
 (0 for a sample dropped for a non-finite score) keeps a row out of its group's statistics.
@@ -9,19 +10,23 @@ Rows come in groups: the `n` responses to one prompt are rows `g*n .. g*n+n-1`. 
     RLOO (Ahmadian et al. 2024) A_i =  r_i - mean(r_j, j != i in the group)
     REINFORCE++ (Hu 2025)       A_t = whiten over the batch of sum_{s >= t} r_s (per-token rewards,
                                       the KL penalty on every token and the score on the last)
-    On-policy distillation      A_t = c (log pi_teacher(y_t) - log pi_student(y_t)): the negative
-      (Agarwal et al. 2024;           per-token reverse KL of the sampled token, not discounted,
-       Lu and Thinking Machines       not normalised (`opd` alone with c = 1; added to any of the
-       2025)                          above with c = `distill.teacher_coef`)
 
 The first three give one advantage per sequence, broadcast over its response tokens
-(`per_token`); REINFORCE++ is per token already.
+(`per_token`); REINFORCE++ is per token already. Where the KL goes in the reward (`kl_coef`),
+GRPO's and RLOO's `r_i` is the score less `kl_coef` x the response's summed k1. On-policy
+distillation's teacher term, alone (`opd`) or added, is `algorithms.core.teacher`'s.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
-from algorithms.ppo.gae import whiten
+from algorithms.core.advantage_inputs import AdvantageInputs
+from algorithms.core.kl_estimators import kl_terms
+from algorithms.core.masked import whiten
+from algorithms.core.registry import register_adv_est
+from algorithms.core.rewards import kl_penalized_rewards
 
 
 def groups_of(scores: torch.Tensor, n: int) -> torch.Tensor:
@@ -75,24 +80,6 @@ def rloo_advantages(scores: torch.Tensor, n: int, valid: torch.Tensor | None = N
     return ((r - baseline) * v * (others > 0)).reshape(-1)
 
 
-def teacher_advantages(student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor,
-                       coef: float = 1.0) -> torch.Tensor:
-    """`[B, T-1]`: `coef` x (teacher's - student's log-prob of each sampled token) on the response
-    positions of `mask`, 0 elsewhere. Positive where the teacher finds the student's token likelier
-    than the student does: minimising the reverse KL, one sampled token at a time."""
-    return coef * (teacher.float() - student.float()) * mask.to(torch.float32)
-
-
-def teacher_metrics(student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
-    """`distill/reverse_kl`: the mean over response tokens of student - teacher log-prob of the
-    sampled token (the k1 estimate of KL(student || teacher), what on-policy distillation lowers);
-    `distill/teacher_logprob`: the teacher's mean log-prob of the student's tokens."""
-    m = mask.float()
-    tokens = m.sum().clamp(min=1.0)
-    return {"distill/reverse_kl": float(((student.float() - teacher.float()) * m).sum() / tokens),
-            "distill/teacher_logprob": float((teacher.float() * m).sum() / tokens)}
-
-
 def per_token(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Sequence advantages `[B]` on every response position of `mask` `[B, T-1]`."""
     return advantages.to(mask.dtype)[:, None] * mask
@@ -115,3 +102,35 @@ def reinforce_pp_advantages(token_rewards: torch.Tensor, mask: torch.Tensor, gam
     """REINFORCE++ advantages `[B, T-1]`: returns-to-go of the per-token rewards, whitened over
     every response token of the batch (the global batch normalisation that replaces a critic)."""
     return whiten(returns_to_go(token_rewards, mask, gamma), mask, min_std=min_std)
+
+
+def _kl_penalized_scores(inp: AdvantageInputs) -> torch.Tensor:
+    """The sequence's score less `kl_coef` x its summed k1 where the KL goes in the reward."""
+    if not inp.kl_coef:
+        return inp.scores
+    if inp.ref_logprobs is None:
+        raise ValueError("a KL penalty in the reward (kl_coef > 0) needs the reference's log-probs; "
+                         "set critic_free.kl_in to none or loss, or start the reference")
+    return inp.scores - inp.kl_coef * (kl_terms(inp.logprobs, inp.ref_logprobs, "k1") * inp.mask).sum(1)
+
+
+@register_adv_est("grpo")
+def grpo(inp: AdvantageInputs) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """GRPO's (Dr. GRPO's without `critic_free.scale_by_std`) per-token advantages; no returns."""
+    scores = _kl_penalized_scores(inp)
+    return per_token(grpo_advantages(scores, inp.n, inp.critic_free.scale_by_std, valid=inp.valid), inp.mask), None
+
+
+@register_adv_est("rloo")
+def rloo(inp: AdvantageInputs) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """RLOO's per-token advantages; no returns."""
+    return per_token(rloo_advantages(_kl_penalized_scores(inp), inp.n, valid=inp.valid), inp.mask), None
+
+
+@register_adv_est("reinforce_pp")
+def reinforce_pp(inp: AdvantageInputs) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """REINFORCE++'s advantages: the KL-penalised per-token rewards (no reference: no penalty),
+    returns-to-go with `ppo.gamma`, whitened with the floor `ppo.whiten_min_std`; no returns."""
+    reference = inp.logprobs if inp.ref_logprobs is None else inp.ref_logprobs
+    rewards = kl_penalized_rewards(inp.logprobs, reference, inp.mask, inp.scores, inp.kl_coef)
+    return reinforce_pp_advantages(rewards, inp.mask, inp.ppo.gamma, inp.ppo.whiten_min_std), None

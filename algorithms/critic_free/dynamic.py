@@ -5,30 +5,19 @@ more prompts until it holds `ppo.rollout_batch_size` groups that vary, at most
 groups (zero advantage: the batch keeps its size, the mini-batches theirs), as veRL's
 `filter_groups` with a cap that does not fail the run.
 
-`CriticFreeTrainer.step` samples rounds (`Sampled`: generate, score, the forwards it needs) and
-`select` joins them (rows of different widths padded: each round's columns are left-aligned) and
-keeps whole groups in the order they were sampled. Its metrics count the step's rounds, the
+The run's step (`xray/run/step.py`) samples rounds (`Sampled`: generate, score, the forwards it
+needs) while the algorithm wants them (`CriticFree.wants_more`), and `select` joins them (rows of
+different widths padded: each round's columns are left-aligned) and keeps whole groups in the
+order they were sampled. Its metrics count the step's rounds, the
 varied groups among all sampled and the dropped ones used to fill.
 """
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
 from algorithms.critic_free.advantages import varied_groups
 from xray.data.batch import Batch
-
-
-@dataclass
-class Sampled:
-    """One round of a step's samples: the experience, its scores, the samples kept (None: all)
-    and the answers of the forwards the step queued on them (actor's, reference's)."""
-
-    exp: Batch
-    scores: torch.Tensor
-    keep: torch.Tensor | None
-    answers: list
+from xray.run.algorithm import Sampled
 
 
 def varied_count(s: Sampled, n: int) -> int:
@@ -47,8 +36,8 @@ def select(rounds: list[Sampled], n: int, groups: int) -> tuple[Sampled, dict[st
         raise ValueError(f"dynamic sampling drew {len(varied)} groups, fewer than the batch's {groups}")
     rows = (order[:, None] * n + torch.arange(n)[None, :]).flatten()
     exp = Batch.concat([r.exp for r in rounds], pad_width=True).index(rows)
-    answers = [Batch.concat([r.answers[i] for r in rounds], pad_width=True).index(rows)
-               for i in range(len(rounds[0].answers))]
+    answers = {role: Batch.concat([r.answers[role] for r in rounds], pad_width=True).index(rows)
+               for role in rounds[0].answers}
     kept = None if all(r.keep is None for r in rounds) else keep[rows]
     filled = int((~varied[order]).sum())
     metrics = {"dynamic_sampling/rounds": float(len(rounds)), "dynamic_sampling/varied_groups": float(varied.sum()),

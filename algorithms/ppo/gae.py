@@ -1,5 +1,5 @@
-"""Generalised advantage estimation (Schulman et al. 2016) over the response positions, and
-advantage whitening, with trlX's semantics.
+"""Generalised advantage estimation (Schulman et al. 2016) over the response positions, with
+trlX's semantics, and PPO's advantage estimator `gae` (`algorithms.core.registry`).
 
 Layout: `[B, T-1]` tensors, `mask` = `LOSS_MASK`: a row's response positions (prompt before
 them, right padding after). A multi-turn episode's mask has holes, its observations: the
@@ -11,12 +11,20 @@ into an advantage.
     delta[t] = r[t] + gamma * V[t+1] - V[t]
     A[t]     = delta[t] + gamma * lam * A[t+1]
     returns  = A + V            (computed before whitening, as trlX)
+
+The estimator: the KL-penalised per-token rewards (`algorithms.core.rewards`), GAE, then
+whitening over the batch (`ppo.whiten_advantages`, floor `ppo.whiten_min_std`).
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
-from algorithms.ppo.masked import masked_mean, masked_var
+from algorithms.core.advantage_inputs import AdvantageInputs
+from algorithms.core.masked import whiten
+from algorithms.core.registry import register_adv_est
+from algorithms.core.rewards import kl_penalized_rewards
 
 
 def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float,
@@ -38,17 +46,16 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
     return advantages.detach(), returns.detach()
 
 
-def whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8,
-           min_std: float = 0.0) -> torch.Tensor:
-    """`(x - mean) / max(sqrt(var + eps), min_std)` over the masked positions (unbiased variance,
-    as `torch.var_mean`); with `shift_mean=False` the mean is added back (trlX's option, used for
-    rewards). `min_std` keeps a nearly uniform batch (a policy that is nearly always right: only
-    the critic's noise is left) from being blown up to unit variance. Positions outside the mask
-    are 0."""
-    m = mask.to(x.dtype)
-    mean = masked_mean(x, m)
-    std = torch.sqrt(masked_var(x, m) + eps).clamp(min=min_std)
-    whitened = (x - mean) / std
-    if not shift_mean:
-        whitened = whitened + mean
-    return whitened * m
+@register_adv_est("gae")
+def gae_estimator(inp: AdvantageInputs) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """PPO's (advantages, returns): `kl_coef` x k1 penalty on every token and the score on the
+    last, GAE with `ppo.gamma` and `ppo.lam`, advantages whitened if `ppo.whiten_advantages`."""
+    if inp.values is None or inp.ref_logprobs is None:
+        raise ValueError("the gae advantage estimator needs the critic's values and the reference's log-probs; "
+                         "run it with a critic and a reference (python -m xray.train ppo)")
+    ppo = inp.ppo
+    rewards = kl_penalized_rewards(inp.logprobs, inp.ref_logprobs, inp.mask, inp.scores, inp.kl_coef)
+    advantages, returns = gae(rewards, inp.values, inp.mask, ppo.gamma, ppo.lam)
+    if ppo.whiten_advantages:
+        advantages = whiten(advantages, inp.mask, min_std=ppo.whiten_min_std)
+    return advantages, returns

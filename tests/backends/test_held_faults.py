@@ -18,7 +18,8 @@ import torch
 from tests.backends.rollout_common import changed_weights, trained_tiny_model
 from xray.backends import load_backend
 from xray.check.reference import load_hf
-from xray.sync.manifest import incomplete, manifest_of
+from xray.sync.manifest import incomplete
+from xray.transport.wire import manifest_of
 
 pytestmark = pytest.mark.backends
 

@@ -62,11 +62,11 @@ def _batch() -> Batch:
 
 
 def _steps(rank, world_size, model_dir, backend, dims):
-    from algorithms.ppo.losses import PolicyLoss
+    from algorithms.core.policy_loss import PolicyLoss
 
     parallel = ParallelDims(*dims)
     loss = PolicyLoss(on_policy=True)  # the policy gradient, -A grad log p, token-mean over the slice
-    from algorithms.ppo.trainer import balanced_rows
+    from xray.run.minibatches import balanced_rows
     from xray.data.lengths import with_totals
 
     out = {}

@@ -1,6 +1,6 @@
 """A snapshot held in memory restores into another layout exactly as its checkpoint on disk does.
 
-The elastic resize and the node-loss recovery (`algorithms/ppo/elastic.py`, `recovery.py`) restore
+The elastic resize and the node-loss recovery (`xray/run/recovery/elastic.py`, `recovery.py`) restore
 the in-memory snapshot of the last step into a new layout without reading the disk. For each
 engine, spawn A (2 ranks: Megatron tp=2, DeepSpeed ZeRO-3 dp=2) trains two steps, takes a snapshot
 (`engine.snapshot`) and writes it; the test moves the written directory away, so that only memory

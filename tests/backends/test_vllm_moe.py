@@ -18,7 +18,8 @@ from tests.backends.rollout_common import changed_weights, hf_sequence_stats, ma
 from xray.backends import load_backend, vllm_moe
 from xray.builtin.tiny_llama import TinySpec, build_tiny_model
 from xray.check.reference import load_hf
-from xray.sync.weights import WeightSyncError, check_exact
+from xray.sync import WeightSyncError
+from xray.sync.weights import check_exact
 
 pytestmark = pytest.mark.backends
 

@@ -1,5 +1,5 @@
 """Three-step GRPO, RLOO and REINFORCE++ runs on both backend pairs: one start of the WholeModels
-per pair (start-up dominates), then each algorithm's whole run (`algorithms.ppo.run.train`, what
+per pair (start-up dominates), then each algorithm's whole run (`xray.run.loop.train`, what
 `python -m xray.train <algo>` runs: evaluations, steps, metrics, flash checkpoints, the exported
 actor) on them in turn.
 
@@ -39,6 +39,7 @@ import yaml
 
 from tests.e2e.answer_guess import ANSWER_GUESS
 from tests.e2e.test_ppo_e2e import FP32_PROBE, check_held
+from algorithms.specs import command_spec
 
 pytestmark = pytest.mark.e2e
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # keep Ray on loopback
@@ -137,20 +138,22 @@ def variant(cfg, name: str):
 
 @pytest.mark.parametrize("backend", ["megatron-vllm", "deepspeed-dsinfer"])
 def test_grpo_opd_rloo_reinforce_pp_three_steps_each(tmp_path, tiny_model, tiny_teacher, backend):
-    from algorithms.ppo.run import make_trainer, ppo_trainer, train
+    from algorithms.rl import rl_trainer
+    from xray.run.loop import make_trainer, train
     from xray.config.plan import plan_run
     from xray.run.outputs import RunDir
 
     cfg = critic_free_config(tmp_path, tiny_model, backend, tiny_teacher)
-    plan = plan_run(cfg, backend, "grpo")
+    plan = plan_run(cfg, backend, command_spec("grpo"))
     assert [r.role for r in plan.roles] == ["rollout", "actor", "reference", "teacher"]
-    with ppo_trainer(cfg, plan, RunDir(tmp_path / "start"), algo="grpo") as (first, data):
+    with rl_trainer(cfg, plan, RunDir(tmp_path / "start"), algo="grpo") as (first, data):
         assert first.models.critic is None
         evals = []  # (before, after) of each run; each starts from the weights the one before ended on
         for algo, (name, _, _) in VARIANTS.items():
             if {**EPISODES_ON, **ASYNC_ON}.get(algo, backend) != backend:
                 continue  # each episode and detached variant runs on one pair
-            trainer = make_trainer(name, variant(cfg, algo), first.models, first.score_fn, data)
+            run_cfg = variant(cfg, algo)
+            trainer = make_trainer(command_spec(name).algorithm(run_cfg), run_cfg, first.models, first.score_fn, data)
             assert trainer.on_policy == (algo == "grpo-on-policy")
             trainer.overlap_sync = algo != "rloo"  # rloo: a colocated layout's sync (`early_probe`)
             before = {k: v.clone() for k, v in first.models.actor.state_dict().get().items()}

@@ -20,6 +20,7 @@ import torch
 import yaml
 
 from tests.e2e.test_ppo_e2e import FP32_PROBE, config
+from algorithms.specs import command_spec
 
 pytestmark = pytest.mark.e2e
 LORA = {"rank": 4, "alpha": 8, "target_modules": "all-linear"}
@@ -62,7 +63,8 @@ def check_lora_run(run: Path, model_dir: Path, adapters_alone: bool, replicas: i
 
 
 def test_lora_ppo_three_steps_megatron_vllm(tmp_path, tiny_model):
-    from algorithms.ppo.run import ppo_trainer, train
+    from algorithms.rl import rl_trainer
+    from xray.run.loop import train
     from xray.config import load_config
     from xray.config.plan import plan_run
     from xray.run.outputs import RunDir
@@ -70,11 +72,11 @@ def test_lora_ppo_three_steps_megatron_vllm(tmp_path, tiny_model):
     path = config(tmp_path, tiny_model, "megatron-vllm")
     with_lora(path)
     cfg = load_config(path)
-    plan = plan_run(cfg, "megatron-vllm", "ppo")
+    plan = plan_run(cfg, "megatron-vllm", command_spec("ppo"))
     assert [r.role for r in plan.roles] == ["rollout", "actor", "critic"] and plan.lora_sync == "adapters"
     assert "no reference model starts" in plan.describe()
     run = RunDir(tmp_path / "run")
-    with ppo_trainer(cfg, plan, run) as (trainer, data):
+    with rl_trainer(cfg, plan, run) as (trainer, data):
         assert trainer.models.reference is None
         asyncio.run(train(trainer, run, data, None))
     run.close()

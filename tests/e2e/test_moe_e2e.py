@@ -1,6 +1,8 @@
 """A mixture of experts end to end: `python -m xray.train grpo` on a tiny Qwen3-MoE (2 layers of 4
 experts, 2 per token, over the character tokenizer) for 3 steps, on deepspeed-vllm, megatron-vllm and
-megatron-dsinfer.
+megatron-dsinfer, each with another registered policy loss (`--ppo.policy_loss`): GSPO's sequence
+ratio on deepspeed-vllm, CISPO's clipped, stop-gradient importance weight on megatron-vllm, the PPO
+clip on megatron-dsinfer; every step verified.
 
 The actor and reference train and score at dp=2 (DeepSpeed ZeRO-3, or Megatron at tp=1 with the
 experts split over the two replicas, ep=2: each holds 2 of a layer's 4, and the export gathers them),
@@ -22,6 +24,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.e2e.test_ppo_e2e import FP32_PROBE
 
@@ -41,6 +44,10 @@ def tiny_moe(tmp_path_factory):
     return directory
 
 
+POLICY_LOSS = {"deepspeed-vllm": "gspo", "megatron-vllm": "cispo", "megatron-dsinfer": "vanilla"}
+"""The registered policy loss each pair's run trains with (`algorithms/policy_losses`)."""
+
+
 @pytest.mark.parametrize("backend", ["deepspeed-vllm", "megatron-vllm", "megatron-dsinfer"])
 def test_grpo_three_steps_on_qwen3_moe(tmp_path, tiny_moe, backend):
     run = tmp_path / "run"
@@ -54,7 +61,8 @@ def test_grpo_three_steps_on_qwen3_moe(tmp_path, tiny_moe, backend):
             "--actor.micro_batch_size=4", "--reference.dp=2", "--reference.micro_batch_size=8",
             "--rollout.n_samples=2", "--rollout.max_new_tokens=4", "--ppo.rollout_batch_size=8",
             "--ppo.mini_batch_size=8", "--data.eval_size=8", "--trainer.steps=3", "--trainer.save_every=0",
-            "--reward.function=tests.e2e.test_critic_free_e2e:digit_share", "--output-dir", str(run)]
+            "--reward.function=tests.e2e.test_critic_free_e2e:digit_share", "--output-dir", str(run),
+            f"--ppo.policy_loss={POLICY_LOSS[backend]}"]
     p = subprocess.run([sys.executable, "-m", "xray.train", "grpo", *args], cwd=ROOT, capture_output=True, text=True,
                        timeout=900)
     assert p.returncode == 0, p.stderr[-6000:]
@@ -74,6 +82,8 @@ def test_grpo_three_steps_on_qwen3_moe(tmp_path, tiny_moe, backend):
         assert row.get("sync/max_abs_logprob_diff", 0.0) <= FP32_PROBE, row
         assert row["rollout_logprob_gap_max"] <= FP32_PROBE, row  # the actor's forward (replaying, on dsinfer)
         assert 0.5 < row["actor/router_aux_loss"] < 2 * 2, row  # balanced: 2 (Megatron 1 a layer; HF top-k)
+        assert math.isfinite(row["actor/policy_loss"]) and 0.0 <= row["actor/policy_clipfrac"] <= 1.0, row
+    assert yaml.safe_load((run / "config.yaml").read_text())["ppo"]["policy_loss"] == POLICY_LOSS[backend]
     check_export(run / "final/actor")
 
 

@@ -41,8 +41,8 @@ def hf_accuracy(cfg_path: Path, directory: Path, workdir: Path) -> float:
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     from algorithms.rm import preference_pairs
+    from xray.builtin.sources import load_prompt_splits
     from xray.config import load_config
-    from xray.data.prompts import load_prompt_splits
     from xray.data.sequences import pack_sequences
 
     cfg = load_config(cfg_path)

@@ -127,7 +127,7 @@ def per_expert_names(names: dict[str, tuple]) -> dict[str, tuple]:
 
 
 def _grouped_steps(rank, world, backend, directory):
-    from algorithms.ppo.losses import PolicyLoss
+    from algorithms.core.policy_loss import PolicyLoss
 
     from tests.backends.test_length_grouped_steps import _batch as ragged_batch
 

@@ -41,7 +41,7 @@ def long_run(tmp_path_factory, local_ray):
     """(trainer, data) of an asynchronous PPO run on a tiny Llama with long prompts."""
     import yaml
 
-    from algorithms.ppo.run import ppo_trainer
+    from algorithms.rl import rl_trainer
     from tests.e2e.test_ppo_e2e import ROOT
     from xray.builtin.tiny_llama import TinySpec, build_tiny_model
     from xray.data.tokenizer import VOCAB_SIZE, save_char_tokenizer
@@ -69,13 +69,13 @@ def long_run(tmp_path_factory, local_ray):
     path = tmp / "async.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     _, run_cfg, plan, _, _ = resolve(["ppo", "--config", str(path)])
-    with ppo_trainer(run_cfg, plan, RunDir(tmp / "run")) as (trainer, data):
+    with rl_trainer(run_cfg, plan, RunDir(tmp / "run")) as (trainer, data):
         yield trainer, data
 
 
 async def _steps(trainer, data, n: int) -> list[tuple[float, dict]]:
     """`n` more asynchronous steps as the run command takes them; (end time, metrics) per step."""
-    from algorithms.ppo.detached import Detached
+    from xray.run.detached.supervisor import Detached
 
     rows: list[tuple[float, dict]] = []
 
@@ -114,8 +114,8 @@ def test_partial_rollouts_carry_each_tokens_version_and_log_prob(long_run):
     each token's behaviour log-prob is the engine's at the version that sampled it."""
     import ray
 
-    from algorithms.ppo.buffer import BufferActor
-    from algorithms.ppo.maker import ExperienceMaker
+    from xray.run.detached.buffer import BufferActor
+    from xray.run.detached.maker import ExperienceMaker
     from xray.data import columns as C
     from xray.sync import stage
     from xray.sync.weights import random_probe

@@ -84,7 +84,8 @@ async def change_nodes(trainer, cluster, events: list) -> None:
 
 
 def test_a_run_starts_small_grows_shrinks_and_grows_again(tmp_path, tiny_model, head_only, caplog):
-    from algorithms.ppo.run import ppo_trainer, train
+    from algorithms.rl import rl_trainer
+    from xray.run.loop import train
     from xray.run.outputs import RunDir
     from xray.train import resolve
 
@@ -95,7 +96,7 @@ def test_a_run_starts_small_grows_shrinks_and_grows_again(tmp_path, tiny_model, 
     run = RunDir(tmp_path / "run")
     caplog.set_level(logging.WARNING)
     events: list = []
-    with ppo_trainer(cfg, plan, run, head_only.address) as (trainer, data):
+    with rl_trainer(cfg, plan, run, head_only.address) as (trainer, data):
         assert trainer.models.actor.parallel.dp == 1  # started below its configured size
 
         async def main() -> float:
@@ -148,7 +149,8 @@ def test_a_workhorse_sigterm_shrinks_the_run_from_memory(tmp_path, tiny_model, h
     group shrinks to dp=1 on the head, restored from that step's snapshot in memory (no disk, no
     step run again); the drained node's device is not counted free, so the group does not grow back
     onto it."""
-    from algorithms.ppo.run import ppo_trainer, train
+    from algorithms.rl import rl_trainer
+    from xray.run.loop import train
     from xray.run.outputs import RunDir
     from xray.train import resolve
 
@@ -160,7 +162,7 @@ def test_a_workhorse_sigterm_shrinks_the_run_from_memory(tmp_path, tiny_model, h
     run = RunDir(tmp_path / "run")
     caplog.set_level(logging.WARNING)
     sent: list = []
-    with ppo_trainer(cfg, plan, run, head_only.address) as (trainer, data):
+    with rl_trainer(cfg, plan, run, head_only.address) as (trainer, data):
         assert trainer.models.actor.parallel.dp == 2
 
         async def main() -> float:

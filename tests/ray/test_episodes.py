@@ -1,7 +1,7 @@
-"""Multi-turn episodes on a real vLLM engine: the episode runner (`xray/run/episodes.py`) with
+"""Multi-turn episodes on a real vLLM engine: the episode runner (`xray/run/episodes/runner.py`) with
 token-exact trajectories, a failing environment that ends only its own episodes, and turns
 generated while another episode waits; agents written with the `openai` client through the
-OpenAI-compatible endpoint (`xray/run/agent_endpoint.py`); and the built-in calculator task with
+OpenAI-compatible endpoint (`xray/run/episodes/endpoint.py`); and the built-in calculator task with
 the tool's answers in its trajectories. One engine (the tiny model, first taught the calculator
 call's shape by a few supervised steps) serves the three tests.
 
@@ -139,7 +139,7 @@ def assert_token_exact(trajectories, recording, observations, tokenizer, actor,
 
 
 def test_episodes_are_token_exact_concurrent_and_survive_a_broken_environment(engines):
-    from xray.run.episodes import EpisodeRunner
+    from xray.run.episodes.runner import EpisodeRunner
 
     tokenizer, rollout, actor = engines
     recording = Recording(rollout)
@@ -187,7 +187,7 @@ def test_an_openai_client_agent_through_the_endpoint_is_token_exact_and_batched(
     requests that arrive together share a generate call; a rewritten history is refused (400)."""
     import openai
 
-    from xray.run.agent_endpoint import AgentEndpoint
+    from xray.run.episodes.endpoint import AgentEndpoint
 
     tokenizer, rollout, actor = engines
     recording = Recording(rollout)
@@ -225,7 +225,7 @@ def test_calculator_episodes_are_token_exact_with_the_tools_answers(engines):
     and log-probs (mask 1), each observation exactly the `CalculatorEnv`'s answer to that turn's
     text, tokenized alone (mask 0, log-prob 0); all episodes but one at most called the tool
     (greedy turns: deterministic); the actor's log-probs equal the engine's."""
-    from xray.run.episodes import EpisodeRunner
+    from xray.run.episodes.runner import EpisodeRunner
 
     tokenizer, rollout, actor = engines
     recording = Recording(rollout)

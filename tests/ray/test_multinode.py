@@ -47,7 +47,7 @@ def test_wholemodel_actor_sits_on_the_head_node(two_nodes):
     import ray
     from ray.util.placement_group import placement_group
 
-    from xray.wholemodel.handle import Bundles
+    from xray.wholemodel.placement import Bundles
 
     pg = placement_group([{"CPU": 1, "node_b": 0.5}, {"CPU": 1, "node_a": 0.5}], strategy="STRICT_SPREAD")
     ray.get(pg.ready(), timeout=60)
@@ -111,7 +111,7 @@ def test_a_snapshot_replica_outlives_the_node_it_was_taken_on(two_nodes):
 
     from xray.backends.snapshot import from_wire, to_wire
     from xray.run.snapshot_holder import Replicator
-    from xray.wholemodel.handle import Bundles
+    from xray.wholemodel.placement import Bundles
 
     node = two_nodes.add_node(num_cpus=1, resources={"node_c": 1})
     two_nodes.wait_for_nodes()

@@ -1,5 +1,5 @@
 """WholeModel as a notebook user meets it: mistakes caught before anything starts and nothing leaked,
-several models of one role side by side, save_pretrained, sync_to and text prompts."""
+several models of one role side by side, save_pretrained, sync_to (`xray.sync`) and text prompts."""
 import time
 from pathlib import Path
 
@@ -8,6 +8,7 @@ import ray
 import torch
 
 from xray.data import columns as C
+from xray.sync import sync_to
 from xray.wholemodel import WholeModel
 from xray.wholemodel.pretrained import PretrainedError
 
@@ -144,8 +145,8 @@ def test_vllm_rollout_with_defaults_text_prompts_and_sync_to(model_dir):
         batch = {C.INPUT_IDS: ids, C.ATTENTION_MASK: torch.ones_like(ids)}
         for _ in range(3):
             actor.train_step(batch, lambda outputs, b: -outputs[C.LOGPROBS].mean()).get()
-        first = actor.sync_to(rollout)
-        second = actor.sync_to(rollout)
+        first = sync_to(actor, rollout)
+        second = sync_to(actor, rollout)
         assert (first["version"], second["version"]) == (1, 2)
         assert first["max_abs_logprob_diff"] <= 1e-4 and first["bytes"] > 0
         assert rollout.weight_version().get() == [2]

@@ -57,7 +57,7 @@ async def kill_during(trainer, run, kills: list[tuple], done: list, quiet: bool 
 def train_with_kills(trainer, run, data, kills: list[tuple], quiet: bool = False
                      ) -> tuple[float, list[tuple[str, int]]]:
     """The run's `train` with `kill_during` beside it: (eval after, [(role killed, steps finished then)])."""
-    from algorithms.ppo.run import train
+    from xray.run.loop import train
 
     killed: list[tuple[str, int]] = []
 
@@ -80,7 +80,7 @@ def steps_logged(run) -> collections.Counter:
 def test_dead_workhorses_are_replaced(tmp_path, tiny_model, backend, trained, caplog, local_ray):
     import ray
 
-    from algorithms.ppo.run import ppo_trainer
+    from algorithms.rl import rl_trainer
     from xray.run.outputs import RunDir
     from xray.train import resolve
 
@@ -91,7 +91,7 @@ def test_dead_workhorses_are_replaced(tmp_path, tiny_model, backend, trained, ca
     run = RunDir(tmp_path / "run")
     caplog.set_level(logging.WARNING)
     delay = random.uniform(0.0, 1.0)  # a step of this run takes about 1.5 s
-    with ppo_trainer(cfg, plan, run) as (trainer, data):
+    with rl_trainer(cfg, plan, run) as (trainer, data):
         pid = {role: ray.get(getattr(trainer.models, role).shard_handles()[0].pid.remote())
                for role in (trained, "rollout", "critic")}
         deadline = time.monotonic() + 120
@@ -137,7 +137,7 @@ def test_async_run_recovers(tmp_path, tiny_model, caplog, local_ray):
     again, and the run finishes (a lost maker is replaced without going back: tests/e2e/test_async_e2e.py)."""
     import ray
 
-    from algorithms.ppo.run import ppo_trainer
+    from algorithms.rl import rl_trainer
     from tests.e2e.test_async_e2e import async_config
     from xray.run.outputs import RunDir
     from xray.train import resolve
@@ -146,7 +146,7 @@ def test_async_run_recovers(tmp_path, tiny_model, caplog, local_ray):
     _, cfg, plan, _, _ = resolve(["ppo", "--backend", "megatron-vllm", "--config", str(path), "--trainer.steps=8"])
     run = RunDir(tmp_path / "run")
     caplog.set_level(logging.WARNING)
-    with ppo_trainer(cfg, plan, run) as (trainer, data):
+    with rl_trainer(cfg, plan, run) as (trainer, data):
         kills = [(5, "actor", ray.get(trainer.models.actor.shard_handles()[0].pid.remote()), 0.0)]
         _, killed = train_with_kills(trainer, run, data, kills, quiet=True)
     assert [role for role, _ in killed] == ["actor"] and trainer.state.step == 8

@@ -9,9 +9,9 @@ import torch
 
 from xray.config.parallel import ParallelDims
 from xray.data.batch import Batch
+from xray.protocol import DispatchError
 from xray.wholemodel import WholeModel
 from xray.wholemodel.errors import CallDeadlineExceeded, WholeModelError, WorkhorseDied
-from xray.wholemodel.protocol import DispatchError
 from xray.workhorse.echo import EchoWorkhorse
 
 pytestmark = pytest.mark.ray

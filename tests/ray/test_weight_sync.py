@@ -22,7 +22,8 @@ from xray.config.parallel import ParallelDims
 from xray.config.schema import SyncConfig
 from xray.data import columns as C
 from xray.sync import WeightSyncError, sync_weights
-from xray.sync.weights import pack_bucket, pad_sequences
+from xray.sync.weights import pad_sequences
+from xray.transport.wire import pack_bucket
 from xray.wholemodel import WholeModel
 from xray.workhorse.rollout import RolloutWorkhorse
 from xray.workhorse.train import TrainWorkhorse
@@ -84,7 +85,7 @@ def test_sync_then_greedy_equals_hf_and_corruption_is_caught(actor, engine):
         with pytest.raises(WeightSyncError, match="version 2 failed verification"):
             asyncio.run(sync_weights(actor_wm, rollout, 2, SyncConfig(), probe, [len(p) for p in prompts[:4]],
                                      corrupt="model.layers.1.mlp.down_proj.weight"))
-        # each way a real sync goes wrong, caught by its part (xray/sync/faults.py)
+        # each way a real sync goes wrong, caught by its part (xray/transport/faults.py)
         o_proj, down = "model.layers.{}.self_attn.o_proj.weight", "model.layers.1.mlp.down_proj.weight"
         for fault, caught in ((f"swap:{o_proj.format(0)},{o_proj.format(1)}", "changed in transit"),
                               (f"rows:{down}", "changed in transit"), (f"transpose:{o_proj.format(0)}", "changed in transit"),

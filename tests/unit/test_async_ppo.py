@@ -4,10 +4,10 @@ and each trainer's share of the mini-batches."""
 import pytest
 import torch
 
-from algorithms.ppo.async_trainer import staleness
-from algorithms.ppo.buffer import ExperienceBuffer, Group
-from algorithms.ppo.losses import PolicyLoss, behaviour_weight
-from algorithms.ppo.trainer import mini_batch_rows
+from xray.run.detached.trainer import staleness
+from xray.run.detached.buffer import ExperienceBuffer, Group
+from algorithms.core.policy_loss import PolicyLoss, behaviour_weight
+from xray.run.minibatches import mini_batch_rows
 from xray.config.graph import build_graph
 from xray.config.typed import ConfigError
 from xray.data import columns as C
@@ -129,7 +129,8 @@ def test_a_rollback_makes_again_what_discarded_versions_sampled():
 def test_a_rollback_cuts_the_discarded_tokens_of_the_samples_in_the_making():
     from types import SimpleNamespace
 
-    from algorithms.ppo.maker import ExperienceMaker, Sample
+    from xray.run.detached.maker import ExperienceMaker
+    from xray.run.detached.sample import Sample
 
     cfg = SimpleNamespace(async_=SimpleNamespace(segment_tokens=2, max_in_flight=0),
                           rollout=SimpleNamespace(max_new_tokens=6))
@@ -152,8 +153,8 @@ def test_a_makers_episode_turns_share_one_call_and_record_their_version():
     import asyncio
     from types import SimpleNamespace
 
-    from algorithms.ppo.maker import ExperienceMaker
-    from algorithms.ppo.maker_episodes import TurnBatcher, episode_metrics
+    from xray.run.detached.maker import ExperienceMaker
+    from xray.run.detached.episode_maker import TurnBatcher, episode_metrics
     from xray.backends.sampling import FINISH_REASON, RESPONSE_LOGPROBS, WEIGHT_VERSION
 
     calls = []

@@ -4,12 +4,14 @@ train step takes the whole slice's gradient (the same arithmetic as length group
 import pytest
 import torch
 
-from algorithms.ppo.losses import PolicyLoss, ValueLoss
+from algorithms.core.policy_loss import PolicyLoss
+from algorithms.ppo.value_loss import ValueLoss
 from tests.unit.test_length_groups import LENGTHS, _batch, _gradient, _model
 from xray.data import columns as C
 from xray.data.batch import BatchError
 from xray.data.budget import budget_groups, forward_micro_batches, restored
 from xray.data.lengths import NORM, LossNorm, train_micro_batches
+from algorithms.specs import command_spec
 
 pytestmark = pytest.mark.unit
 
@@ -66,10 +68,10 @@ def test_the_config_budget_reaches_the_engines_and_a_pipeline_or_bad_budget_is_r
     assert "max_tokens_per_micro_batch" not in role_init_kwargs(cfg, "actor", "megatron", "m")
     cfg = load_config(DEFAULT, groups() + [("actor.pp", 2), ("actor.dp", 1), ("actor.max_tokens_per_micro_batch", 512)])
     with pytest.raises(ConfigError, match="actor.max_tokens_per_micro_batch and actor.packing need actor.pp=1"):
-        plan_run(cfg, "megatron-vllm")
+        plan_run(cfg, "megatron-vllm", command_spec("ppo"))
     cfg = load_config(DEFAULT, groups() + [("actor.pp", 2), ("actor.dp", 1), ("actor.packing", True)])
     with pytest.raises(ConfigError, match="actor.packing need actor.pp=1"):
-        plan_run(cfg, "megatron-vllm")
+        plan_run(cfg, "megatron-vllm", command_spec("ppo"))
     assert role_init_kwargs(load_config(DEFAULT, [("actor.packing", True)]), "actor", "megatron", "m")["packing"]
     with pytest.raises(ConfigError, match="positive budget"):
-        plan_run(load_config(DEFAULT, [("reference.max_tokens_per_micro_batch", 0)]), "megatron-vllm")
+        plan_run(load_config(DEFAULT, [("reference.max_tokens_per_micro_batch", 0)]), "megatron-vllm", command_spec("ppo"))

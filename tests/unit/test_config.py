@@ -1,21 +1,22 @@
 """Typed config: overrides, unknown keys, wrong types, device groups, layout and batch checks."""
 import pytest
 
-from xray.config import ConfigError, DEFAULT_CONFIGS, load_config
+from xray.config import ConfigError, load_config
 from xray.config.placement import parse_ranks
 from xray.config.plan import plan_run
+from algorithms.specs import default_config, command_spec
 
 pytestmark = pytest.mark.unit
-DEFAULT = DEFAULT_CONFIGS["ppo"]
+DEFAULT = default_config("ppo")
 
 
 def test_default_config_loads_and_plans():
     cfg = load_config(DEFAULT)
-    plan = plan_run(cfg, "megatron-vllm")
+    plan = plan_run(cfg, "megatron-vllm", command_spec("ppo"))
     assert [r.role for r in plan.roles] == ["rollout", "actor", "critic", "reference"]
     assert plan.role("actor").ranks == (0,) and plan.role("rollout").ranks == (1,)
     assert plan.role("rollout").backend == "vllm" and plan.role("critic").backend == "megatron"
-    assert plan_run(cfg, "deepspeed-dsinfer").role("rollout").backend == "dsinfer"
+    assert plan_run(cfg, "deepspeed-dsinfer", command_spec("ppo")).role("rollout").backend == "dsinfer"
 
 
 def test_overrides_are_typed():
@@ -61,7 +62,7 @@ def groups(**over):
 
 def test_gpu_groups_plan():
     cfg = load_config(DEFAULT, groups())
-    plan = plan_run(cfg, "megatron-vllm")
+    plan = plan_run(cfg, "megatron-vllm", command_spec("ppo"))
     assert plan.role("rollout").ranks == (2, 3) and plan.role("actor").parallel.dp == 2
 
 
@@ -83,28 +84,28 @@ def test_role_in_two_groups_and_in_none():
         load_config(DEFAULT, over)
     over = groups(train={"device": "GPU", "ranks": [0, 1], "workers": ["actor", "critic"]})
     with pytest.raises(ConfigError, match="role 'reference' is placed in no group"):
-        plan_run(load_config(DEFAULT, over), "megatron-vllm")
+        plan_run(load_config(DEFAULT, over), "megatron-vllm", command_spec("ppo"))
 
 
 def test_layout_must_fill_its_group():
     cfg = load_config(DEFAULT, groups() + [("actor.tp", 2)])
     with pytest.raises(ConfigError, match=r"actor.tp \* actor.pp \* actor.dp = 2\*1\*2 = 4, but its device group has 2"):
-        plan_run(cfg, "megatron-vllm")
+        plan_run(cfg, "megatron-vllm", command_spec("ppo"))
     cfg = load_config(DEFAULT, groups() + [("actor.tp", 2), ("actor.dp", 1)])
     with pytest.raises(ConfigError, match="deepspeed backend has no tensor"):
-        plan_run(cfg, "deepspeed-vllm")
+        plan_run(cfg, "deepspeed-vllm", command_spec("ppo"))
 
 
 def test_batch_divisibility():
     cfg = load_config(DEFAULT, [("ppo.mini_batch_size", 12)])
     with pytest.raises(ConfigError, match="mini_batch_size=12 does not divide the 128 samples"):
-        plan_run(cfg, "megatron-vllm")
+        plan_run(cfg, "megatron-vllm", command_spec("ppo"))
     cfg = load_config(DEFAULT, groups() + [("actor.micro_batch_size", 32)])
     with pytest.raises(ConfigError, match=r"not divisible by actor.dp x actor.micro_batch_size = 2x32"):
-        plan_run(cfg, "megatron-vllm")
+        plan_run(cfg, "megatron-vllm", command_spec("ppo"))
     cfg = load_config(DEFAULT, groups() + [("ppo.rollout_batch_size", 31), ("ppo.mini_batch_size", 31), ("data.eval_size", 200)])
     with pytest.raises(ConfigError, match="not divisible by the 2 rollout replicas"):
-        plan_run(cfg, "megatron-vllm")
+        plan_run(cfg, "megatron-vllm", command_spec("ppo"))
 
 
 def test_sampling_and_lengths_the_engines_refuse(tmp_path):
@@ -112,12 +113,12 @@ def test_sampling_and_lengths_the_engines_refuse(tmp_path):
 
     cfg = load_config(DEFAULT, [("rollout.temperature", 3.0)])
     with pytest.raises(ConfigError, match="temperatures from 0 to 2"):
-        plan_run(cfg, "megatron-vllm")
-    plan_run(cfg, "deepspeed-dsinfer")  # DeepSpeed-Inference samples at any temperature
+        plan_run(cfg, "megatron-vllm", command_spec("ppo"))
+    plan_run(cfg, "deepspeed-dsinfer", command_spec("ppo"))  # DeepSpeed-Inference samples at any temperature
     cfg = load_config(DEFAULT, [("rollout.max_new_tokens", 200)])
     (tmp_path / "config.json").write_text('{"max_position_embeddings": 128}')
     with pytest.raises(ConfigError, match=r"= \d+ exceeds the model's max_position_embeddings=128"):
-        check_layouts(cfg, plan_run(cfg, "deepspeed-dsinfer"), str(tmp_path))
+        check_layouts(cfg, plan_run(cfg, "deepspeed-dsinfer", command_spec("ppo")), str(tmp_path))
 
 
 def test_elasticity_block_is_accepted_and_checked():
@@ -125,15 +126,15 @@ def test_elasticity_block_is_accepted_and_checked():
              "ignore_non_elastic_batch_info": True}
     cfg = load_config(DEFAULT, [("actor.elasticity", block)])
     assert cfg.actor.elasticity.micro_batch_sizes == (2, 4)
-    plan_run(cfg, "deepspeed-dsinfer")
+    plan_run(cfg, "deepspeed-dsinfer", command_spec("ppo"))
     # ignore_non_elastic_batch_info false: the run's own batch keys must be the elastic batch (4 x 8 x 1 = 32)
     strict = dict(block, ignore_non_elastic_batch_info=False)
     with pytest.raises(ConfigError, match=r"actor.micro_batch_size=4 \(the config has 16\); write those values"):
-        plan_run(load_config(DEFAULT, [("actor.elasticity", strict)]), "deepspeed-dsinfer")
-    plan_run(load_config(DEFAULT, [("actor.elasticity", strict), ("actor.micro_batch_size", 4)]), "deepspeed-dsinfer")
+        plan_run(load_config(DEFAULT, [("actor.elasticity", strict)]), "deepspeed-dsinfer", command_spec("ppo"))
+    plan_run(load_config(DEFAULT, [("actor.elasticity", strict), ("actor.micro_batch_size", 4)]), "deepspeed-dsinfer", command_spec("ppo"))
     bad = dict(block, min_gpus=2)  # the actor has 1 device: below min_gpus
     with pytest.raises(ConfigError, match="actor.elasticity"):
-        plan_run(load_config(DEFAULT, [("actor.elasticity", bad)]), "deepspeed-dsinfer")
+        plan_run(load_config(DEFAULT, [("actor.elasticity", bad)]), "deepspeed-dsinfer", command_spec("ppo"))
     with pytest.raises(ConfigError, match="actor.elasticity.max_batch"):
         load_config(DEFAULT, [("actor.elasticity", dict(block, max_batch=3))])
     with pytest.raises(ConfigError, match="actor.elasticity: elasticity.min_gpus=5 exceeds max_gpus=4"):

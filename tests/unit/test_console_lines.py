@@ -27,7 +27,7 @@ BEFORE = (
     f"{WORKER}\n\rLoading safetensors checkpoint shards: 100% Completed | 1/1 [00:00<00:00, 199.13it/s]\n"
     f"{TRAINER}DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built successfully{ESC}[32m [repeated 2x across "
     f"cluster] (Ray deduplicates logs by default. Set RAY_DEDUP_LOGS=0 to disable log deduplication){ESC}[0m\n"
-    "2026-11-24 04:06:50,104 INFO algorithms.ppo.run: eval before training: 0.000\n"
+    "2026-11-24 04:06:50,104 INFO xray.run.loop: eval before training: 0.000\n"
     "\rppo (sync):   0%|          | 0/3 [00:00<?, ?step/s]2026-11-24 04:06:50,414 INFO xray.run.checkpoints: "
     "checkpoint complete: /tmp/run/checkpoints/step-000000 (written in 0.3 s)\n"
     "\rppo (sync): 100%|██████████| 3/3 [00:00<00:00,  3.17step/s, reward=0.000, kl=0.0355, s_per_step=0.3]\n"
@@ -37,7 +37,7 @@ AFTER = (
     "eval_before=0.0000 eval_after=0.0000\n"
     "2026-11-24 04:22:33,793 INFO xray.wholemodel.cluster: starting a local Ray cluster on 127.0.0.1 with 16 CPU slots\n"
     "\rsft:   0%|          | 0/10 [00:00<?, ?step/s]\rsft: 100%|██████████| 10/10 [00:00<00:00, 16.00step/s, loss=2.476]\n"
-    "2026-11-24 04:23:12,893 INFO algorithms.ppo.run: eval before training: 0.000\n"
+    "2026-11-24 04:23:12,893 INFO xray.run.loop: eval before training: 0.000\n"
     "\rppo (sync):   0%|          | 0/3 [00:00<?, ?step/s]\r                                                   \r"
     "2026-11-24 04:23:13,141 INFO xray.run.checkpoints: checkpoint complete: /tmp/run/step-000000 (written in 0.2 s)\n"
     "\rppo (sync):   0%|          | 0/3 [00:00<?, ?step/s]\rppo (sync): 100%|██████████| 3/3 [00:00<00:00,  3.65step/s, "
@@ -64,7 +64,7 @@ def test_after_only_xray_lines_remain():
     assert non_progress_lines(AFTER) == [
         "eval_before=0.0000 eval_after=0.0000",
         "2026-11-24 04:22:33,793 INFO xray.wholemodel.cluster: starting a local Ray cluster on 127.0.0.1 with 16 CPU slots",
-        "2026-11-24 04:23:12,893 INFO algorithms.ppo.run: eval before training: 0.000",
+        "2026-11-24 04:23:12,893 INFO xray.run.loop: eval before training: 0.000",
         "2026-11-24 04:23:13,141 INFO xray.run.checkpoints: checkpoint complete: /tmp/run/step-000000 (written in 0.2 s)"]
     bars = progress_lines(AFTER)
     assert len(bars) == 6 and bars[-1] == "sample: 7prompt [00:02,  3.10prompt/s]"

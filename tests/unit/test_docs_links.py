@@ -84,7 +84,7 @@ def test_paths_opening_lines_of_code_blocks_exist(page):
 
 
 def _module_exists(name: str) -> bool:
-    """Whether `name` is a module, or an attribute of one (`xray.wholemodel.protocol.fanout`)."""
+    """Whether `name` is a module, or an attribute of one (`xray.protocol.fanout`)."""
     while "." in name:
         try:
             if importlib.util.find_spec(name) is not None:

@@ -5,9 +5,11 @@ import pytest
 import torch
 
 from algorithms.critic_free.advantages import grpo_advantages, varied_groups
-from algorithms.critic_free.dynamic import Sampled, select
+from algorithms.critic_free.dynamic import select
+from xray.run.algorithm import Sampled
 from xray.data import columns as C
 from xray.data.batch import Batch
+from algorithms.specs import default_config, command_spec
 
 pytestmark = pytest.mark.unit
 
@@ -31,7 +33,7 @@ def _round(scores: list[float], width: int, tag: int) -> Sampled:
     attn = torch.ones(n, width, dtype=torch.long)
     exp = Batch({C.INPUT_IDS: torch.full((n, width), tag), C.ATTENTION_MASK: attn})
     answer = Batch({C.LOGPROBS: torch.full((n, width - 1), -float(tag))})
-    return Sampled(exp, torch.tensor(scores), None, [answer])
+    return Sampled(exp, torch.tensor(scores), None, {"actor": answer})
 
 
 def test_rounds_join_into_whole_groups_varied_first_then_filled():
@@ -41,7 +43,7 @@ def test_rounds_join_into_whole_groups_varied_first_then_filled():
     assert got.scores.tolist() == [0.0, 1.0, 1.0, 0.0, 1.0, 1.0]  # varied: r1 g1, r2 g0; then r1 g0 fills
     assert got.exp[C.INPUT_IDS][:, 0].tolist() == [1, 1, 2, 2, 1, 1]
     assert got.exp[C.INPUT_IDS].shape == (6, 7) and got.exp[C.ATTENTION_MASK][0].tolist() == [1] * 5 + [0] * 2
-    assert got.answers[0][C.LOGPROBS][:, 0].tolist() == [-1.0, -1.0, -2.0, -2.0, -1.0, -1.0]
+    assert got.answers["actor"][C.LOGPROBS][:, 0].tolist() == [-1.0, -1.0, -2.0, -2.0, -1.0, -1.0]
     assert got.keep is None
     assert metrics == {"dynamic_sampling/rounds": 2.0, "dynamic_sampling/varied_groups": 2.0,
                        "dynamic_sampling/sampled_groups": 5.0, "dynamic_sampling/filled_groups": 1.0}
@@ -50,11 +52,11 @@ def test_rounds_join_into_whole_groups_varied_first_then_filled():
 
 
 def test_the_config_refuses_dynamic_sampling_it_cannot_do():
-    from xray.config import ConfigError, DEFAULT_CONFIGS, load_config
+    from xray.config import ConfigError, load_config
     from xray.config.plan import plan_run
 
-    plan_run(load_config(DEFAULT_CONFIGS["grpo"], [("critic_free.dynamic_sampling", True)]), "megatron-vllm", "grpo")
-    bad = load_config(DEFAULT_CONFIGS["grpo"], [("critic_free.dynamic_sampling", True),
+    plan_run(load_config(default_config("grpo"), [("critic_free.dynamic_sampling", True)]), "megatron-vllm", command_spec("grpo"))
+    bad = load_config(default_config("grpo"), [("critic_free.dynamic_sampling", True),
                                                 ("critic_free.max_sample_rounds", 0)])
     with pytest.raises(ConfigError, match="critic_free.dynamic_sampling"):
-        plan_run(bad, "megatron-vllm", "grpo")
+        plan_run(bad, "megatron-vllm", command_spec("grpo"))

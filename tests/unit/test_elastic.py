@@ -1,8 +1,9 @@
-"""Elastic batch arithmetic (xray.backends.elastic), checked against hand-computed batches."""
+"""Elastic batch arithmetic (xray.config.elasticity) and its DeepSpeed keys (xray.backends.elastic),
+checked against hand-computed batches."""
 import pytest
 
-from xray.backends.elastic import (ElasticBatch, ElasticityConfig, ElasticityError, apply_elasticity,
-                                   elastic_batch)
+from xray.backends.elastic import apply_elasticity
+from xray.config.elasticity import ElasticBatch, ElasticityConfig, ElasticityError, elastic_batch
 
 pytestmark = pytest.mark.unit
 

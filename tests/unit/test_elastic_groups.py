@@ -2,10 +2,11 @@
 and the plan's checks over all of them, against hand-computed values."""
 import pytest
 
-from xray.backends.elastic import ElasticityConfig, ElasticityError, device_batch
-from xray.config import ConfigError, DEFAULT_CONFIGS, load_config
+from xray.config.elasticity import ElasticityConfig, ElasticityError, device_batch
+from xray.config import ConfigError, load_config
 from xray.config.batches import elastic_ranges, train_batches
 from xray.config.plan import plan_run
+from algorithms.specs import default_config, command_spec
 
 pytestmark = pytest.mark.unit
 GROUPS = {"nproc_per_node": 3,
@@ -16,7 +17,7 @@ BLOCK = {"max_train_batch_size": 32, "micro_batch_sizes": [16], "min_gpus": 1, "
 
 
 def elastic_cfg(block=BLOCK, groups=GROUPS, extra=()):
-    return load_config(DEFAULT_CONFIGS["ppo"], [("device_groups", groups), ("actor.dp", 2), ("critic.dp", 2),
+    return load_config(default_config("ppo"), [("device_groups", groups), ("actor.dp", 2), ("critic.dp", 2),
                                                 ("reference.dp", 2), ("actor.elasticity", block),
                                                 ("critic.elasticity", block), *extra])
 
@@ -33,7 +34,7 @@ def test_device_batch_counts_whole_replicas():
 
 def test_the_actor_block_sets_the_mini_batch_at_each_size():
     cfg = elastic_cfg(block=dict(BLOCK, max_train_batch_size=48), extra=[("ppo.rollout_batch_size", 192)])
-    assert plan_run(cfg, "megatron-vllm").role("actor").resources == (("trainer_node", 1.0),)
+    assert plan_run(cfg, "megatron-vllm", command_spec("ppo")).role("actor").resources == (("trainer_node", 1.0),)
     # dp 2: 16 x 1 x 2 = 32; dp 1: 16 x 3 x 1 = 48; the reference keeps its own micro-batch
     two = train_batches(cfg, {"actor": 2, "critic": 2, "reference": 2})
     one = train_batches(cfg, {"actor": 1, "critic": 1, "reference": 1})
@@ -47,18 +48,18 @@ def test_the_actor_block_sets_the_mini_batch_at_each_size():
 def test_the_plan_checks_every_size_and_placement():
     # 48 divides the 128 samples of a step? no: the dp=1 size fails, naming the elastic mini-batch
     with pytest.raises(ConfigError, match=r"mini_batch_size=48 \(the elastic mini-batch on 1 actor devices\)"):
-        plan_run(elastic_cfg(block=dict(BLOCK, max_train_batch_size=56)), "megatron-vllm")
+        plan_run(elastic_cfg(block=dict(BLOCK, max_train_batch_size=56)), "megatron-vllm", command_spec("ppo"))
     with pytest.raises(ConfigError, match="give actor and critic the same elasticity block"):
-        plan_run(elastic_cfg(extra=[("critic.elasticity", dict(BLOCK, max_train_batch_size=16, micro_batch_sizes=[8]))]), "megatron-vllm")
+        plan_run(elastic_cfg(extra=[("critic.elasticity", dict(BLOCK, max_train_batch_size=16, micro_batch_sizes=[8]))]), "megatron-vllm", command_spec("ppo"))
     mixed = dict(GROUPS, train_group=dict(GROUPS["train_group"], workers=["actor", "critic", "reference", "rollout"]),
                  rollout_group=None)
     mixed = {k: v for k, v in mixed.items() if v is not None}
     with pytest.raises(ConfigError, match=r"an elastic group .* \['rollout'\] cannot follow"):
-        plan_run(elastic_cfg(groups=mixed, extra=[("rollout.dp", 2)]), "megatron-vllm")
+        plan_run(elastic_cfg(groups=mixed, extra=[("rollout.dp", 2)]), "megatron-vllm", command_spec("ppo"))
     with pytest.raises(ConfigError, match="elastic resizing runs with trainer.mode=sync"):
-        plan_run(elastic_cfg(extra=[("trainer.mode", "async")]), "megatron-vllm")
+        plan_run(elastic_cfg(extra=[("trainer.mode", "async")]), "megatron-vllm", command_spec("ppo"))
     with pytest.raises(ConfigError, match="has 2 ranks, not a size its elasticity allows"):
-        plan_run(elastic_cfg(block=dict(BLOCK, max_gpus=1)), "megatron-vllm")
+        plan_run(elastic_cfg(block=dict(BLOCK, max_gpus=1)), "megatron-vllm", command_spec("ppo"))
     bad = dict(GROUPS, train_group=dict(GROUPS["train_group"], resources={"CPU": 1}))
     with pytest.raises(ConfigError, match="custom resource names"):
         elastic_cfg(groups=bad)
@@ -73,13 +74,13 @@ batch numbers fitted to this tiny job)."""
 def test_the_seeds_elasticity_block_runs_as_written_and_each_key_means_something():
     import types
 
-    from algorithms.ppo.elastic import Elastic
+    from xray.run.recovery.elastic import Elastic
 
     cfg = elastic_cfg(SEED_BLOCK)
     assert cfg.actor.elasticity.min_time == 20 and cfg.actor.elasticity.version == 0.1
     er, = elastic_ranges(cfg, cfg.device_groups)
     assert er.sizes == (1, 2) and er.min_time == 20
-    plan_run(cfg, "megatron-vllm")
+    plan_run(cfg, "megatron-vllm", command_spec("ppo"))
     # enabled: false keeps the roles fixed, as if the block were absent
     off = elastic_cfg(dict(SEED_BLOCK, enabled=False))
     assert off.actor.elasticity is None and elastic_ranges(off, off.device_groups) == []
@@ -114,7 +115,7 @@ def test_lr_scaling_follows_the_global_batch():
     assert lr_at("sqrt", 1) == pytest.approx(1e-4 * 1.5 ** 0.5, rel=1e-12)
     cfg = elastic_cfg(dict(SEED_BLOCK, max_train_batch_size=48, lr_scaling="linear"),
                       extra=[("ppo.rollout_batch_size", 192), ("actor.optim.lr", 1e-4)])
-    text = "\n".join(plan_run(cfg, "megatron-vllm").describe().splitlines())
+    text = "\n".join(plan_run(cfg, "megatron-vllm", command_spec("ppo")).describe().splitlines())
     assert "1: 1 x 16 x 3 = 48, lr 0.00015 | 2: 2 x 16 x 1 = 32, lr 0.0001" in text, text
     with pytest.raises(ConfigError, match="lr_scaling='cubic'; choose one of none, linear, sqrt"):
         elastic_cfg(dict(SEED_BLOCK, lr_scaling="cubic"))

@@ -9,11 +9,12 @@ import types
 import pytest
 import torch
 
-from algorithms.ppo.losses import PolicyLoss
+from algorithms.core.policy_loss import PolicyLoss
 from xray.backends.optim import skips_update
 from xray.data import columns as C
 from xray.data.batch import Batch
 from xray.sync import WeightSyncError
+from algorithms.specs import default_config, command_spec
 
 pytestmark = pytest.mark.unit
 NO_REF = "--device_groups.train_group.workers=[actor]"  # kl_in=none starts no reference
@@ -52,19 +53,16 @@ def test_any_abort_leaves_the_whole_update_out():
 
 
 def trainer(algo: str, *argv: str):
-    from algorithms.critic_free.trainer import CriticFreeTrainer
-    from algorithms.ppo.trainer import PPOTrainer
+    from xray.run.step import RLTrainer
     from tests.unit.test_rollout_sleep import ROOT, fake_models
     from xray.train import resolve
 
-    from xray.config import DEFAULT_CONFIGS
-
-    config = ROOT / "configs" / "ppo_tiny_cpu.yaml" if algo == "ppo" else DEFAULT_CONFIGS[algo]
+    
+    config = ROOT / "configs" / "ppo_tiny_cpu.yaml" if algo == "ppo" else default_config(algo)
     _, cfg, plan, _, _ = resolve([algo, "--config", str(config), "--data.eval_size=8", "--trainer.steps=25", *argv])
     models = fake_models([], cfg, plan, rows=8)
-    if algo == "ppo":
-        return PPOTrainer(cfg, models, lambda rows, r: (torch.ones(len(r)), None), pad_id=0, stop_ids=[1])
-    return CriticFreeTrainer(cfg, models, lambda rows, r: (torch.ones(len(r)), None), pad_id=0, stop_ids=[1], algo=algo)
+    return RLTrainer(cfg, models, lambda rows, r: (torch.ones(len(r)), None), pad_id=0, stop_ids=[1],
+                     algorithm=command_spec(algo).algorithm(cfg))
 
 
 def test_the_trainer_fails_a_bad_sync_before_training_and_probes_first_every_and_last():
@@ -99,7 +97,7 @@ def test_on_policy_critic_free_checks_in_its_training_forward():
 def test_an_asynchronous_trainer_checks_the_tokens_sampled_with_its_own_weights():
     import types
 
-    from algorithms.ppo.async_trainer import AsyncTrainer
+    from xray.run.detached.trainer import AsyncTrainer
 
     t = trainer("ppo")
     t.state.step = 7  # the trainer holds weight version 7

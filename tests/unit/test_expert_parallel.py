@@ -15,6 +15,7 @@ from xray.config.parallel import LayoutError, ParallelDims
 from xray.config.plan import plan_run
 from xray.data import columns as C
 from xray.data.batch import Batch
+from algorithms.specs import command_spec
 
 pytestmark = pytest.mark.unit
 
@@ -82,17 +83,17 @@ def test_moe_options_and_expert_parallelism_in_the_plan():
     with pytest.raises(MoeConfigError, match="choose one of"):
         MoeConfig("sinkhorn", 0.1)
     base = groups() + [("actor.ep", 2)]
-    plan = plan_run(load_config(DEFAULT, base), "megatron-vllm")
+    plan = plan_run(load_config(DEFAULT, base), "megatron-vllm", command_spec("ppo"))
     assert plan.role("actor").parallel.ep == 2 and "dp=2 ep=2" in plan.describe()
     with pytest.raises(ConfigError, match="expert parallelism runs on Megatron"):
-        plan_run(load_config(DEFAULT, base), "deepspeed-vllm")
+        plan_run(load_config(DEFAULT, base), "deepspeed-vllm", command_spec("ppo"))
     with pytest.raises(ConfigError, match="actor.ep=2 with actor.packing"):
-        plan_run(load_config(DEFAULT, base + [("actor.packing", True)]), "megatron-vllm")
+        plan_run(load_config(DEFAULT, base + [("actor.packing", True)]), "megatron-vllm", command_spec("ppo"))
     with pytest.raises(ConfigError, match="Model Runner V2"):
-        plan_run(load_config(DEFAULT, groups() + [("actor.moe.routing_replay", True)]), "megatron-vllm")
+        plan_run(load_config(DEFAULT, groups() + [("actor.moe.routing_replay", True)]), "megatron-vllm", command_spec("ppo"))
     with pytest.raises(ConfigError, match="seq_aux_loss is Megatron's"):
         plan_run(load_config(DEFAULT, groups() + [("actor.moe", {"load_balancing": "seq_aux_loss",
-                                                                   "aux_loss_coef": 0.01})]), "deepspeed-vllm")
+                                                                   "aux_loss_coef": 0.01})]), "deepspeed-vllm", command_spec("ppo"))
 
 
 
@@ -118,7 +119,7 @@ def test_exports_keep_each_moe_block_in_one_bucket():
 def test_routing_replay_where_the_rollout_reports_routing():
     train = {"device": "GPU", "ranks": [0, 1], "workers": ["actor", "reference"]}
     base = groups(train=train) + [("actor.moe.routing_replay", True), ("rollout.n_samples", 4)]
-    plan_run(load_config(DEFAULT, base), "megatron-dsinfer", "grpo")
+    plan_run(load_config(DEFAULT, base), "megatron-dsinfer", command_spec("grpo"))
     for backend, algo, extra, match in [("megatron-vllm", "grpo", [], "Model Runner V2"),
                                         ("megatron-dsinfer", "ppo", [("device_groups.train.workers",
                                                                       ["actor", "critic", "reference"])],
@@ -127,7 +128,7 @@ def test_routing_replay_where_the_rollout_reports_routing():
                                         ("megatron-dsinfer", "grpo", [("critic.moe.routing_replay", True)],
                                          "set it on actor.moe only")]:
         with pytest.raises(ConfigError, match=match):
-            plan_run(load_config(DEFAULT, base + extra), backend, algo)
+            plan_run(load_config(DEFAULT, base + extra), backend, command_spec(algo))
 
 
 def test_the_routing_column_lies_with_the_model_inputs():

@@ -1,4 +1,4 @@
-"""The CUDA IPC transport's buffer layout (`xray/sync/ipc.py`) on the CPU, and the transport
+"""The CUDA IPC transport's buffer layout (`xray/transport/ipc.py`) on the CPU, and the transport
 choice (`choose_transport` in xray/workhorse/train.py). The handles themselves need a GPU: the
 GPU tier's end-to-end runs (tests/gpu) sync through them."""
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from xray.sync import ipc
+from xray.transport import ipc
 from xray.workhorse.train import choose_transport
 
 

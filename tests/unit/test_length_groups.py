@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from algorithms.ppo.losses import PolicyLoss, ValueLoss
+from algorithms.core.policy_loss import PolicyLoss
+from algorithms.ppo.value_loss import ValueLoss
 from xray.check.reference import policy_loss as plain_loss
 from xray.data import columns as C
 from xray.data.batch import Batch, BatchError
@@ -103,7 +104,7 @@ def test_replicas_averaging_their_slices_give_the_mini_batch_gradient_whatever_r
     """A mini-batch with its totals (`with_totals`) cut into 2 data-parallel slices: the mean of
     the slices' gradients (the engines' all-reduce) is the whole mini-batch's, for the rows split
     as they come and as `balanced_rows` assigns them; without the totals a slice divides by its own."""
-    from algorithms.ppo.trainer import balanced_rows
+    from xray.run.minibatches import balanced_rows
     from xray.data.lengths import TOTALS, with_totals
 
     model = _model()
@@ -122,7 +123,7 @@ def test_replicas_averaging_their_slices_give_the_mini_batch_gradient_whatever_r
 
 
 def test_balanced_rows_even_the_replicas_tokens():
-    from algorithms.ppo.trainer import balanced_rows
+    from xray.run.minibatches import balanced_rows
 
     batch = _batch()
     rows = torch.arange(8)

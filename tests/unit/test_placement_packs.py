@@ -44,8 +44,7 @@ def test_describe_packs_counts_them():
 
 
 def test_bundles_map_each_rank_to_its_placement_group():
-    from xray.wholemodel.handle import Bundles
-    from xray.wholemodel.placement import pack_slots
+    from xray.wholemodel.placement import Bundles, pack_slots
 
     assert pack_slots(8, ((0, 1, 4, 5), (2, 3, 6, 7))) == [(0, 0), (0, 1), (1, 0), (1, 1),
                                                            (0, 2), (0, 3), (1, 2), (1, 3)]

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from algorithms.ppo.gae import gae, whiten
-from algorithms.ppo.masked import masked_mean, masked_var
+from algorithms.core.masked import masked_mean, masked_var, whiten
+from algorithms.ppo.gae import gae
 
 pytestmark = pytest.mark.unit
 

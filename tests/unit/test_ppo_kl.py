@@ -5,8 +5,8 @@ import pickle
 import pytest
 import torch
 
-from algorithms.ppo.kl import AdaptiveKLController, FixedKLController, KLStateError, build_kl_controller
-from algorithms.ppo.kl_estimators import kl_metrics, kl_terms, token_kl
+from algorithms.core.kl_control import AdaptiveKLController, FixedKLController, KLStateError, build_kl_controller
+from algorithms.core.kl_estimators import kl_metrics, kl_terms, token_kl
 
 pytestmark = pytest.mark.unit
 

@@ -7,15 +7,18 @@ import random
 import pytest
 import torch
 
-from algorithms.ppo.gae import gae, whiten
-from algorithms.ppo.kl import FixedKLController
-from algorithms.ppo.kl_estimators import kl_metrics
-from algorithms.ppo.losses import PolicyLoss, ValueLoss
-from algorithms.ppo.rewards import kl_penalized_rewards
+from algorithms.core.kl_control import FixedKLController
+from algorithms.core.kl_estimators import kl_metrics
+from algorithms.core.masked import whiten
+from algorithms.core.policy_loss import PolicyLoss
+from algorithms.core.rewards import kl_penalized_rewards
+from algorithms.ppo.gae import gae
+from algorithms.ppo.value_loss import ValueLoss
+from xray.builtin.sources import load_prompt_splits
 from xray.check.reference import token_logprobs
 from xray.config.schema import DataConfig
 from xray.data import columns as C
-from xray.data.prompts import PromptSampler, load_prompt_splits
+from xray.data.prompts import PromptSampler
 from xray.data.tokenizer import EOS_ID, PAD_ID, VOCAB_SIZE, build_char_tokenizer
 from xray.builtin.tiny_llama import TinySpec, hf_config
 from xray.rewards.loader import compute_scores, load_reward_function

@@ -5,7 +5,9 @@ import pickle
 import pytest
 import torch
 
-from algorithms.ppo.losses import PolicyLoss, ValueLoss, aggregate, clipped_policy_loss, clipped_value_loss
+from algorithms.core.policy_loss import PolicyLoss, aggregate
+from algorithms.policy_losses.vanilla import clipped_policy_loss
+from algorithms.ppo.value_loss import ValueLoss, clipped_value_loss
 from xray.data import columns as C
 from xray.data.batch import Batch
 

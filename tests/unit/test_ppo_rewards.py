@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from algorithms.ppo.rewards import kl_penalized_rewards, last_response_index, shape_scores
+from algorithms.core.rewards import kl_penalized_rewards, last_response_index, shape_scores
+from algorithms.specs import default_config, command_spec
 
 pytestmark = pytest.mark.unit
 
@@ -45,8 +46,8 @@ def test_shape_scores_scales_then_clips():
 
 
 def test_overlong_penalty_is_dapos_soft_punishment_and_the_config_checks_it():
-    from algorithms.ppo.rewards import overlong_penalty, run_scores
-    from xray.config import ConfigError, DEFAULT_CONFIGS, load_config
+    from algorithms.core.rewards import overlong_penalty, run_scores
+    from xray.config import ConfigError, load_config
     from xray.config.plan import plan_run
 
     lengths = torch.tensor([3, 12, 13, 14, 16, 20])
@@ -57,11 +58,11 @@ def test_overlong_penalty_is_dapos_soft_punishment_and_the_config_checks_it():
     random_lengths = torch.randint(0, 65, (100,), generator=g)  # veRL's: min(-(L - (limit - buffer)) / buffer * f, 0)
     verl = torch.clamp(-(random_lengths.float() - (64 - 16)) / 16 * 1.5, max=0.0)
     torch.testing.assert_close(overlong_penalty(random_lengths, 64, 16, 1.5), verl)
-    cfg = load_config(DEFAULT_CONFIGS["grpo"], [("rollout.max_new_tokens", 16), ("reward.overlong_buffer", 4),
+    cfg = load_config(default_config("grpo"), [("rollout.max_new_tokens", 16), ("reward.overlong_buffer", 4),
                                                 ("reward.scale", 2.0)])
     mask = (torch.arange(16)[None, :] < torch.tensor([[12], [16]])).float()
     assert run_scores(torch.tensor([1.0, 1.0]), mask, cfg).tolist() == [2.0, 1.0]  # scaled, then punished
-    plan_run(cfg, "megatron-vllm", "grpo")
+    plan_run(cfg, "megatron-vllm", command_spec("grpo"))
     for bad in ([("reward.overlong_buffer", 16)], [("reward.overlong_buffer", 4), ("reward.overlong_penalty", -1.0)]):
         with pytest.raises(ConfigError, match="reward.overlong_buffer"):
-            plan_run(load_config(DEFAULT_CONFIGS["grpo"], [("rollout.max_new_tokens", 16), *bad]), "megatron-vllm", "grpo")
+            plan_run(load_config(default_config("grpo"), [("rollout.max_new_tokens", 16), *bad]), "megatron-vllm", command_spec("grpo"))

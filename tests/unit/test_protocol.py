@@ -2,11 +2,11 @@
 import pytest
 import torch
 
+from xray import protocol
 from xray.backends.base import layout_of
 from xray.config.parallel import ParallelDims
 from xray.data.batch import Batch
-from xray.wholemodel import protocol
-from xray.wholemodel.protocol import DispatchError, fanout
+from xray.protocol import DispatchError, fanout
 
 pytestmark = pytest.mark.unit
 DIMS = ParallelDims(tp=2, pp=2, dp=2)

@@ -6,16 +6,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from algorithms.ppo.losses import rollout_gap
-from algorithms.ppo.trainer import policy_loss_of
+from xray.sync.end_to_end import rollout_gap
 from xray.backends.held import HeldCheck
-from xray.backends.quantize import FP8, fp8_difference, fp8_per_channel, offered, vllm_scheme
+from xray.backends.quantize import FP8, fp8_difference, fp8_per_channel
 from xray.config import ConfigError, load_config
+from xray.config.engines import engine
 from xray.config.plan import plan_run
 from xray.config.schema import SyncConfig
 from xray.data import columns as C
 from xray.sync import WeightSyncError
 from xray.sync.weights import check_exact, probe_tolerance
+from algorithms.specs import command_spec
 
 pytestmark = pytest.mark.unit
 ROOT = Path(__file__).resolve().parents[2]
@@ -77,15 +78,18 @@ def test_a_quantized_mismatch_fails_the_sync_naming_the_tensor():
 
 
 def test_schemes_per_device_and_what_is_refused():
-    assert vllm_scheme("none", "cpu") is None
-    assert vllm_scheme("fp8", "cpu") == "fp8_per_channel" and vllm_scheme("fp8", "cuda") == "fp8_per_tensor"
-    assert offered("cpu") == ("none", "fp8")
+    vllm = engine("vllm")
+    assert vllm.scheme("none", "cpu") is None
+    assert vllm.scheme("fp8", "cpu") == "fp8_per_channel" and vllm.scheme("fp8", "cuda") == "fp8_per_tensor"
+    assert vllm.offered("cpu") == ("none", "fp8")
     with pytest.raises(ValueError, match="int8 is unsupported on cpu.*NaN.*this device offers: none, fp8"):
-        vllm_scheme("int8", "cpu")
+        vllm.scheme("int8", "cpu")
+    with pytest.raises(ValueError, match="fp8 is unsupported on cpu.*this device offers: none$"):
+        engine("dsinfer").scheme("fp8", "cpu")
 
 
 def _plan(*argv: str, config: str = TINY, backend: str = "megatron-vllm"):
-    return plan_run(load_config(config, list(argv)), backend)
+    return plan_run(load_config(config, list(argv)), backend, command_spec("ppo"))
 
 
 def test_plan_takes_fp8_on_a_bf16_vllm_rollout_and_says_so():
@@ -109,9 +113,18 @@ def test_plan_refuses_what_is_unsupported_with_the_fix(argv, backend, needle):
 
 def test_a_quantized_rollout_turns_on_the_truncated_behaviour_weight():
     cfg = load_config(TINY, FP8_BF16)
-    loss = policy_loss_of(cfg)
+    loss = actor_loss(cfg)
     assert loss.behaviour_weight_cap == cfg.async_.behaviour_weight_cap and C.BEHAVIOUR_LOGPROBS in loss.reads
-    assert policy_loss_of(load_config(TINY)).behaviour_weight_cap is None
+    assert actor_loss(load_config(TINY)).behaviour_weight_cap is None
+
+
+def actor_loss(cfg):
+    """The actor's loss the run builds for `cfg` (`RLTrainer`'s facts, without starting models)."""
+    from xray.run.algorithm import LossFacts
+
+    off_policy = cfg.trainer.mode == "async" or cfg.rollout.quantization != "none"
+    facts = LossFacts(cfg.async_.behaviour_weight_cap if off_policy else None)
+    return command_spec("ppo").algorithm(cfg).losses(facts)["actor"]
 
 
 def test_rollout_gap_is_over_response_tokens_only():

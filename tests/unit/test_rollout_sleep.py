@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from xray.config import ConfigError
+from algorithms.specs import command_spec
 
 pytestmark = pytest.mark.unit
 ROOT = Path(__file__).resolve().parents[2]
@@ -134,7 +135,7 @@ def fake_models(log, cfg, plan, rows):
 
 @pytest.mark.parametrize("sleeps", [True, False])
 def test_ppo_step_sleeps_after_generating_and_wakes_before_the_sync(sleeps):
-    from algorithms.ppo.trainer import PPOTrainer
+    from xray.run.step import RLTrainer
     from xray.train import resolve
 
     _, cfg, plan, _, _ = resolve(["ppo", "--config", TINY, "--ppo.ppo_epochs=1", "--ppo.rollout_batch_size=32",
@@ -144,7 +145,7 @@ def test_ppo_step_sleeps_after_generating_and_wakes_before_the_sync(sleeps):
 
     def score(rows, responses):
         return torch.ones(len(responses)), None
-    trainer = PPOTrainer(cfg, models, score, pad_id=0, stop_ids=[1])
+    trainer = RLTrainer(cfg, models, score, pad_id=0, stop_ids=[1], algorithm=command_spec("ppo").algorithm(cfg))
 
     async def sync(exp, version):
         log.append("sync")
@@ -165,7 +166,7 @@ def test_ppo_step_sleeps_after_generating_and_wakes_before_the_sync(sleeps):
 
 
 def test_critic_free_step_sleeps_after_generating_and_wakes_before_the_sync():
-    from algorithms.critic_free.trainer import CriticFreeTrainer
+    from xray.run.step import RLTrainer
     from xray.train import resolve
 
     _, cfg, plan, _, _ = resolve(["grpo", "--config", str(ROOT / "configs/critic_free_tiny_cpu.yaml"),
@@ -173,8 +174,8 @@ def test_critic_free_step_sleeps_after_generating_and_wakes_before_the_sync():
                                   "--data.eval_size=8"])
     log: list[str] = []
     models = fake_models(log, cfg, dataclasses.replace(plan, rollout_sleep=True), rows=32)
-    trainer = CriticFreeTrainer(cfg, models, lambda rows, responses: (torch.arange(len(responses)).float(), None),
-                                pad_id=0, stop_ids=[1], algo="grpo")
+    trainer = RLTrainer(cfg, models, lambda rows, responses: (torch.arange(len(responses)).float(), None),
+                        pad_id=0, stop_ids=[1], algorithm=command_spec("grpo").algorithm(cfg))
 
     async def sync(exp, version):
         log.append("sync")
@@ -187,12 +188,12 @@ def test_critic_free_step_sleeps_after_generating_and_wakes_before_the_sync():
 
 
 def test_a_sync_overlaps_only_where_the_rollout_has_devices_of_its_own():
-    from algorithms.ppo.trainer import PPOTrainer
+    from xray.run.step import RLTrainer
     from xray.train import resolve
 
     for config, shared in ((GPU_1X, True), (GPU_8X, False), (TINY, False)):
         _, cfg, plan, _, _ = resolve(["ppo", "--config", config])
         assert plan.shares_devices("actor", "rollout") is shared
-        trainer = PPOTrainer(cfg, fake_models([], cfg, plan, rows=4), lambda rows, responses: None,
-                             pad_id=0, stop_ids=[1])
+        trainer = RLTrainer(cfg, fake_models([], cfg, plan, rows=4), lambda rows, responses: None,
+                            pad_id=0, stop_ids=[1], algorithm=command_spec("ppo").algorithm(cfg))
         assert trainer.overlap_sync is not shared

@@ -1,4 +1,4 @@
-"""The shared-memory transport's slots (`xray/sync/shm.py`), in one process, without Ray."""
+"""The shared-memory transport's slots (`xray/transport/shm.py`), in one process, without Ray."""
 from __future__ import annotations
 
 import os
@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from xray.sync import shm
-from xray.sync.faults import in_transit
-from xray.sync.weights import pack_bucket
+from xray.transport import shm
+from xray.transport.faults import in_transit
+from xray.transport.wire import pack_bucket
 
 pytestmark = [pytest.mark.unit, pytest.mark.skipif(not shm.SHM_DIR.is_dir(), reason="no /dev/shm")]
 

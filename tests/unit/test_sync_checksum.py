@@ -1,11 +1,11 @@
-"""The weight sync's checksum (`xray/sync/weights.py`) sees order: a change of order or offset of
+"""The weight sync's checksum (`xray/transport/wire.py`) sees order: a change of order or offset of
 a tensor's bytes in transit changes it, on the host (XXH3) and in the position-weighted form used
 in GPU memory (computed here on the CPU)."""
 import numpy as np
 import pytest
 import torch
 
-from xray.sync.weights import CHECKSUM_BLOCK, checksum, pack_bucket, position_weighted
+from xray.transport.wire import CHECKSUM_BLOCK, checksum, pack_bucket, position_weighted
 
 pytestmark = pytest.mark.unit
 

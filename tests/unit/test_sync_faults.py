@@ -1,5 +1,5 @@
 """Each way a weight sync can go wrong on its way is caught by the part of the verification meant
-for it (`xray/sync/faults.py` injects them): bytes reordered, exchanged or changed in transit by
+for it (`xray/transport/faults.py` injects them): bytes reordered, exchanged or changed in transit by
 the checksum, a tensor lost or never sent by the manifest, and an engine layer that computes with
 other weights than it was sent (transposed, rows exchanged, another layer's, the previous
 version's) by the functional check, in fp32 and bf16. The real engines are checked the same way in
@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from xray.backends.held import HeldCheck
-from xray.sync.faults import in_transit, on_export
-from xray.sync.manifest import incomplete, manifest_of
-from xray.sync.weights import changed_in_transit, pack_bucket
+from xray.sync.manifest import incomplete
+from xray.transport.faults import in_transit, on_export
+from xray.transport.wire import changed_in_transit, manifest_of, pack_bucket
 
 pytestmark = pytest.mark.unit
 

@@ -1,11 +1,12 @@
-"""On-policy distillation's advantage (`algorithms/critic_free/advantages.py`): the teacher's
+"""On-policy distillation's advantage (`algorithms/core/teacher.py`): the teacher's
 log-prob of each sampled token less the student's, by hand and as the Tinker cookbook's
 `advantages -= coef * mask * (sampled - teacher)` on random inputs; its metrics; where it joins
 GRPO's and PPO's advantages; and the config's teacher checks (`xray/config/distill.py`)."""
 import pytest
 import torch
 
-from algorithms.critic_free.advantages import grpo_advantages, per_token, teacher_advantages, teacher_metrics
+from algorithms.core.teacher import teacher_advantages, teacher_metrics
+from algorithms.critic_free.advantages import grpo_advantages, per_token
 
 pytestmark = pytest.mark.unit
 

@@ -1,9 +1,11 @@
-"""Plain text for `pt` (`xray.data.text`): every source form, the held-out split, packing into chunks."""
+"""Plain text for `pt` (`xray.data.text`, a built-in task's through `xray.builtin.sources`): every source
+form, the held-out split, packing into chunks."""
 import json
 
 import pytest
 
-from xray.data.text import TextDataError, pack_documents, read_documents, split_documents
+from xray.builtin.sources import read_documents
+from xray.data.text import TextDataError, pack_documents, split_documents
 from xray.data.tokenizer import build_char_tokenizer
 
 pytestmark = pytest.mark.unit

@@ -6,7 +6,7 @@ import torch
 
 from xray.data.batch import Batch
 from xray.data.wire import COPY_BELOW, Ragged
-from xray.wholemodel.protocol import DispatchError, PartsSlice, assemble, fanout, fanout_methods, remote_slices
+from xray.protocol import DispatchError, PartsSlice, assemble, fanout, fanout_methods, remote_slices
 
 pytestmark = pytest.mark.unit
 
@@ -84,7 +84,8 @@ def test_reads_declares_the_columns_shipped():
 
 
 def test_actor_and_critic_train_steps_ship_only_their_loss_columns():
-    from algorithms.ppo.losses import PolicyLoss, ValueLoss
+    from algorithms.core.policy_loss import PolicyLoss
+    from algorithms.ppo.value_loss import ValueLoss
     from xray.data import columns as C
     from xray.workhorse.base import train_step_columns
 

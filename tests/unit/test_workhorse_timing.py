@@ -4,7 +4,7 @@ import time
 import pytest
 
 from xray.config.parallel import ParallelDims
-from xray.wholemodel.protocol import fanout_methods
+from xray.protocol import fanout_methods
 from xray.workhorse.base import Workhorse
 from xray.workhorse.busy import covered_seconds
 

@@ -163,7 +163,7 @@ class GenerationEngine(ABC):
 
     def weight_names(self) -> dict | None:
         """The Hugging Face names a full sync must write ("needs") and the names this engine can
-        take ("takes"), for the completeness check of `xray.sync.weights.check_complete`; None
+        take ("takes"), for the completeness check of `xray.sync.manifest.check_complete`; None
         where the engine takes an adapter alone or does not say."""
         return None
 

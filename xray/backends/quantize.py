@@ -1,9 +1,11 @@
-"""Quantized rollout weights (`rollout.quantization`): what each device's vLLM offers, the scheme
-vLLM knows it by, and our own reference of the per-channel fp8 quantization vLLM applies.
+"""Quantized rollout weights (`rollout.quantization`): our own reference of the per-channel fp8
+quantization vLLM applies, and the comparison of what an engine holds with it.
 
-Read by the plan (`xray/config/plan.py`: refuse what a device does not offer, before anything
-starts), by the vLLM engine (`xray/backends/vllm.py`: build with the scheme, then compare what it
-holds after every sync), and by the held check (`xray/backends/held.py`). No vLLM import here.
+Which schemes each device's vLLM offers, and from which dtypes, are facts of the engine registry
+(`xray/config/engines.py`: read by the plan, to refuse what a device does not offer before
+anything starts, and by the vLLM engine, `xray/backends/vllm.py`, to build with the scheme). This
+module is read by the held check (`xray/backends/held.py`, `xray/backends/vllm_held.py`) after
+every sync. No vLLM import here.
 
 The reference (`fp8_per_channel`) follows vLLM's online `fp8_per_channel` arithmetic step by
 step, so that an engine that quantized the tensors it was sent holds exactly its result, code for
@@ -16,51 +18,13 @@ from __future__ import annotations
 
 import torch
 
-QUANTIZATIONS = ("none", "fp8", "int8")
-"""The values of `rollout.quantization`."""
-
-VLLM_SCHEMES = {
-    "cpu": {"fp8": "fp8_per_channel"},
-    # vLLM's online fp8 on GPU: `fp8` no longer quantizes online, `fp8_per_tensor` does (with a
-    # Marlin fallback on GPUs without fp8). Not run here (no vLLM on the lent GPU machine).
-    "cuda": {"fp8": "fp8_per_tensor"},
-}
-"""Per device, each supported `rollout.quantization` and the vLLM scheme that implements it."""
-
 CHECKED_SCHEMES = ("fp8_per_channel",)
 """Schemes whose held weights are compared with our reference; a layer quantized otherwise is
 counted as unreadable (not passed)."""
 
-WHY_NOT = {
-    "int8": "vLLM's int8 (W8A8) runs from a prepared checkpoint (llmcompressor, not installed), and an "
-            "int8 engine whose weights are reloaded in place gives NaN without an error: each sync would "
-            "have to rebuild the engine (2-6 s)",
-}
-"""Why a quantization is refused everywhere (`offered` lists what is left)."""
-
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 """float8_e4m3fn's largest finite value."""
-QUANT_DTYPES = ("bfloat16", "float16")
-"""The engine dtypes vLLM quantizes from online (float32 is refused when the engine is built)."""
-
-
-def offered(device: str) -> tuple[str, ...]:
-    """The `rollout.quantization` values a vLLM rollout on `device` (cpu or cuda) supports."""
-    return ("none", *VLLM_SCHEMES[device])
-
-
-def vllm_scheme(quantization: str, device: str) -> str | None:
-    """The vLLM `quantization=` argument for `rollout.quantization` on `device` (None: unquantized).
-    ValueError, saying what the device offers, for anything else."""
-    if quantization == "none":
-        return None
-    scheme = VLLM_SCHEMES.get(device, {}).get(quantization)
-    if scheme is None:
-        why = WHY_NOT.get(quantization, "it is not implemented")
-        raise ValueError(f"rollout.quantization={quantization} is unsupported on {device} ({why}); "
-                         f"this device offers: {', '.join(offered(device))}")
-    return scheme
 
 
 def fp8_per_channel(weight: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

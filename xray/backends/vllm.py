@@ -15,7 +15,7 @@ train, `wake_up()` takes it back before the next generation or weight load. vLLM
 not support sleep mode, so on CPU it stays off and `sleep()` does nothing.
 
 A quantized engine (`quantization="fp8"`, `rollout.quantization`) is built with vLLM's online fp8
-scheme for the device (`xray/backends/quantize.py`): vLLM quantizes each linear layer as it loads
+scheme for the device (the registry's, `xray/config/engines.py`): vLLM quantizes each linear layer as it loads
 it, and again at every in-place reload, so after a sync it holds the quantized form of the new
 weights; `_check_held` compares those codes and scales with our own quantization of the tensors
 sent.
@@ -36,7 +36,6 @@ import torch
 
 from xray.backends.base import GenerationEngine, WeightBucket
 from xray.backends.held import HeldCheck
-from xray.backends.quantize import QUANT_DTYPES, vllm_scheme
 from xray.backends.sampling import SamplingSpec, call_seed, rollout_batch
 from xray.backends.vllm_adapter import AdapterSlot
 from xray.backends.vllm_adapter import engine_kwargs as adapter_engine_kwargs
@@ -44,6 +43,7 @@ from xray.backends import vllm_moe
 from xray.backends.vllm_held import ReloadLedger, check_model, fused_layer_of
 from xray.backends.expert_names import moe_block_of
 from xray.backends.vllm_moe import Routing
+from xray.config.engines import engine as engine_row
 from xray.config.lora import LoraConfig
 from xray.data.batch import Batch
 
@@ -87,7 +87,7 @@ class VllmEngineConfig:
     @property
     def scheme(self) -> str | None:
         """vLLM's `quantization=` argument (None: unquantized)."""
-        return vllm_scheme(self.quantization, self.device)
+        return engine_row("vllm").scheme(self.quantization, self.device)
 
     def llm_kwargs(self) -> dict[str, Any]:
         kwargs = dict(model=self.model_dir, dtype=self.dtype, seed=self.seed,
@@ -131,7 +131,7 @@ def _prepare_environment(config: VllmEngineConfig) -> None:
             config.scheme
         except ValueError as exc:
             raise VllmEngineError(str(exc)) from None
-        if config.dtype not in QUANT_DTYPES:
+        if config.dtype not in engine_row("vllm").quant_dtypes:
             raise VllmEngineError(f"quantization={config.quantization} with dtype={config.dtype}: vLLM quantizes "
                                   "online from bf16 or fp16 weights only; build the engine with dtype='bfloat16' "
                                   "(rollout.dtype: bfloat16)")
@@ -203,7 +203,7 @@ class FusedLayerStager:
     `add` returns the tensors that are ready to reload now, in arrival order. An MoE block (router,
     experts, shared expert) is one layer, whole when every expert's projections have arrived,
     fused or one by one (`Routing.units`). What it holds back it copies: a bucket's memory may be
-    reused once its load returns (`xray/sync/shm.py`).
+    reused once its load returns (`xray/transport/shm.py`).
     """
 
     def __init__(self, names: list[str], routing: Routing | None = None):

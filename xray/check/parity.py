@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from xray.backends import load_backend
+from xray.config.engines import engine, names
 from xray.config.optim import OptimConfig
 from xray.config.parallel import LayoutError, ParallelDims
 from xray.wholemodel.cluster import shutdown_ray
@@ -39,7 +40,7 @@ class ParityResult:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--backend", choices=("megatron", "deepspeed"), required=True)
+    p.add_argument("--backend", choices=names("train"), required=True)
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--dp", type=int, default=1)
@@ -53,10 +54,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def check_before_start(backend: str, model_dir: str, parallel: ParallelDims) -> None:
     """Layout errors surface here, before any Workhorse starts."""
-    if backend == "megatron":
-        load_backend("megatron").check_layout(model_dir, parallel)
-    elif parallel.tp != 1 or parallel.pp != 1:
-        raise LayoutError("the deepspeed backend has no tensor or pipeline parallelism; use --tp 1 --pp 1")
+    e = engine(backend, "train")
+    if e.checks_layout:
+        load_backend(backend).check_layout(model_dir, parallel)
+    if (parallel.tp != 1 and not e.tensor_parallel) or (parallel.pp != 1 and not e.pipeline_parallel):
+        raise LayoutError(f"the {backend} backend has no tensor or pipeline parallelism; use --tp 1 --pp 1")
 
 
 def run_parity(backend: str, model_dir: str, parallel: ParallelDims, zero: int = 3, seq_len: int = 24,
@@ -74,7 +76,7 @@ def run_parity(backend: str, model_dir: str, parallel: ParallelDims, zero: int =
     micro = 2
     hf = load_hf(model_dir)
     batch = random_batch(parallel.dp * micro * 2, seq_len, hf.config.vocab_size, seed=1)
-    extra = {"zero_stage": zero} if backend == "deepspeed" else {}
+    extra = {"zero_stage": zero} if engine(backend).zero else {}
     wm = WholeModel(TrainWorkhorse, role="actor", parallel=parallel, ray_address=ray_address,
                     init_kwargs=dict(backend=backend, model_dir=model_dir, optim=optim, **extra))
     try:
@@ -109,7 +111,7 @@ def main(args: argparse.Namespace) -> int:
     result = run_parity(args.backend, model_dir, parallel, args.zero, args.seq_len, args.lr, args.ray_address)
     shutdown_ray()  # no Workhorse log line may land after the figures
     layout = f"tp={parallel.tp} pp={parallel.pp} dp={parallel.dp}" + \
-        (f" zero={args.zero}" if args.backend == "deepspeed" else "")
+        (f" zero={args.zero}" if engine(args.backend).zero else "")
     print(f"{args.backend} {layout} on {model_dir}")
     print(f"per-token log-probs vs Hugging Face: max abs diff {result.max_abs_logprob_diff:.3e} "
           f"(tolerance {LOGPROB_TOL:g})")

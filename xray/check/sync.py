@@ -12,7 +12,7 @@ import asyncio
 import tempfile
 from pathlib import Path
 
-from xray.backends import split_pair
+from xray.config.engines import PAIRS, engine, split_pair
 from xray.config.optim import OptimConfig
 from xray.config.parallel import ParallelDims
 from xray.config.schema import SyncConfig
@@ -20,7 +20,7 @@ from xray.wholemodel.cluster import shutdown_ray
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--backend", default="megatron-vllm", help="TRAIN-GENERATION pair, e.g. megatron-vllm")
+    p.add_argument("--backend", default=PAIRS[0], help=f"TRAIN-GENERATION pair: {', '.join(PAIRS)}")
     p.add_argument("--tp", type=int, default=1, help="the actor's tensor-parallel size (megatron)")
     p.add_argument("--dp", type=int, default=1, help="the actor's data-parallel size")
     p.add_argument("--replicas", type=int, default=1, help="rollout engine replicas")
@@ -42,11 +42,11 @@ def main(args: argparse.Namespace) -> int:
     train_backend, gen_backend = split_pair(args.backend)
     model_dir = args.model or str(build_tiny_model(Path(tempfile.mkdtemp(prefix="xray-sync-")) / "tiny"))
     actor_dims = ParallelDims(tp=args.tp, dp=args.dp)
-    if train_backend == "megatron":
+    if engine(train_backend).checks_layout:
         from xray.backends import load_backend
 
-        load_backend("megatron").check_layout(model_dir, actor_dims)
-    extra = {"zero_stage": 3} if train_backend == "deepspeed" else {}
+        load_backend(train_backend).check_layout(model_dir, actor_dims)
+    extra = {"zero_stage": 3} if engine(train_backend).zero else {}
     actor = WholeModel(TrainWorkhorse, role="actor", parallel=actor_dims, ray_address=args.ray_address,
                        init_kwargs=dict(backend=train_backend, model_dir=model_dir,
                                         optim=OptimConfig(lr=1e-3), **extra))

@@ -17,12 +17,8 @@ from xray.config.schema import RunConfig
 from xray.config.typed import ConfigError, build, to_dict
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
-DEFAULT_CONFIGS = {"ppo": CONFIG_DIR / "ppo_tiny_cpu.yaml", "sft": CONFIG_DIR / "ppo_tiny_cpu.yaml",
-                   "pt": CONFIG_DIR / "ppo_tiny_cpu.yaml",
-                   "rm": CONFIG_DIR / "ppo_tiny_cpu.yaml",
-                   "sample": CONFIG_DIR / "sample_tiny_cpu.yaml", "distill": CONFIG_DIR / "critic_free_tiny_cpu.yaml",
-                   **{algo: CONFIG_DIR / "critic_free_tiny_cpu.yaml" for algo in ("grpo", "rloo", "reinforce_pp")},
-                   "opd": CONFIG_DIR / "opd_tiny_cpu.yaml"}
+"""The shipped configs; each command's spec names its default there (`xray.config.job.JobSpec.config`)."""
+
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
@@ -48,4 +44,4 @@ def load_config(path: str | Path, overrides: list[str] | list[tuple[str, Any]] =
 
 
 __all__ = ["ConfigError", "LayoutError", "ParallelDims", "RunConfig", "load_config", "to_dict",
-           "DEFAULT_CONFIGS", "read_yaml"]
+           "CONFIG_DIR", "read_yaml"]

@@ -3,16 +3,16 @@
 Sits between the config and the runtime. Without `elasticity`, the mini-batch (sequences per
 optimizer step, all replicas) is `ppo.mini_batch_size` and each role's micro-batch its
 `micro_batch_size`. A trained role with an `elasticity` block takes both from DeepSpeed's
-arithmetic (`xray/backends/elastic.py`) for its current device count: micro-batch x accumulation
+arithmetic (`xray/config/elasticity.py`) for its current device count: micro-batch x accumulation
 x data-parallel size, the actor's product being the mini-batch. A device group holding such a
 role is elastic: its size may move within [min_gpus, max_gpus] (and at most its ranks) while the
-run goes on (`algorithms/ppo/elastic.py`), and the plan checks every size it may take.
+run goes on (`xray/run/recovery/elastic.py`), and the plan checks every size it may take.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from xray.backends.elastic import ElasticityError, device_batch, scaled_lr
+from xray.config.elasticity import ElasticityError, device_batch, scaled_lr
 from xray.config.parallel import ParallelDims
 from xray.config.schema import RunConfig
 from xray.config.typed import ConfigError

@@ -2,7 +2,7 @@
 
 Sits in the config layer. With `env.name` set, every rollout of a PPO, GRPO, RLOO or REINFORCE++
 step is an episode against that environment (`xray/env/base.py`), played by the episode runner
-(`xray/run/episodes.py`) on the rollout engine: the model's turns and the environment's
+(`xray/run/episodes/runner.py`) on the rollout engine: the model's turns and the environment's
 observations make one token-exact trajectory, trained on the model's tokens only, scored by the
 environment's rewards (summed) instead of `reward.function`. Unset: one completion per sample,
 as before.

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from xray.config.engines import engine, labels, names
 from xray.config.typed import ConfigError
 
 BALANCING = ("none", "aux_loss", "seq_aux_loss")
@@ -56,23 +57,20 @@ class MoeConfig:
         return self.load_balancing != "none"
 
 
-VLLM_ROUTING_WHY = (
-    "vLLM 0.32 reports the experts it chose (enable_return_routed_experts) only with its Model Runner V2, "
-    "which needs Triton and so a GPU, and xray does not read them from it yet")
-
-
-def check_routing_replay(cfg, gen_backend: str, algo: str, critic_free: tuple[str, ...]) -> None:
-    """`actor.moe.routing_replay` against the run (`cfg`: its RunConfig); ValueError naming the fix."""
+def check_routing_replay(cfg, gen_backend: str, command: str, replays: bool) -> None:
+    """`actor.moe.routing_replay` against the run (`cfg`: its RunConfig) of `command`, whose spec
+    allows replay or not (`replays`); ValueError naming the fix."""
     if any(getattr(cfg, role).moe.routing_replay for role in ("critic", "reference")):
         raise MoeConfigError("moe.routing_replay is the actor's (its forwards replay the rollout's routing); "
                              "set it on actor.moe only")
     if not cfg.actor.moe.routing_replay:
         return
-    if gen_backend != "dsinfer":
-        raise MoeConfigError(f"actor.moe.routing_replay with the {gen_backend} rollout: {VLLM_ROUTING_WHY}; use "
-                             "--backend <train>-dsinfer (it runs the Hugging Face model and reports its routing), "
-                             "or set it false (rollout_logprob_gap_mean shows what routing differences cost)")
-    off = [why for why, on in ((f"{algo} (critic-free commands only)", algo not in critic_free),
+    if not engine(gen_backend).reports_routing:
+        why = engine(gen_backend).no_routing
+        raise MoeConfigError(f"actor.moe.routing_replay with the {gen_backend} rollout: {why}; use --backend "
+                             f"<train>-{'|'.join(names('generation', 'reports_routing'))} (a rollout that reports its "
+                             "routing), or set it false (rollout_logprob_gap_mean shows what routing differences cost)")
+    off = [why for why, on in ((f"{command} (critic-free commands only)", not replays),
                                ("trainer.mode async", cfg.trainer.mode != "sync"), ("env episodes", cfg.env.episodes),
                                ("actor.packing", cfg.actor.packing)) if on]
     if off:
@@ -83,15 +81,18 @@ def check_routing_replay(cfg, gen_backend: str, algo: str, critic_free: tuple[st
 def check_experts(role: str, rc, train_backend: str) -> None:
     """A role's expert parallelism and router options against its backend (`rc`: its RoleConfig);
     ValueError naming the fix."""
-    moe: MoeConfig = rc.moe
-    if train_backend == "deepspeed" and moe.load_balancing == "seq_aux_loss":
-        raise MoeConfigError(f"{role}.moe.load_balancing=seq_aux_loss is Megatron's; the deepspeed backend's "
-                             "Hugging Face models compute aux_loss: use that, or --backend megatron-*")
+    moe, e = rc.moe, engine(train_backend)
+    if moe.load_balancing not in e.load_balancing:
+        theirs = [n for n in names("train") if moe.load_balancing in engine(n).load_balancing]
+        owners = " and ".join(engine(n).label for n in theirs)
+        raise MoeConfigError(f"{role}.moe.load_balancing={moe.load_balancing} is {owners}'s; "
+                             f"the {e.name} backend computes {', '.join(e.load_balancing[1:])}: use that, or "
+                             f"--backend {'|'.join(theirs)}-*")
     if rc.ep == 1:
         return
-    if train_backend != "megatron":
-        raise MoeConfigError(f"{role}.ep={rc.ep}: expert parallelism runs on Megatron; set --{role}.ep=1 or use "
-                             "--backend megatron-*")
+    if not e.expert_parallel:
+        raise MoeConfigError(f"{role}.ep={rc.ep}: expert parallelism runs on {labels('train', 'expert_parallel')}; "
+                             f"set --{role}.ep=1 or use --backend {'|'.join(names('train', 'expert_parallel'))}-*")
     if rc.ep < 1 or rc.dp % rc.ep:
         raise MoeConfigError(f"{role}.ep={rc.ep} must divide {role}.dp={rc.dp}: the experts split over "
                              f"data-parallel replicas; choose ep among the divisors of {rc.dp}")

@@ -11,13 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from xray.backends import split_pair
-from xray.backends.elastic import ElasticityError
-from xray.backends.quantize import QUANT_DTYPES, vllm_scheme
 from xray.config.batches import check_batch_info, elastic_ranges, role_lr, train_batches
-from xray.config.critic_free import CRITIC_FREE, check_critic_free, kl_placement
-from xray.config.distill import check_teacher, teacher_needed
+from xray.config.elasticity import ElasticityError
+from xray.config.engines import REWARD_FUNCTION, REWARD_MODEL, engine, labels, names, playing, split_pair
 from xray.config.graph import build_graph
+from xray.config.job import JobSpec
 from xray.config.moe import check_experts, check_routing_replay
 from xray.config.packing import Packs, describe_packs, node_packs, spans, whole_replicas
 from xray.config.parallel import LayoutError, ParallelDims
@@ -34,8 +32,8 @@ class RolePlan:
     role: str
     """actor, critic, reference, reward, rollout; sampler, prm, orm (the sample job)."""
     backend: str
-    """megatron, deepspeed, vllm, dsinfer, hf-reward (a reward model), or fn-reward (a reward
-    function in a process of its own)."""
+    """The engine playing it, a row of `xray/config/engines.py`: megatron, deepspeed, vllm, dsinfer,
+    hf-reward (a reward model), or fn-reward (a reward function in a process of its own)."""
     group: str
     """Device group name."""
     device: str
@@ -151,55 +149,32 @@ class Plan:
 
 
 
-SUPERVISED = ("sft", "distill", "pt")
-"""Commands that train the actor alone on fixed data (the `sft` section's steps, batch and lr)."""
-
-
-def needed_roles(cfg: RunConfig, algo: str = "ppo") -> tuple[str, ...]:
-    """The roles a run of `algo` starts: a critic-free run has no critic, and no reference when
-    its KL is off (`critic_free.kl_in: none`) or the actor trains LoRA adapters (`actor.lora`: the
-    actor with its adapters off gives the reference log-probs)."""
-    if algo in SUPERVISED:
-        return ("actor",)
-    if algo == "sample":
-        return ("sampler", *(("prm",) if cfg.sample.prm_model else ()),
-                *(("orm",) if cfg.reward.function or cfg.reward.model else ()))
-    if algo == "rm":
-        return ("critic",)
-    roles = ["rollout", "actor", "critic", "reference"]
-    if algo in CRITIC_FREE:
-        roles = ["rollout", "actor"] + (["reference"] if kl_placement(cfg, algo) != "none" else [])
-    if cfg.actor.lora is not None and "reference" in roles:
-        roles.remove("reference")  # the actor with its adapters off is the reference
-    if cfg.reward.model:
-        roles.append("reward")
-    return tuple(roles) + (("teacher",) if teacher_needed(cfg, algo) else ())
-
-
-def _check_sample(cfg: RunConfig) -> None:
-    groups, s = cfg.device_groups, cfg.sample
-    if groups.group_of("prm") is not None and not s.prm_model:
-        raise ConfigError("device_groups: role 'prm' is placed but sample.prm_model is not set; set it to a "
-                          "sequence-classification directory, or remove 'prm' from its group's workers")
-    if groups.group_of("orm") is not None and not (cfg.reward.function or cfg.reward.model):
-        raise ConfigError("device_groups: role 'orm' is placed but the reward has neither function nor model; "
-                          "set reward.function or reward.model, or remove 'orm' from its group's workers")
-    if s.n_best < 1 or s.batch_prompts < 1 or s.num_prompts < 0:
-        raise ConfigError(f"sample: n_best={s.n_best} and batch_prompts={s.batch_prompts} must be at least 1, "
-                          f"num_prompts={s.num_prompts} at least 0 (0: every prompt)")
-    if s.batch_prompts % cfg.rollout.dp:
-        raise ConfigError(f"sample.batch_prompts={s.batch_prompts} is not divisible by the {cfg.rollout.dp} sampler "
-                          "replicas (rollout.dp); use a multiple of it")
-    if not s.step_separator:
-        raise ConfigError("sample.step_separator is empty; give the text that ends a step, e.g. '\\n'")
+def check_teacher(cfg: RunConfig, spec: JobSpec, needed: tuple[str, ...]) -> None:
+    """The teacher's cross-field checks (it scores the student's samples where the spec's roles
+    name it); a ConfigError that says the fix."""
+    t = cfg.teacher
+    if cfg.distill.teacher_coef < 0:
+        raise ConfigError(f"distill.teacher_coef={cfg.distill.teacher_coef} must be >= 0 (0: no teacher)")
+    if "teacher" not in needed:
+        if spec.kind == "rl" and cfg.device_groups.group_of("teacher") is not None:  # (sft: a warm start)
+            raise ConfigError(f"device_groups: {spec.name} starts no teacher (distill.teacher_coef is 0); remove "
+                              "'teacher' from its group's workers, or set --distill.teacher_coef")
+        return
+    if not t.model_path:
+        raise ConfigError("the teacher scores the student's samples: set teacher.model_path to a Hugging Face "
+                          "directory with the student's tokenizer, or builtin:tiny-llama-teacher")
+    if t.lora is not None or t.elasticity is not None:
+        raise ConfigError("teacher: it never trains and keeps its devices; remove teacher.lora and teacher.elasticity")
 
 
 def _role_dims(cfg: RunConfig, role: str, train_backend: str, size: int) -> ParallelDims:
     if role in TRAINED_ROLES:
         rc = getattr(cfg, role)
-        if train_backend == "deepspeed" and (rc.tp != 1 or rc.pp != 1):
-            raise ConfigError(f"{role}.tp/{role}.pp: the deepspeed backend has no tensor or pipeline "
-                              f"parallelism; set --{role}.tp=1 --{role}.pp=1, or use --backend megatron-*")
+        e = engine(train_backend)
+        if (rc.tp != 1 and not e.tensor_parallel) or (rc.pp != 1 and not e.pipeline_parallel):
+            raise ConfigError(f"{role}.tp/{role}.pp: the {e.name} backend has no tensor or pipeline "
+                              f"parallelism; set --{role}.tp=1 --{role}.pp=1, or use --backend "
+                              f"{'|'.join(names('train', 'pipeline_parallel'))}-*")
         budget = rc.max_tokens_per_micro_batch
         if (budget is not None or rc.packing) and (rc.pp > 1 or (budget is not None and budget < 1)):
             raise ConfigError(f"{role}.max_tokens_per_micro_batch and {role}.packing need {role}.pp=1 (a pipeline "
@@ -257,20 +232,21 @@ def _check_sampling(cfg: RunConfig, plan: Plan, role: str = "rollout") -> None:
     if not 0.0 < share <= 1.0:
         raise ConfigError(f"rollout.gpu_memory_utilization={share}: give the share of a GPU's memory, in (0, 1]")
     shared = [r.role for r in plan.roles if r.group == placed.group and r.role in TRAINED_ROLES]
-    if placed.device == "GPU" and placed.backend == "vllm" and shared and share > 0.5:
+    e = engine(placed.backend)
+    if placed.device == "GPU" and e.memory_share and shared and share > 0.5:
         raise ConfigError(f"rollout.gpu_memory_utilization={share} leaves too little of the GPUs {', '.join(shared)} "
-                          "share with the rollout (vLLM takes that share at start); set it to 0.5 or less")
-    if plan.role(role).backend == "vllm" and not 0.0 <= cfg.rollout.temperature <= 2.0:
-        raise ConfigError(f"rollout.temperature={cfg.rollout.temperature}: vLLM samples at temperatures from 0 "
-                          "to 2; choose one in that range")
+                          f"share with the rollout ({e.label} takes that share at start); set it to 0.5 or less")
+    if e.max_temperature is not None and not 0.0 <= cfg.rollout.temperature <= e.max_temperature:
+        raise ConfigError(f"rollout.temperature={cfg.rollout.temperature}: {e.label} samples at temperatures from 0 "
+                          f"to {e.max_temperature:g}; choose one in that range")
 
 
 def _why_no_sleep(cfg: RunConfig, gen_backend: str, device: str) -> str | None:
     """Why the rollout engine cannot sleep in this run (None: it can)."""
-    if gen_backend != "vllm":
-        return f"only the vllm rollout can sleep, this run's is {gen_backend}"
+    if not engine(gen_backend).sleeps:
+        return f"only the {' or '.join(names('generation', 'sleeps'))} rollout can sleep, this run's is {gen_backend}"
     if device != "GPU":
-        return "vLLM's sleep mode needs a GPU (it is unsupported on CPU)"
+        return f"{engine(gen_backend).label}'s sleep mode needs a GPU (it is unsupported on CPU)"
     if cfg.trainer.mode != "sync":
         return "an asynchronous run generates while it trains"
     return None
@@ -295,17 +271,19 @@ def rollout_quantization(cfg: RunConfig, gen_backend: str, device: str) -> str |
     q = cfg.rollout.quantization
     if q == "none":
         return None
-    if gen_backend != "vllm":
-        raise ConfigError(f"rollout.quantization={q}: only the vLLM rollout quantizes, this run's is {gen_backend}; "
-                          "set rollout.quantization=none, or use a vLLM pair (--backend megatron-vllm)")
+    e = engine(gen_backend)
+    if not e.quant_schemes:
+        raise ConfigError(f"rollout.quantization={q}: only the {labels('generation', 'quant_schemes')} rollout "
+                          f"quantizes, this run's is {gen_backend}; set rollout.quantization=none, or use a pair "
+                          f"with it (--backend <train>-{'|'.join(names('generation', 'quant_schemes'))})")
     try:
-        scheme = vllm_scheme(q, "cuda" if device == "GPU" else "cpu")
+        scheme = e.scheme(q, "cuda" if device == "GPU" else "cpu")
     except ValueError as exc:
         raise ConfigError(f"{exc}; set --rollout.quantization to one of them") from None
     dtype = cfg.rollout.dtype or cfg.model.dtype
-    if dtype not in QUANT_DTYPES:
-        raise ConfigError(f"rollout.quantization={q} with a {dtype} rollout: vLLM quantizes online from bf16 weights "
-                          "only; set --rollout.dtype=bfloat16 (the trained roles keep model.dtype)")
+    if dtype not in e.quant_dtypes:
+        raise ConfigError(f"rollout.quantization={q} with a {dtype} rollout: {e.label} quantizes online from bf16 "
+                          "weights only; set --rollout.dtype=bfloat16 (the trained roles keep model.dtype)")
     if cfg.actor.lora is not None:
         raise ConfigError(f"rollout.quantization={q} with actor.lora: an adapter-only sync into a quantized engine "
                           "is not supported; set rollout.quantization=none, or train without actor.lora")
@@ -372,13 +350,13 @@ def _quantization_of(cfg: RunConfig, roles: list[RolePlan], gen_backend: str) ->
     return rollout_quantization(cfg, gen_backend, generating[0].device) if generating else None
 
 
-def _lora_sync(cfg: RunConfig, algo: str, gen_backend: str) -> str | None:
+def _lora_sync(cfg: RunConfig, spec: JobSpec, gen_backend: str) -> str | None:
     """How an RL run with `actor.lora` syncs the rollout (see `Plan.lora_sync`); refuses what LoRA
     does not support yet."""
     if cfg.reference.lora is not None:
         raise ConfigError("reference.lora: the reference never trains (a LoRA run takes its log-probs from the actor "
                           "with its adapters off); remove reference.lora")
-    if cfg.actor.lora is None or algo not in ("ppo", *CRITIC_FREE):
+    if cfg.actor.lora is None or spec.kind != "rl":
         return None
     if cfg.trainer.mode != "sync":
         raise ConfigError("actor.lora with trainer.mode=async: staged weight syncs do not carry adapters yet; "
@@ -386,12 +364,12 @@ def _lora_sync(cfg: RunConfig, algo: str, gen_backend: str) -> str | None:
     if cfg.actor.elasticity is not None:
         raise ConfigError("actor.lora with actor.elasticity: an elastic LoRA actor is not supported yet; "
                           "remove one of them")
-    return "adapters" if gen_backend == "vllm" else "merged"
+    return engine(gen_backend).lora_sync
 
 
-def _elastic_plans(cfg: RunConfig, algo: str) -> tuple[ElasticPlan, ...]:
+def _elastic_plans(cfg: RunConfig, spec: JobSpec) -> tuple[ElasticPlan, ...]:
     """Each elastic group's sizes and the actor's batch at each (`xray/config/batches.py`)."""
-    if algo != "ppo":
+    if not spec.elastic:
         return ()
     out = []
     for er in elastic_ranges(cfg, cfg.device_groups):
@@ -412,16 +390,16 @@ def _elastic_plans(cfg: RunConfig, algo: str) -> tuple[ElasticPlan, ...]:
     return tuple(out)
 
 
-def _check_env(cfg: RunConfig, algo: str) -> None:
+def _check_env(cfg: RunConfig, spec: JobSpec) -> None:
     """Episodes (`env.name` or `env.agent`) are played by PPO and the critic-free steps of a
     synchronous run; an environment's (`env.name`) also by an asynchronous run's makers."""
     try:
         cfg.env.check()
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    if algo not in ("ppo", *CRITIC_FREE):
-        raise ConfigError(f"env.name or env.agent is set but {algo} plays no episodes; unset it, or run ppo, "
-                          f"{', '.join(CRITIC_FREE)}")
+    if spec.kind != "rl":
+        raise ConfigError(f"env.name or env.agent is set but {spec.name} plays no episodes; unset it, or run an RL "
+                          "command (ppo, grpo, ...)")
     if cfg.trainer.mode != "sync" and cfg.env.agent:
         raise ConfigError("env.agent: an agent's episodes are played by synchronous runs only so far (the "
                           "endpoint serves the driver's rollout); set trainer.mode=sync, or give an environment "
@@ -430,44 +408,42 @@ def _check_env(cfg: RunConfig, algo: str) -> None:
         raise ConfigError("env: the environment's or agent's rewards score the episodes; set reward.model=null")
 
 
-def plan_run(cfg: RunConfig, backend: str, algo: str = "ppo") -> Plan:
-    """Check `cfg` for a run of `algo` with `backend` (e.g. `megatron-vllm`); return its placement."""
+def plan_run(cfg: RunConfig, backend: str, spec: JobSpec) -> Plan:
+    """Check `cfg` for a run of the command `spec` (its roles and checks: `xray/config/job.py`) with
+    `backend` (e.g. `megatron-vllm`); return its placement."""
     train_backend, gen_backend = split_pair(backend)
     groups = cfg.device_groups
     if not groups.groups:
         raise ConfigError("device_groups: no groups; add one with device, ranks and workers")
-    check_routing_replay(cfg, gen_backend, algo, CRITIC_FREE)
-    if algo in CRITIC_FREE:
-        check_critic_free(cfg, algo)
-    check_teacher(cfg, algo)
-    if algo == "sample":
-        _check_sample(cfg)
+    check_routing_replay(cfg, gen_backend, spec.name, spec.routing_replay)
+    spec.check(cfg)
+    needed = spec.roles(cfg)
+    check_teacher(cfg, spec, needed)
     if cfg.env.episodes:
-        _check_env(cfg, algo)
+        _check_env(cfg, spec)
     buffer, limit = cfg.reward.overlong_buffer, cfg.rollout.max_new_tokens
     if buffer and (cfg.env.episodes or not 0 < buffer < limit or cfg.reward.overlong_penalty < 0):
         raise ConfigError(f"reward.overlong_buffer={buffer} needs 0 < buffer < rollout.max_new_tokens={limit}, a penalty "
                           ">= 0 and no env (an episode's budget counts observations); set it to 0 to turn it off")
-    if algo in ("ppo", *CRITIC_FREE) and cfg.trainer.report and "jsonl" not in cfg.trainer.loggers:
+    if spec.kind == "rl" and cfg.trainer.report and "jsonl" not in cfg.trainer.loggers:
         raise ConfigError("trainer.report draws the metrics of metrics.jsonl: keep jsonl in trainer.loggers, "
                           "or set trainer.report=false")
-    needed = needed_roles(cfg, algo)
     for role in needed:
         if groups.group_of(role) is None:
             raise ConfigError(f"device_groups: role {role!r} is placed in no group; add it to one "
                               "group's workers")
-    if algo not in (*SUPERVISED, "sample") and not cfg.reward.model and groups.group_of("reward") is not None:
+    if spec.kind in ("rl", "reward_model") and not cfg.reward.model and groups.group_of("reward") is not None:
         raise ConfigError("device_groups: role 'reward' is placed but reward.model is not set; "
                           "set reward.model to a sequence-classification directory or remove 'reward'")
     if cfg.reward.model and cfg.reward.function:
         raise ConfigError("reward: both function and model are set; set reward.function=null to use "
                           "the model, or drop reward.model")
     roles = []
+    rewards = (REWARD_MODEL, REWARD_FUNCTION) if cfg.reward.model else (REWARD_FUNCTION, REWARD_MODEL)  # orm's
     for role in needed:
         g = groups.group_of(role)
         assert g is not None
-        backend_of = {"rollout": gen_backend, "sampler": gen_backend, "reward": "hf-reward", "prm": "hf-reward",
-                      "orm": "hf-reward" if cfg.reward.model else "fn-reward"}.get(role, train_backend)
+        backend_of = playing(role, (train_backend, gen_backend, *rewards))
         try:
             dims = _role_dims(cfg, role, train_backend, g.size)
         except LayoutError as exc:
@@ -479,8 +455,8 @@ def plan_run(cfg: RunConfig, backend: str, algo: str = "ppo") -> Plan:
                 nproc_per_node=groups.nproc_per_node, nnodes=groups.nnodes,
                 rollout_sleep="rollout" in needed and rollout_sleeps(cfg, gen_backend),
                 rollout_quantization=_quantization_of(cfg, roles, gen_backend),
-                lora_sync=_lora_sync(cfg, algo, gen_backend), elastic=_elastic_plans(cfg, algo))
-    checks = {**{a: _check_sft_batches for a in SUPERVISED}, "rm": _check_rm_batches,
-              "sample": lambda c, p: _check_sampling(c, p, "sampler")}
-    checks.get(algo, _check_batches)(cfg, plan)
+                lora_sync=_lora_sync(cfg, spec, gen_backend), elastic=_elastic_plans(cfg, spec))
+    checks = {"supervised": _check_sft_batches, "reward_model": _check_rm_batches,
+              "best_of_n": lambda c, p: _check_sampling(c, p, "sampler"), "rl": _check_batches}
+    checks[spec.kind](cfg, plan)
     return plan

@@ -10,9 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Union
 
-from xray.backends.elastic import ElasticityConfig
 from xray.config.critic_free import CriticFreeConfig
 from xray.config.distill import DistillConfig
+from xray.config.elasticity import ElasticityConfig
 from xray.config.env import EnvConfig
 from xray.config.lora import LoraConfig
 from xray.config.moe import MoeConfig
@@ -186,6 +186,12 @@ class PPOConfig:
     loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
     """How the policy loss's per-token terms are reduced: over tokens, or per sequence (summed or
     averaged over its tokens) then over sequences."""
+    policy_loss: Literal["vanilla", "gspo", "cispo"] = "vanilla"
+    """The actor's policy loss, by its registered name (`algorithms/policy_losses`): vanilla (PPO's
+    clipped token ratio), gspo (one clipped ratio per sequence, the geometric mean of its tokens';
+    the paper's clip ranges are tiny, 3e-4 and 4e-4, and its aggregation seq-mean-token-mean),
+    cispo (MiniMax-M1's REINFORCE with the ratio clipped and detached as a weight; cliprange >= 1:
+    no lower bound, as the paper)."""
     target_kl: Optional[float] = None
     """Stop a step's PPO epochs early once an epoch's mean approx KL to the old policy exceeds this."""
     max_approx_kl: Optional[float] = None
@@ -399,9 +405,10 @@ class TrainerConfig:
     exit_grace_s: float = 10.0
     """Seconds a step under way may take to finish after a signal before it is abandoned."""
     max_restarts: int = 2
-    """Times a run (synchronous or asynchronous) replaces a dead Workhorse's model and goes on (see
-    `algorithms/ppo/recovery.py`); one more death ends the run. A run that may restart takes a
-    flash checkpoint of step 0 to go back to."""
+    """Recoveries a run may make, all kinds together (a dead Workhorse's model replaced, a failed
+    experience maker replaced, an asynchronous run sent back to its checkpoint: one restart budget
+    for the whole run, `xray/run/recovery/policy.py`); one more death ends the run. A run that may
+    restart takes a flash checkpoint of step 0 to go back to."""
     log_every: int = 1
     """Write metrics every this many steps."""
     eval_every: int = 0

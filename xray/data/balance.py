@@ -3,7 +3,7 @@ so that each part costs about the same.
 
 Sits in the data layer, beside length grouping (`xray/data/lengths.py`); the PPO and critic-free
 trainers order each mini-batch's rows with it before the data-parallel slice
-(`algorithms.ppo.trainer.balanced_rows`), which the mini-batch's loss totals make exact
+(`xray.run.step.balanced_rows`), which the mini-batch's loss totals make exact
 (`xray.data.lengths.with_totals`). Why: data-parallel ranks wait
 for each other at every gradient reduction, so a step lasts as long as its most expensive rank.
 Equal row counts are not equal work when lengths vary: with one row in eight four times as long,

@@ -4,8 +4,8 @@ steps; veRL's dynamic batch size, OpenRLHF's `max_tokens_per_gpu`).
 
 A micro-batch's cost is its rows times its longest row (what a padded forward computes); rows go
 longest first, so a micro-batch of long rows holds few and one of short rows holds many, each cut
-down to its own longest row (`xray.data.lengths.trimmed`). A row longer than the budget goes
-alone: it cannot be split.
+down to its own longest row (`trimmed`, which the length-grouped micro-batches of
+`xray.data.lengths` use too). A row longer than the budget goes alone: it cannot be split.
 
 Where every forward and backward is collective across data-parallel ranks (ZeRO-3 gathers each
 layer's parameters), every rank must run the same number of micro-batches: the engine agrees on
@@ -26,7 +26,6 @@ import torch
 
 from xray.data import columns as C
 from xray.data.batch import Batch, BatchError
-from xray.data.lengths import trimmed
 
 
 def budget_groups(lengths: torch.Tensor, max_tokens: int, count: int | None = None,
@@ -77,6 +76,18 @@ def _first_fit(order: list[int], sizes: list[int], max_tokens: int) -> list[list
         groups[j].append(i)
         totals[j] += sizes[i]
     return groups
+
+
+def trimmed(batch: Batch, length: int) -> Batch:
+    """The batch with its `[B, T]` columns cut to `length` and its `[B, T-1]` columns to
+    `length - 1` (other columns as they are)."""
+    width = batch[C.ATTENTION_MASK].shape[1]
+    if length >= width:
+        return batch
+    keep = {width: length, width - 1: max(length - 1, 0)}
+    tensors = {k: (v[:, :keep[v.shape[1]]].contiguous() if v.dim() >= 2 and v.shape[1] in keep else v)
+               for k, v in batch.tensors.items()}
+    return Batch(tensors, dict(batch.lists), dict(batch.meta))
 
 
 def forward_micro_batches(batch: Batch, max_tokens: int, agree: Callable[[int], int] | None = None,

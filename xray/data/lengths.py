@@ -30,6 +30,7 @@ import torch
 
 from xray.data import columns as C
 from xray.data.batch import Batch, BatchError
+from xray.data.budget import budget_groups, trimmed
 
 NORM = "loss_norm"
 """Meta key of a grouped micro-batch: its `LossNorm`."""
@@ -106,18 +107,6 @@ def micro_batches_of(batch: Batch, groups: list[torch.Tensor], trim: bool = True
     return micro
 
 
-def trimmed(batch: Batch, length: int) -> Batch:
-    """The batch with its `[B, T]` columns cut to `length` and its `[B, T-1]` columns to
-    `length - 1` (other columns as they are)."""
-    width = batch[C.ATTENTION_MASK].shape[1]
-    if length >= width:
-        return batch
-    keep = {width: length, width - 1: max(length - 1, 0)}
-    tensors = {k: (v[:, :keep[v.shape[1]]].contiguous() if v.dim() >= 2 and v.shape[1] in keep else v)
-               for k, v in batch.tensors.items()}
-    return Batch(tensors, dict(batch.lists), dict(batch.meta))
-
-
 def train_micro_batches(batch: Batch, loss_fn: Any, size: int, trim: bool = True, replicas: int = 1,
                         max_tokens: int | None = None, agree: Callable[[int], int] | None = None,
                         packed: bool = False) -> list[Batch]:
@@ -130,8 +119,6 @@ def train_micro_batches(batch: Batch, loss_fn: Any, size: int, trim: bool = True
     without padding, as the engine will pack it (`xray.data.packing`)."""
     if getattr(loss_fn, "by_length", False):
         if max_tokens is not None:
-            from xray.data.budget import budget_groups
-
             _require_columns(batch)
             lengths = batch[C.ATTENTION_MASK].sum(1)
             groups = budget_groups(lengths, max_tokens, packed=packed)

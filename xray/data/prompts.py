@@ -1,5 +1,6 @@
-"""Prompts for a run: read from a JSONL file, a Parquet file, a Hugging Face `datasets` directory
-(`save_to_disk`) or a built-in task (`builtin:arith`), tokenised once, with every other column kept.
+"""Prompts for a run: read from a JSONL file, a Parquet file or a Hugging Face `datasets` directory
+(`save_to_disk`), tokenised once, with every other column kept. A built-in task (`builtin:arith`)
+writes its splits as JSONL files first (`xray.builtin.sources.load_prompt_splits`, a layer above).
 
 The driver samples rows from a `PromptSet`, sends `prompt_ids` to the rollout, and hands the rows'
 `prompts` and `extras` to the reward function (TRL's convention: the other columns become keyword
@@ -15,7 +16,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from xray.config.schema import DataConfig
 
 log = logging.getLogger(__name__)
 
@@ -195,27 +195,6 @@ def load_prompts(path: str | Path, tokenizer, prompt_field: str = "prompt", max_
         log.warning("%d of %d prompts in %s were longer than %d tokens and were truncated from the left",
                     truncated, len(rows), path, max_prompt_tokens)
     return PromptSet(prompts, ids, extras, where, truncated)
-
-
-def load_prompt_splits(config: DataConfig, tokenizer, workdir: str | Path,
-                       chat_template: Optional[bool] = None) -> tuple[PromptSet, PromptSet]:
-    """Train and held-out eval prompts. A built-in task writes its two splits as JSONL files under
-    `workdir` and they are read back through `load_prompts`; a user file keeps its last
-    `config.eval_size` rows for evaluation."""
-    kwargs = dict(prompt_field=config.prompt_field, max_prompt_tokens=config.max_prompt_tokens,
-                  on_long_prompt=config.on_long_prompt, chat_template=chat_template)
-    if config.path.startswith("builtin:"):
-        from xray.builtin.tasks import get_task
-
-        files = get_task(config.path).write(Path(workdir), eval_size=config.eval_size)
-        return load_prompts(files.train, tokenizer, **kwargs), load_prompts(files.eval, tokenizer, **kwargs)
-    everything = load_prompts(config.path, tokenizer, **kwargs)
-    n = len(everything)
-    if config.eval_size < 0 or config.eval_size >= n:
-        raise PromptDataError(f"{config.path} has {n} rows, too few to hold out data.eval_size={config.eval_size} "
-                              f"for evaluation and train on the rest; set data.eval_size below {n}")
-    cut = n - config.eval_size
-    return everything.select(range(cut)), everything.select(range(cut, n))
 
 
 class PromptSampler:

@@ -3,9 +3,10 @@
 Documents come from `data.path`: the `text` column (`pt.text_field`) of a JSONL or Parquet file
 or a `datasets` directory (read as prompts are, `xray.data.prompts.read_rows`), a `.txt` file (one
 document), a directory of `.txt` files (one document each), or a built-in task (`builtin:arith`:
-each row's prompt followed by its answer). A seeded `pt.eval_fraction` of the documents is held
-out. Each split is tokenized, joined with EOS after every document and cut into chunks of
-`pt.seq_len` tokens (the tail shorter than a chunk is dropped), as pre-training packs its data.
+each row's prompt followed by its answer, `xray.builtin.sources.read_documents`, a layer above).
+A seeded `pt.eval_fraction` of the documents is held out. Each split is tokenized, joined with
+EOS after every document and cut into chunks of `pt.seq_len` tokens (the tail shorter than a
+chunk is dropped), as pre-training packs its data.
 """
 from __future__ import annotations
 
@@ -19,10 +20,8 @@ class TextDataError(ValueError):
     """Text data that cannot be read or packed; says what to give instead."""
 
 
-def read_documents(path: str, text_field: str, workdir: Path, eval_size: int) -> list[str]:
-    """Every document of `path` (see the module docstring), in file order."""
-    if path.startswith("builtin:"):
-        return _builtin_documents(path, workdir, eval_size)
+def file_documents(path: str, text_field: str) -> list[str]:
+    """Every document of the file or directory `path` (see the module docstring), in file order."""
     source = Path(path)
     if not source.exists():
         raise TextDataError(f"text data {source} does not exist; set data.path to a .txt file, a directory of "
@@ -52,17 +51,6 @@ def _column(source: Path, text_field: str) -> list[str]:
         raise TextDataError(f"{missing[0]} has no text column {text_field!r} (a string); set pt.text_field to "
                             f"the column that holds the text (this row has {sorted(rows[0])})")
     return [r[text_field] for r in rows]
-
-
-def _builtin_documents(path: str, workdir: Path, eval_size: int) -> list[str]:
-    import json
-
-    from xray.builtin.tasks import get_task
-
-    task = get_task(path)
-    files = task.write(Path(workdir), eval_size)
-    rows = [json.loads(line) for f in (files.eval, files.train) for line in f.read_text().splitlines() if line]
-    return [f"{r['prompt']}{r[task.answer_field]}" for r in rows]
 
 
 def split_documents(docs: list[str], eval_fraction: float, seed: int) -> tuple[list[str], list[str]]:

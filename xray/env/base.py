@@ -112,7 +112,7 @@ class ToolEnv:
 
     @property
     def stop(self) -> tuple[str, ...]:
-        """Where a model turn ends (`xray/run/episodes.py`): a call's closing tag, so that the tool
+        """Where a model turn ends (`xray/run/episodes/runner.py`): a call's closing tag, so that the tool
         answers before the model writes on."""
         from xray.env.tools import ToolFormat
 

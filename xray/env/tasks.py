@@ -12,7 +12,7 @@ write every call and read every answer.
 calculator tool and the compact call format (`xray/env/tools.py`), scored by `calculator_reward`;
 `demonstration` / `demonstration_ids` give the episode above as text segments or as token ids with
 a loss mask on the model's tokens only: what a supervised warm start trains on, laid out exactly as
-`xray/run/episodes.py` lays out a trajectory (prompt, each turn ending with end-of-sequence, each
+`xray/run/episodes/runner.py` lays out a trajectory (prompt, each turn ending with end-of-sequence, each
 answer tokenized alone).
 """
 from __future__ import annotations

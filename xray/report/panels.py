@@ -2,8 +2,8 @@
 
 The run report (`xray.report`) walks `PANELS` in order; a panel whose metrics the run did not
 record (a critic-free run has no value loss, an asynchronous one no `time/*`) is left out. Keys
-are the metric names the trainers write to `metrics.jsonl` (`algorithms/ppo/trainer.py`,
-`algorithms/critic_free/trainer.py`, `algorithms/ppo/detached.py`), or glob patterns over them.
+are the metric names the trainers write to `metrics.jsonl` (`xray/run/step.py`,
+`xray/run/detached/trainer.py`, the algorithms' `targets`), or glob patterns over them.
 """
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ class Panel:
 
 PHASES = ("time/generate_s", "time/rollout_sleep_s", "time/score_s", "time/train_s", "time/rollout_wake_s",
           "time/sync_s", "time/*")
-"""A step's phases in the order they run (`PhaseTimer` in `algorithms/ppo/trainer.py`), then any other."""
+"""A step's phases in the order they run (`PhaseTimer` in `xray/run/step.py`), then any other."""
 
 PANELS: tuple[Panel, ...] = (
     Panel("reward", "Reward", "score", ("reward/mean",), kind="band", spread="reward/std",

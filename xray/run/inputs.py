@@ -10,9 +10,10 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from xray.builtin.sources import load_prompt_splits
 from xray.builtin.tiny_llama import BUILTIN_MODEL
 from xray.config.schema import RunConfig
-from xray.data.prompts import PromptSampler, PromptSet, load_prompt_splits
+from xray.data.prompts import PromptSampler, PromptSet
 from xray.rewards.loader import RewardScorer
 from xray.run.outputs import RunDir
 

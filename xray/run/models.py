@@ -4,7 +4,7 @@ Each role gets its section of the config and the bundles of its device group (ro
 share devices). Models start concurrently: each WholeModel's Workhorses build while the others
 build, so a run's start-up costs about its slowest model, not the sum. `Models.replace` starts one
 role anew on its devices (a Workhorse died); `Models.release` and `place` start a device group's
-roles anew on another number of devices (elastic data parallelism, `algorithms/ppo/elastic.py`).
+roles anew on another number of devices (elastic data parallelism, `xray/run/recovery/elastic.py`).
 Both keep each model's WholeModel actor and restart only its Workhorses (`WholeModel.restart`),
 unless that actor was lost with its node: then a new WholeModel starts.
 """
@@ -17,14 +17,14 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional
 
 from xray.config.batches import TRAINED, role_lr, role_parallel, train_batches
+from xray.config.engines import engine
 from xray.config.env import response_tokens
 from xray.config.packing import node_packs
 from xray.config.plan import Plan, RolePlan, rollout_sleeps
 from xray.config.schema import RunConfig
 from xray.config.typed import ConfigError
 from xray.wholemodel import WholeModel
-from xray.wholemodel.handle import Bundles
-from xray.wholemodel.placement import release_all, reserve, reserve_plan
+from xray.wholemodel.placement import Bundles, release_all, reserve, reserve_plan
 from xray.workhorse.roles import workhorse_class
 
 log = logging.getLogger(__name__)
@@ -70,7 +70,7 @@ class Models:
 
     def release(self, group: str) -> None:
         """Stop the roles of device `group` and give its devices back to the cluster (elastic
-        resizing, `algorithms/ppo/elastic.py`; `place` starts them again)."""
+        resizing, `xray/run/recovery/elastic.py`; `place` starts them again)."""
         roles = [r for r in self.plan.roles if r.group == group]
         with ThreadPoolExecutor(max_workers=len(roles)) as pool:  # their WholeModel actors stay
             list(pool.map(lambda r: _stop(getattr(self, r.role), r.role, keep_actor=True), roles))
@@ -141,7 +141,7 @@ def resized(plan: Plan, group: str, devices: int, cfg: RunConfig) -> Plan:
 def reserve_elastic(cfg: RunConfig, plan: Plan) -> tuple[Plan, dict[str, Bundles]]:
     """Reserve every device group: a fixed one at its size (waiting for it), an elastic one at the
     largest size its bounds allow that the cluster grants now (`elasticity`: a run may start below
-    its configured size and grow as devices join, `algorithms/ppo/elastic.py`); the plan resized."""
+    its configured size and grow as devices join, `xray/run/recovery/elastic.py`); the plan resized."""
     from xray.config.batches import elastic_ranges
     from xray.wholemodel.placement import PlacementError, free_devices
 
@@ -203,12 +203,14 @@ def role_init_kwargs(cfg: RunConfig, role: str, backend: str, model_dir: str) ->
         r = cfg.rollout
         kwargs = dict(backend=backend, model_dir=model_dir, dtype=r.dtype or cfg.model.dtype,
                       max_model_len=cfg.data.max_prompt_tokens + response_tokens(cfg) + 8)
-        if backend == "vllm":
-            kwargs.update(kv_cache_gib=r.kv_cache_gib, gpu_memory_utilization=r.gpu_memory_utilization,
-                          quantization=r.quantization)  # the plan refused it for any other backend
-        if backend == "vllm" and role == "rollout" and cfg.actor.lora is not None:
+        e = engine(backend)
+        if e.memory_share:
+            kwargs.update(kv_cache_gib=r.kv_cache_gib, gpu_memory_utilization=r.gpu_memory_utilization)
+        if e.quant_schemes:
+            kwargs["quantization"] = r.quantization  # the plan refused it for any other backend
+        if e.lora_sync == "adapters" and role == "rollout" and cfg.actor.lora is not None:
             kwargs["lora"] = cfg.actor.lora  # it serves the actor's adapter, synced alone
-        if backend == "vllm" and role == "rollout":  # the sampler never sleeps: nothing trains beside it
+        if e.sleeps and role == "rollout":  # the sampler never sleeps: nothing trains beside it
             kwargs["sleep_mode"] = rollout_sleeps(cfg, backend)
         if cfg.actor.moe.routing_replay and role == "rollout":  # dsinfer: the plan refused the others
             kwargs["report_routing"] = True
@@ -222,7 +224,7 @@ def role_init_kwargs(cfg: RunConfig, role: str, backend: str, model_dir: str) ->
     rc = getattr(cfg, role)
     kwargs: dict[str, Any] = dict(backend=backend, model_dir=rc.model_path or model_dir, optim=rc.optim,
                                   forward_micro_batch_size=rc.micro_batch_size, dtype=cfg.model.dtype)
-    if backend == "deepspeed":
+    if engine(backend).zero:
         kwargs["zero_stage"] = rc.zero_stage
     if rc.max_tokens_per_micro_batch is not None:
         kwargs["max_tokens_per_micro_batch"] = rc.max_tokens_per_micro_batch
@@ -256,13 +258,13 @@ def check_layouts(cfg: RunConfig, plan: Plan, model_dir: str) -> None:
     if any(r.role == "teacher" for r in plan.roles) and teacher and not teacher.startswith("builtin:"):
         check_teacher_vocab(teacher, model_dir)
     for r in plan.roles:
-        if r.backend != "megatron":
+        if not engine(r.backend).checks_layout:
             continue
         directory = getattr(cfg, r.role).model_path or model_dir
         if directory.startswith("builtin:"):  # a built-in teacher: checked once built (`build_models`)
             continue
         try:
-            load_backend("megatron").check_layout(directory, r.parallel)
+            load_backend(r.backend).check_layout(directory, r.parallel)
         except ValueError as exc:
             raise ConfigError(f"{r.role}: {exc}") from None
 

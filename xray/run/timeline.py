@@ -1,6 +1,6 @@
 """A per-role timeline of one training step, as a Chrome trace (`<output-dir>/timeline.json`).
 
-Run machinery, beside `xray.run.outputs`: the RL run loop (`algorithms/ppo/run.py`) asks a
+Run machinery, beside `xray.run.outputs`: the RL run loop (`xray/run/loop.py`) asks a
 `StepTimeline` to `begin` just before step `trainer.timeline_step` and to `end` just after it.
 `begin` drains every WholeModel's busy record (`busy_time()`, a fan-out to all its Workhorses);
 `end` collects what each Workhorse was busy with during the step and writes the trace.

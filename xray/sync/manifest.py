@@ -1,30 +1,22 @@
 """The complete part of a weight sync's verification: was every tensor sent, loaded once, and
 written where the engine needs it?
 
-The actor's exporting shard lists every tensor it sends (`manifest_of`: name, dtype, shape, byte
-count) and returns that manifest with its push (`TrainWorkhorse.push_weights`, `stage_weights`).
-Each rollout replica reports, at `finish_sync`, the names it loaded in order, the names its engine
-needs written by a full sync and can take (`GenerationEngine.weight_names`, with the other names
-that write some of them: an MoE block's experts sent fused where the checkpoint has one tensor per
-expert), and what it still
-holds back (vLLM: a fused layer whose parts did not all arrive). `check_complete` compares them
-and fails the sync naming what is missing, extra, loaded twice or not reloaded. Used by
-`xray/sync/weights.py` before the exact checks.
+The actor's exporting shard lists every tensor it sends (`xray.transport.wire.manifest_of`: name,
+dtype, shape, byte count) and returns that manifest with its push (`TrainWorkhorse.push_weights`,
+`stage_weights`). Each rollout replica reports, at `finish_sync`, the names it loaded in order,
+the names its engine needs written by a full sync and can take (`GenerationEngine.weight_names`,
+with the other names that write some of them: an MoE block's experts sent fused where the
+checkpoint has one tensor per expert), and what it still holds back (vLLM: a fused layer whose
+parts did not all arrive). `check_complete` compares them and fails the sync naming what is
+missing, extra, loaded twice or not reloaded. Used by `xray/sync/weights.py` before the exact
+checks.
 """
 from __future__ import annotations
 
 from collections import Counter
 
-from xray.backends.base import WeightBucket
-
-Manifest = list[tuple[str, str, tuple[int, ...], int]]
-"""One entry per tensor sent: (Hugging Face name, torch dtype name, shape, byte count)."""
-
-
-def manifest_of(bucket: WeightBucket) -> Manifest:
-    """The manifest entries of one bucket."""
-    return [(name, str(t.dtype).removeprefix("torch."), tuple(t.shape), t.numel() * t.element_size())
-            for name, t in bucket]
+from xray.sync.errors import WeightSyncError
+from xray.transport.wire import Manifest
 
 
 def _named(what: str, names) -> str:
@@ -67,8 +59,6 @@ def incomplete(manifest: Manifest | None, replica: dict, adapter: bool = False) 
 
 def check_complete(version: int, manifest: Manifest | None, replicas: list[dict], adapter: bool = False) -> None:
     """Raise `WeightSyncError` naming the first replica whose sync to `version` is incomplete."""
-    from xray.sync.weights import WeightSyncError
-
     for replica in replicas:
         problems = incomplete(manifest, replica, adapter)
         if problems:

@@ -2,24 +2,28 @@
 
 The actor's exporting shard streams full Hugging Face tensors in bounded buckets to every rollout
 replica (`TrainWorkhorse.push_weights`), which loads them in place and takes the new weight
-version. `sync.transport` picks the way: through the object store (below), through the exporting
-shard's own shared-memory slots (`xray/sync/shm.py`: one node, CPU), through its GPU buffers by
-CUDA IPC (`xray/sync/ipc.py`: the rollout on the actor's own GPU), over a process group of the
-exporting shard and the rollout shards (`xray/sync/group.py`: gloo on CPU, NCCL on GPU), or
+version. `sync.transport` picks the way, each a file of `xray/transport` holding its sender and
+receiver (this package is the driver's verified sync only): through the object store in the
+buckets' wire form (`xray/transport/wire.py`), through the exporting shard's own shared-memory
+slots (`xray/transport/shm.py`: one node, CPU), through its GPU buffers by CUDA IPC
+(`xray/transport/ipc.py`: the rollout on the actor's own GPU), over a process group of the
+exporting shard and the rollout shards (`xray/transport/pg.py`: gloo on CPU, NCCL on GPU), or
 `auto`: the slots when every rollout shard shares the exporting shard's node on CPU (the object
 store if /dev/shm has no room), CUDA IPC when every one shares its GPU (the object store when
-only some do), else the group. A staged sync (`stage` / `deliver`, asynchronous runs) always goes through the object
-store, which holds the version until every replica has taken it. A bucket travels in its wire form (`pack_bucket`): each tensor
-as a flat NumPy byte view, which Ray moves out of band, so putting a bucket costs one copy into
-the object store and reading it on the same node costs none (a pickled torch tensor is copied
-in band on both sides, several times slower).
+only some do), else the group. A staged sync (`stage` / `deliver`, asynchronous runs) always goes
+through the object store, which holds the version until every replica has taken it. A bucket
+travels in its wire form (`xray.transport.wire.pack_bucket`): each tensor as a flat NumPy byte
+view, which Ray moves out of band, so putting a bucket costs one copy into the object store and
+reading it on the same node costs none (a pickled torch tensor is copied in band on both sides,
+several times slower).
 
 Verification, unless the config turns it off (`sync.verify`), has three parts:
 - complete (`xray/sync/manifest.py`): the sender's manifest of every tensor against what each
   replica loaded, what its engine needs and takes, and what it never reloaded;
-- exact: each tensor travels with an order-sensitive checksum of its bytes (`checksum`),
-  recomputed on arrival (a tensor changed, reordered or shifted in transit), and each engine
-  checks every tensor it holds against what it was sent, in its own dtype
+- exact: each tensor travels with an order-sensitive checksum of its bytes
+  (`xray.transport.wire.checksum`), recomputed on arrival (a tensor changed, reordered or
+  shifted in transit), and each engine checks every tensor it holds against what it was sent,
+  in its own dtype
   (`xray/backends/held.py`): bit for bit where it can be read back, else by its own layer's
   product on a seeded input; any difference, and any tensor left unchecked, fails the sync;
 - end to end: a few probe sequences are scored by both sides, concurrently, the actor's per-token
@@ -27,7 +31,7 @@ Verification, unless the config turns it off (`sync.verify`), has three parts:
   and `sync.bf16_tolerance` when either is bf16 (two bf16 implementations of one model differ by
   far more than a missed update: there the exact part carries the proof). A run probes at its
   first sync, every `sync.probe_every` and its last; the next step's own rollout log-probs check
-  the others before it trains (`algorithms/ppo/trainer.py`).
+  the others before it trains (`xray/run/step.py`).
 With a quantized rollout (`rollout.quantization`), the exact part compares the engine's fp8 codes
 and scales with our own quantization of the tensors it received (`xray/backends/quantize.py`),
 code for code; the probe is kept as a loose sanity bound only (`QUANTIZED_PROBE_FACTOR` x
@@ -43,22 +47,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import warnings
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
-from xray.backends.base import WeightBucket
 from xray.config.schema import SyncConfig
 from xray.data import columns as C
 from xray.data.batch import Batch
+from xray.sync.errors import WeightSyncError
+from xray.sync.manifest import check_complete
 
 log = logging.getLogger(__name__)
-
-
-class WeightSyncError(RuntimeError):
-    """The rollout engine does not agree with the actor after a sync."""
 
 
 def check_exact(version: int, replicas: list[dict], manifest=None, adapter: bool = False) -> dict:
@@ -67,8 +66,6 @@ def check_exact(version: int, replicas: list[dict], manifest=None, adapter: bool
     in transit, held otherwise than sent (a quantized layer: otherwise than our quantization of
     what was sent) or left unchecked raises WeightSyncError. Returns the totals: tensors checked
     exactly and functionally, the dtypes the replicas hold, and whether any is quantized."""
-    from xray.sync.manifest import check_complete
-
     check_complete(version, manifest, replicas, adapter)
     transit = sorted({n for r in replicas for n in r.get("changed_in_transit", [])})
     held = sorted({n for r in replicas for n in r.get("held", {}).get("mismatched", [])})
@@ -122,88 +119,6 @@ class SyncReport:
     """Engine tensors left unchecked: always 0 in a verified sync (any fails it)."""
     transport: str = "objstore"
     """How the bytes travelled: "objstore", "shm", "ipc" or "pg" (`sync.transport`)."""
-
-
-# One tensor on the wire: (Hugging Face name, torch dtype name, shape, its bytes as a flat uint8
-# array, the checksum of those bytes).
-WireTensor = tuple[str, str, tuple[int, ...], "numpy.ndarray", int]
-
-
-def bytes_tensor(data) -> torch.Tensor:
-    """A uint8 tensor viewing a NumPy byte array (read-only memory: never write into it)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        return torch.from_numpy(data)
-
-
-def checksum(data) -> int:
-    """An order-sensitive checksum of a byte array (NumPy, or a torch uint8 tensor on any device).
-
-    In host memory: XXH3-64 of the bytes (a real hash: two rows swapped, bytes shifted by an
-    offset, any change of order or value changes it), at memory speed, as fast as a plain sum of
-    64-bit words (6.4 ms against 6.2 ms for 108 MB on the developers' CPU). In GPU memory (the
-    CUDA IPC and NCCL transports, whose two ends both hold the bytes on a GPU): a position-weighted
-    sum computed there, `position_weighted`."""
-    if isinstance(data, torch.Tensor) and data.device.type != "cpu":
-        return position_weighted(data)
-    import xxhash
-
-    array = data.numpy() if isinstance(data, torch.Tensor) else data
-    return xxhash.xxh3_64_intdigest(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
-
-
-CHECKSUM_BLOCK = 512
-"""Words per block of `position_weighted`."""
-
-
-def position_weighted(data: torch.Tensor) -> int:
-    """A checksum of a uint8 tensor that sees order, computed where the tensor lives: its bytes as
-    64-bit words w_i (the last < 8 bytes and the words past the last whole block of
-    `CHECKSUM_BLOCK` on their own), sum(w_i) + K x sum((i + 1) w_i) modulo 2^64 (K odd), the
-    weighted sum taken as block sums weighted by block and column sums weighted by column. Two
-    words swapped change it unless they hold the same value."""
-    whole = data.numel() // 8 * 8
-    head = data[:whole] if data.storage_offset() % 8 == 0 else data[:whole].clone()
-    words = head.view(torch.int64)
-    blocks = words.numel() // CHECKSUM_BLOCK
-    grid = words[:blocks * CHECKSUM_BLOCK].view(blocks, CHECKSUM_BLOCK)
-    rows, cols = grid.sum(1), grid.sum(0)
-    rest = words[blocks * CHECKSUM_BLOCK:]
-    at = lambda n, start: torch.arange(start, start + n, device=data.device, dtype=torch.int64)  # noqa: E731
-    weighted = (CHECKSUM_BLOCK * (rows * at(blocks, 0)).sum() + (cols * at(CHECKSUM_BLOCK, 1)).sum()
-                + (rest * at(rest.numel(), blocks * CHECKSUM_BLOCK + 1)).sum())
-    plain = words.sum() + data[whole:].to(torch.int64).sum()
-    return (int(plain) + 0x9E3779B97F4A7C15 * int(weighted)) % 2**64
-
-
-def pack_bucket(bucket: WeightBucket, checksums: bool = True) -> list[WireTensor]:
-    """The wire form of a bucket: byte views of the tensors (no copy for contiguous CPU tensors),
-    each with its checksum (None without `checksums`: an unverified sync, `sync.verify: false`,
-    whose receiver then checks nothing, `verified`)."""
-    wire = []
-    for name, tensor in bucket:
-        data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
-        wire.append((name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), data,
-                     checksum(data) if checksums else None))
-    return wire
-
-
-def verified(layout: list) -> bool:
-    """Whether a bucket's wire form or layout carries checksums (the last field of each entry):
-    the receiver checks it (checksums, what the engine holds) only then."""
-    return all(entry[-1] is not None for entry in layout)
-
-
-def unpack_bucket(wire: list[WireTensor]) -> WeightBucket:
-    """Tensors viewing the wire's bytes (read-only object-store memory on the receiving side:
-    load them by copying, never write into them)."""
-    return [(name, bytes_tensor(data).view(getattr(torch, dtype)).view(shape))
-            for name, dtype, shape, data, _ in wire]
-
-
-def changed_in_transit(wire: list[WireTensor]) -> list[str]:
-    """Names of the tensors whose bytes no longer match their checksum."""
-    return [name for name, _, _, data, sent in wire if sent is not None and checksum(data) != sent]
 
 
 def random_probe(model_dir: str | None, actor_dp: int, rollout_dp: int, seed: int, length: int = 16,
@@ -295,7 +210,7 @@ async def sync_weights(actor, rollout, version: int, cfg: SyncConfig, probe: lis
     replica at `version`, then verify (cfg.verify): the complete and exact parts always, the
     log-prob probe when `probe` sequences are given (a run gives them at its first sync, every
     `sync.probe_every` and its last: the next step's rollout log-probs check the others, before
-    that step trains on them, `algorithms/ppo/trainer.py`); `max_abs_logprob_diff` is NaN without.
+    that step trains on them, `xray/run/step.py`); `max_abs_logprob_diff` is NaN without.
 
     With `overlap`, everything is queued at once: the actor's probe forward runs on the actor as
     soon as its last bucket is sent, while the rollout replicas still load, and the engine's probe
@@ -305,7 +220,7 @@ async def sync_weights(actor, rollout, version: int, cfg: SyncConfig, probe: lis
     the actor's probe runs first, then the push and the engine's probe (both queued on the actor at
     once: it runs them in order, with no round trip to the caller between them). `actor_probe`:
     that forward over `probe` (a Pending), already queued by the caller right behind the actor's
-    last update (`PPOTrainer.train`), so the actor runs it while the caller still reads the
+    last update (`RLTrainer.train`), so the actor runs it while the caller still reads the
     update's answers."""
     probing = cfg.verify and bool(probe)
     t0 = time.perf_counter()
@@ -339,6 +254,24 @@ async def sync_weights(actor, rollout, version: int, cfg: SyncConfig, probe: lis
               pushed["bytes"] / 1e6, sync_s, verify_s, diff)
     held = (exact["exact"], exact["functional"]) if cfg.verify else (0, 0)
     return SyncReport(version, pushed["bytes"], sync_s, verify_s, diff, *held, 0, pushed["transport"])
+
+
+def sync_to(actor, rollout, verify: bool = True, tolerance: float = 1e-3, bucket_mb: int = 64) -> dict:
+    """Push the weights of `actor` (a WholeModel) into `rollout` (a vllm or dsinfer WholeModel) in
+    place, as the next weight version (`actor.pushed_version` + 1), and (with `verify`) check that
+    both score a few random probe sequences alike within `tolerance`: `sync_weights` for notebooks
+    and scripts, blocking. Returns the sync's figures (version, bytes, sync_s, verify_s,
+    max_abs_logprob_diff); a failed check raises WeightSyncError."""
+    import dataclasses
+
+    from xray.wholemodel.handle import blocking
+
+    actor.pushed_version += 1
+    version = actor.pushed_version
+    probe, prompt_lens = random_probe(actor.init_kwargs.get("model_dir"), actor.parallel.dp, rollout.parallel.dp,
+                                      seed=version)
+    cfg = SyncConfig(verify=verify, tolerance=tolerance, bucket_mb=bucket_mb)
+    return dataclasses.asdict(blocking(sync_weights(actor, rollout, version, cfg, probe, prompt_lens)))
 
 
 @dataclass

@@ -18,9 +18,9 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from xray import protocol
 from xray.backends.base import ShardInfo
 from xray.config.parallel import ParallelDims
-from xray.wholemodel import protocol
 from xray.wholemodel.errors import CallDeadlineExceeded, WholeModelError, WorkhorseDied
 from xray.wholemodel.pending import shard_failure
 from xray.wholemodel.standby import Standby, slot_node

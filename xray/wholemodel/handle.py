@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from dataclasses import dataclass
 from typing import Any
 
+from xray import protocol
 from xray.config.parallel import ParallelDims
-from xray.wholemodel import protocol
 from xray.wholemodel.cluster import ensure_ray
 from xray.wholemodel.pending import Pending
+from xray.wholemodel.placement import Bundles
 from xray.workhorse.quiet import workhorse_env
 
 log = logging.getLogger(__name__)
@@ -36,41 +36,6 @@ is larger than this (by `payload_bytes`); a smaller one, and any part that one s
 travels inside the shard's call (Ray itself stores an argument over 100 KiB). On the 2-core CI
 machine a `ray.put` and the fetch behind it cost about 2 ms a call, more than serializing a probe
 or a step's prompts once per shard."""
-
-
-@dataclass(frozen=True)
-class Bundles:
-    """Where a WholeModel's Workhorses go: one placement-group bundle per rank, in one placement
-    group or in several (`groups`: one per node pack, `xray/wholemodel/placement.py`)."""
-
-    placement_group: Any
-    """The placement group of every rank; with `groups`, that of rank 0."""
-    indices: tuple[int, ...]
-    """Each rank's bundle index in its placement group."""
-    share: int = 1
-    """How many roles share these devices (colocation): each Workhorse takes 1/share of one."""
-    groups: tuple[Any, ...] = ()
-    """Each rank's placement group, when the ranks' bundles are in several; empty: all in `placement_group`."""
-
-    def __post_init__(self) -> None:
-        if self.groups and len(self.groups) != len(self.indices):
-            raise ValueError(f"{len(self.groups)} placement groups given for {len(self.indices)} bundle indices; "
-                             "give one per rank")
-
-    def slots(self) -> list[tuple[Any, int]]:
-        """(placement group, bundle index) of each rank."""
-        return list(zip(self.groups or [self.placement_group] * len(self.indices), self.indices))
-
-    def placement_groups(self) -> list[Any]:
-        """The distinct placement groups, in rank order."""
-        return list({id(pg): pg for pg in (self.groups or (self.placement_group,))}.values())
-
-    def release(self) -> None:
-        """Give every placement group back to the cluster."""
-        import ray
-
-        for pg in self.placement_groups():
-            ray.util.remove_placement_group(pg)
 
 
 class _Method:
@@ -158,6 +123,8 @@ class WholeModel:
         self.methods = protocol.fanout_methods(workhorse_cls)
         self._cls, self._seed, self._threads = workhorse_cls, seed, threads
         self.init_kwargs = dict(init_kwargs or {})
+        self.pushed_version = 0
+        """The last weight version `xray.sync.sync_to` pushed from this model (0: none yet)."""
         self._own_pg = bundles is None
         if bundles is None:
             bundles = reserve(role, parallel.world_size, self.device, threads,
@@ -270,25 +237,6 @@ class WholeModel:
         users, distinct = Counter(id(p) for p in per_shard), {id(p): p for p in per_shard}
         packed = {key: _shared_or_inline(p, users[key]) for key, p in distinct.items()}
         return [packed[id(p)] for p in per_shard]
-
-    def sync_to(self, rollout: "WholeModel", verify: bool = True, tolerance: float = 1e-3,
-                bucket_mb: int = 64) -> dict:
-        """Push this model's weights into `rollout` (a vllm or dsinfer WholeModel) in place, as the
-        next weight version, and (with `verify`) check that both score a few random probe
-        sequences alike within `tolerance`. Returns the sync's figures (version, bytes, sync_s,
-        verify_s, max_abs_logprob_diff); a failed check raises WeightSyncError."""
-        import dataclasses
-
-        from xray.config.schema import SyncConfig
-        from xray.sync import sync_weights
-        from xray.sync.weights import random_probe
-
-        self._synced = getattr(self, "_synced", 0) + 1
-        probe, prompt_lens = random_probe(self.init_kwargs.get("model_dir"), self.parallel.dp,
-                                          rollout.parallel.dp, seed=self._synced)
-        report = blocking(sync_weights(self, rollout, self._synced, SyncConfig(verify=verify, tolerance=tolerance, bucket_mb=bucket_mb),
-                                       probe, prompt_lens))
-        return dataclasses.asdict(report)
 
     def replica(self, dp_rank: int) -> "WholeModel":
         """A view of one data-parallel replica (its TP/PP shards) as a model of dp=1: calls on it

@@ -5,7 +5,7 @@ their results: the bytes go from each Workhorse to whoever reads them, never thr
 WholeModel Ray actor. A `Pending` can be
 - awaited (`await p`) or waited on (`p.get()`): the shard results are fetched, failures become one
   `WholeModelError` (or `WorkhorseDied`) naming the ranks, and the collect rule of the method
-  (`xray.wholemodel.protocol.collect`) builds the answer on the caller's side;
+  (`xray.protocol.collect`) builds the answer on the caller's side;
 - passed as an argument of another WholeModel call (by reference): the receiving Workhorses fetch
   the parts they need themselves, and the caller never holds the data (`parts`).
 A call that passes its deadline cancels its unfinished shard tasks (`ray.cancel`): a task still
@@ -18,8 +18,8 @@ import asyncio
 import time
 from typing import Any, Sequence
 
+from xray import protocol
 from xray.backends.base import ShardInfo
-from xray.wholemodel import protocol
 from xray.wholemodel.errors import CallDeadlineExceeded, ShardFailure, WholeModelError, WorkhorseDied
 
 

@@ -9,6 +9,8 @@ there is room (a group larger than a node spans nodes, one whole replica per nod
 Every role placed on a group gets the same bundles, and its Workhorses take `1 / (roles in the
 group)` of each (colocation).
 
+A `Bundles` is what a WholeModel is handed (`xray/wholemodel/handle.py`): each rank's bundle.
+
 Ray, not the config, picks the node of each pack and the device of each Workhorse on it (it sets
 CUDA_VISIBLE_DEVICES): a group's `ranks` count its devices. Custom `resources` pin a group to the
 nodes started with them.
@@ -17,16 +19,51 @@ from __future__ import annotations
 
 import logging
 import uuid
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Any, Sequence
 
 from xray.config.packing import Packs
-from xray.wholemodel.handle import Bundles
 
 log = logging.getLogger(__name__)
 
 
 class PlacementError(RuntimeError):
     """The cluster cannot offer the devices a placement asks for."""
+
+
+@dataclass(frozen=True)
+class Bundles:
+    """Where a WholeModel's Workhorses go: one placement-group bundle per rank, in one placement
+    group or in several (`groups`: one per node pack, `reserve`)."""
+
+    placement_group: Any
+    """The placement group of every rank; with `groups`, that of rank 0."""
+    indices: tuple[int, ...]
+    """Each rank's bundle index in its placement group."""
+    share: int = 1
+    """How many roles share these devices (colocation): each Workhorse takes 1/share of one."""
+    groups: tuple[Any, ...] = ()
+    """Each rank's placement group, when the ranks' bundles are in several; empty: all in `placement_group`."""
+
+    def __post_init__(self) -> None:
+        if self.groups and len(self.groups) != len(self.indices):
+            raise ValueError(f"{len(self.groups)} placement groups given for {len(self.indices)} bundle indices; "
+                             "give one per rank")
+
+    def slots(self) -> list[tuple[Any, int]]:
+        """(placement group, bundle index) of each rank."""
+        return list(zip(self.groups or [self.placement_group] * len(self.indices), self.indices))
+
+    def placement_groups(self) -> list[Any]:
+        """The distinct placement groups, in rank order."""
+        return list({id(pg): pg for pg in (self.groups or (self.placement_group,))}.values())
+
+    def release(self) -> None:
+        """Give every placement group back to the cluster."""
+        import ray
+
+        for pg in self.placement_groups():
+            ray.util.remove_placement_group(pg)
 
 
 def device_bundle(device: str, threads: int = 1, resources: tuple = ()) -> dict[str, float]:

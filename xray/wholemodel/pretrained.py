@@ -6,51 +6,23 @@ a tp that does not divide the heads, a role the backend does not serve, a dtype 
 is caught here in milliseconds, with a message that names the fix, instead of after the
 Workhorses started. Defaults that fit together are filled in: the role from the backend, vLLM's
 `max_model_len` from the model's positions, ZeRO-3 for DeepSpeed, `optim` from a plain dict.
+What each backend serves and takes is its row of the engine registry (`xray/config/engines.py`).
 Only `json` and the config dataclasses are read here: no backend library is imported.
 """
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+from xray.config.engines import Engine, EngineError, engine, names
 from xray.config.optim import OptimConfig
 from xray.config.parallel import LayoutError, ParallelDims
 
 
 class PretrainedError(ValueError):
     """A `from_pretrained` call that cannot work as written; the message says the fix."""
-
-
-@dataclass(frozen=True)
-class BackendKind:
-    """What one backend serves and takes."""
-
-    roles: tuple[str, ...]
-    """Roles it can play; the first is the default."""
-    options: tuple[str, ...]
-    """Engine keyword arguments it accepts."""
-    dtypes: tuple[str, ...] = ("float32",)
-    """dtypes it runs in."""
-    tensor_parallel: bool = False
-    """Whether tp (and pp) may exceed 1."""
-
-
-TRAIN_ROLES = ("actor", "critic", "reference")
-BACKENDS = {
-    "hf": BackendKind(("actor", "reference"), ("optim",)),
-    "megatron": BackendKind(TRAIN_ROLES, ("optim", "attention", "forward_micro_batch_size",
-                                          "max_tokens_per_micro_batch", "packing"), tensor_parallel=True),
-    "deepspeed": BackendKind(TRAIN_ROLES, ("optim", "zero_stage", "forward_micro_batch_size",
-                                           "max_tokens_per_micro_batch", "packing")),
-    "vllm": BackendKind(("rollout",), ("dtype", "max_model_len", "kv_cache_gib", "enforce_eager",
-                                       "enable_prefix_caching", "max_num_seqs"),
-                        ("float32", "bfloat16"), tensor_parallel=True),
-    "dsinfer": BackendKind(("rollout",), ("dtype", "max_model_len", "generate_batch"),
-                           ("float32", "bfloat16"), tensor_parallel=True),
-    "hf-reward": BackendKind(("reward",), ()),
-}
 
 
 def model_config(model_dir: str | Path) -> dict[str, Any]:
@@ -65,12 +37,14 @@ def model_config(model_dir: str | Path) -> dict[str, Any]:
     return json.loads((path / "config.json").read_text())
 
 
-def _check_layout(backend: str, kind: BackendKind, config: dict, parallel: ParallelDims) -> None:
-    if not kind.tensor_parallel and (parallel.tp, parallel.pp) != (1, 1):
+def _check_layout(backend: str, row: Engine, config: dict, parallel: ParallelDims) -> None:
+    if not row.tensor_parallel and (parallel.tp, parallel.pp) != (1, 1):
+        model_parallel = " or ".join(map(repr, names("train", "pipeline_parallel")))
         raise PretrainedError(f"backend {backend!r} is data-parallel only (tp=1, pp=1), got tp={parallel.tp} "
-                              f"pp={parallel.pp}; use dp=, or backend='megatron' for tensor/pipeline parallelism")
-    if parallel.ep > 1 and backend != "megatron":
-        raise PretrainedError(f"ep={parallel.ep}: expert parallelism runs on backend='megatron'; use ep=1 here")
+                              f"pp={parallel.pp}; use dp=, or backend={model_parallel} for tensor/pipeline parallelism")
+    if parallel.ep > 1 and not row.expert_parallel:
+        raise PretrainedError(f"ep={parallel.ep}: expert parallelism runs on backend="
+                              f"{' or '.join(map(repr, names('train', 'expert_parallel')))}; use ep=1 here")
     heads = int(config.get("num_attention_heads", 1))
     kv_heads = int(config.get("num_key_value_heads", heads))
     layers = int(config.get("num_hidden_layers", parallel.pp))
@@ -80,20 +54,20 @@ def _check_layout(backend: str, kind: BackendKind, config: dict, parallel: Paral
         raise PretrainedError(str(exc)) from None
 
 
-def _options(backend: str, kind: BackendKind, role: str, config: dict, options: dict) -> dict:
+def _options(backend: str, row: Engine, role: str, config: dict, options: dict) -> dict:
     dtype = options.get("dtype", "float32")
-    if dtype not in kind.dtypes:
-        raise PretrainedError(f"backend {backend!r} runs in {' or '.join(kind.dtypes)}, not dtype={dtype!r}; "
-                              f"pass dtype={kind.dtypes[0]!r} or leave dtype out")
-    unknown = sorted(set(options) - set(kind.options) - {"dtype"})
+    if dtype not in row.dtypes:
+        raise PretrainedError(f"backend {backend!r} runs in {' or '.join(row.dtypes)}, not dtype={dtype!r}; "
+                              f"pass dtype={row.dtypes[0]!r} or leave dtype out")
+    unknown = sorted(set(options) - set(row.options) - {"dtype"})
     if unknown:
         hint = " (the learning rate goes in optim={'lr': ...})" if {"lr", "learning_rate"} & set(unknown) else ""
         raise PretrainedError(f"backend {backend!r} takes no option {', '.join(map(repr, unknown))}{hint}; "
-                              f"it accepts: {', '.join(kind.options) or 'none'}")
-    out = {k: v for k, v in options.items() if k in kind.options}
-    if "optim" in kind.options:
+                              f"it accepts: {', '.join(row.options) or 'none'}")
+    out = {k: v for k, v in options.items() if k in row.options}
+    if "optim" in row.options:
         out["optim"] = _optim(out.get("optim"))
-    if backend == "deepspeed":
+    if row.zero:
         out.setdefault("zero_stage", 3)
         if out["zero_stage"] not in (1, 2, 3):
             raise PretrainedError(f"zero_stage={out['zero_stage']!r}; choose 1, 2 or 3")
@@ -121,13 +95,17 @@ def _optim(value: Any) -> OptimConfig:
 def prepare(model_dir: str | Path, backend: str, role: str | None, parallel: ParallelDims,
             options: dict) -> tuple[str, dict]:
     """The role and the Workhorse init kwargs for this call, or a PretrainedError naming the fix."""
-    if backend not in BACKENDS:
-        raise PretrainedError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
-    kind = BACKENDS[backend]
-    role = role or kind.roles[0]
-    if role not in kind.roles:
-        raise PretrainedError(f"backend {backend!r} serves roles {', '.join(kind.roles)}, not {role!r}; "
+    try:
+        row = engine(backend)
+    except EngineError:
+        row = None
+    if row is None or not row.pretrained_roles:
+        offered = ", ".join(names(having="pretrained_roles"))
+        raise PretrainedError(f"unknown backend {backend!r}; choose one of {offered}")
+    role = role or row.pretrained_roles[0]
+    if role not in row.pretrained_roles:
+        raise PretrainedError(f"backend {backend!r} serves roles {', '.join(row.pretrained_roles)}, not {role!r}; "
                               f"pass role= one of those (or another backend)")
     config = model_config(model_dir)
-    _check_layout(backend, kind, config, parallel)
-    return role, dict(model_dir=str(model_dir), backend=backend, **_options(backend, kind, role, config, options))
+    _check_layout(backend, row, config, parallel)
+    return role, dict(model_dir=str(model_dir), backend=backend, **_options(backend, row, role, config, options))

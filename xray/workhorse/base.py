@@ -30,7 +30,7 @@ import torch
 from xray.backends.base import ShardInfo, layout_of
 from xray.config.parallel import ParallelDims
 from xray.data.columns import MODEL_INPUTS
-from xray.wholemodel.protocol import PartsSlice, assemble, fanout
+from xray.protocol import PartsSlice, assemble, fanout
 from xray.workhorse.busy import BusyRecorder
 from xray.workhorse.quiet import install_filters
 
@@ -236,7 +236,7 @@ class Workhorse(BusyRecorder):
     def place(self) -> tuple[str, str | None]:
         """This shard's node and, on a GPU, its GPU's UUID (None on the CPU): two shards share a
         GPU exactly when both match, whatever indices CUDA_VISIBLE_DEVICES gives them."""
-        from xray.sync.ipc import gpu_uuid
+        from xray.transport.ipc import gpu_uuid
 
         return self.node_id(), gpu_uuid() if self.device == "gpu" else None
 

@@ -14,7 +14,7 @@ from collections import deque
 from contextlib import contextmanager
 from typing import Iterable, Iterator, Optional, Sequence
 
-from xray.wholemodel.protocol import fanout
+from xray.protocol import fanout
 
 _END = object()
 

@@ -8,7 +8,7 @@ and a deadline: the Workhorse goes on serving for
 `XRAY_DRAIN_GRACE_S` seconds (30 by default, as a preempted Kubernetes pod gets) and then exits.
 The run takes the notices after each step (`DrainInbox.take`: one call to an idle actor, not
 queued behind the Workhorses' snapshot copies) and replaces the models that got one
-(`algorithms/ppo/recovery.py`, `replace_drained`). Without an inbox (an asynchronous run, a
+(`xray/run/recovery/recover.py`, `replace_drained`). Without an inbox (an asynchronous run, a
 notebook's models) SIGTERM ends the Workhorse at once, and a run recovers it as a lost one.
 """
 from __future__ import annotations

@@ -12,7 +12,7 @@ import time
 import torch
 
 from xray.data.batch import Batch
-from xray.wholemodel.protocol import fanout
+from xray.protocol import fanout
 from xray.workhorse.base import Workhorse
 
 

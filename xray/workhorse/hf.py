@@ -19,7 +19,7 @@ from xray.config.optim import OptimConfig
 from xray.data import columns as C
 from xray.data.batch import Batch
 from xray.data.lengths import train_micro_batches
-from xray.wholemodel.protocol import fanout
+from xray.protocol import fanout
 from xray.workhorse.base import Workhorse, train_step_columns
 
 

@@ -15,7 +15,7 @@ import torch
 
 from xray.data import columns as C
 from xray.data.batch import Batch
-from xray.wholemodel.protocol import fanout
+from xray.protocol import fanout
 from xray.workhorse.base import Workhorse
 
 

@@ -1,21 +1,13 @@
-"""Which Workhorse class serves a (backend, role) pair: the one table the runtime consults.
+"""Which Workhorse class serves a backend: the registry's `workhorse` fact, imported by name.
 
-Classes are imported only when asked for, so `import xray` never imports a backend library.
+Each engine's row in `xray/config/engines.py` names its Workhorse class as `module:Class`; the
+class is imported only when asked for, so `import xray` never imports a backend library.
 """
 from __future__ import annotations
 
 import importlib
 
-_TABLE = {
-    "hf": "xray.workhorse.hf:HFWorkhorse",
-    "echo": "xray.workhorse.echo:EchoWorkhorse",
-    "hf-reward": "xray.workhorse.reward:RewardWorkhorse",
-    "fn-reward": "xray.workhorse.function_reward:FunctionRewardWorkhorse",
-    "megatron": "xray.workhorse.train:TrainWorkhorse",
-    "deepspeed": "xray.workhorse.train:TrainWorkhorse",
-    "vllm": "xray.workhorse.rollout:RolloutWorkhorse",
-    "dsinfer": "xray.workhorse.rollout:RolloutWorkhorse",
-}
+from xray.config.engines import ENGINES, EngineError, engine
 
 
 class UnknownWorkhorse(ValueError):
@@ -24,8 +16,10 @@ class UnknownWorkhorse(ValueError):
 
 def workhorse_class(backend: str, role: str = "actor") -> type:
     """The Workhorse class for `backend` (roles share a class and branch on their role)."""
-    if backend not in _TABLE:
+    try:
+        path = engine(backend).workhorse
+    except EngineError:
         raise UnknownWorkhorse(f"no Workhorse for backend {backend!r} (role {role!r}); "
-                               f"available: {', '.join(sorted(_TABLE))}")
-    module, name = _TABLE[backend].split(":")
+                               f"available: {', '.join(sorted(e.name for e in ENGINES))}") from None
+    module, name = path.split(":")
     return getattr(importlib.import_module(module), name)

@@ -16,11 +16,12 @@ from typing import Any, Iterator
 from xray.backends import load_backend
 from xray.backends.base import GenerationEngine, ShardInfo, layout_of
 from xray.backends.sampling import ROUTED_EXPERTS_ROWS
+from xray.config.engines import engine as engine_row
 from xray.data import columns as C
 from xray.data.batch import Batch
 from xray.data.sequences import pack_sequences
-from xray.sync.weights import changed_in_transit, unpack_bucket, verified
-from xray.wholemodel.protocol import fanout
+from xray.protocol import fanout
+from xray.transport.wire import changed_in_transit, unpack_bucket, verified
 from xray.workhorse.base import Workhorse
 
 
@@ -37,20 +38,21 @@ class RolloutWorkhorse(Workhorse):
         self._changed: list[str] = []
         self._loaded: list[str] = []  # names loaded in the sync under way, in order (duplicates kept)
         self._failed = ""  # why a bucket of the sync under way did not load
-        self._slots = None  # the actor's shared-memory slots, once mapped (`xray/sync/shm.py`)
+        self._slots = None  # the actor's shared-memory slots, once mapped (`xray/transport/shm.py`)
 
     def init_dist(self, master_addr: str, master_port: int, timeout_s: float = 300.0) -> None:
         """Join the role's group when the engine needs one: DeepSpeed-Inference always (AutoTP
         groups), vLLM only for tensor parallelism (with tp=1 it builds its own world of one), and
-        then in a world of its replica's tp shards alone (`replica_world`)."""
-        vllm = self.config.get("backend") == "vllm"
-        if vllm and self.parallel.tp == 1:
+        then in a world of its replica's tp shards alone (`replica_world`): the registry's
+        `replica_world` fact of the engine."""
+        own_world = engine_row(self.config["backend"]).replica_world
+        if own_world and self.parallel.tp == 1:
             return
         if getattr(self, "_alone", False):
             self.alone_world(master_addr, master_port, timeout_s)
             return
         super().init_dist(master_addr, master_port, timeout_s)
-        if vllm and self.parallel.dp > 1:
+        if own_world and self.parallel.dp > 1:
             self.replica_world(timeout_s)
 
     def replica_world(self, timeout_s: float) -> None:
@@ -160,7 +162,7 @@ class RolloutWorkhorse(Workhorse):
 
     # -- weight sync: called directly by the actor's exporting shard, bucket by bucket ----------
     def load_bucket(self, wire: list) -> int:
-        """Load one bucket in its wire form (`xray.sync.weights.pack_bucket`) in place."""
+        """Load one bucket in its wire form (`xray.transport.wire.pack_bucket`) in place."""
         if not self._sync_started:
             self._sync_started = time.perf_counter()
         bucket = unpack_bucket(wire)
@@ -181,21 +183,21 @@ class RolloutWorkhorse(Workhorse):
             raise
 
     def join_sync_group(self, addr: str, port: int, rank: int, world: int) -> None:
-        """Join the actor's sync group as `rank` (`xray/sync/group.py`; the actor's exporting shard
+        """Join the actor's sync group as `rank` (`xray/transport/pg.py`; the actor's exporting shard
         is rank 0 and serves its store at addr:port)."""
-        from xray.sync import group
+        from xray.transport import pg
 
-        self._sync_group = group.join(addr, port, rank, world, "cuda" if self.device == "gpu" else "cpu")
+        self._sync_group = pg.join(addr, port, rank, world, "cuda" if self.device == "gpu" else "cpu")
 
     def receive_bucket(self, layout: list) -> int:
         """Receive one bucket broadcast over the sync group and load it in place (its `layout`
         came ahead: names, dtypes, shapes, byte counts, checksums)."""
-        from xray.sync import group
+        from xray.transport import pg
 
         if not self._sync_started:
             self._sync_started = time.perf_counter()
         with self.busy("receive_bucket"), self._noting_failure():
-            bucket, changed = group.receive(self._sync_group, layout, "cuda" if self.device == "gpu" else "cpu")
+            bucket, changed = pg.receive(self._sync_group, layout, "cuda" if self.device == "gpu" else "cpu")
             self._changed += changed
             self.engine.load_weights(bucket, check=verified(layout))
             self._loaded += [name for name, _ in bucket]
@@ -204,8 +206,8 @@ class RolloutWorkhorse(Workhorse):
 
     def load_slot(self, slot: int, path: str, layout: list) -> int:
         """Load the bucket the actor's exporting shard copied into its shared-memory `slot` at
-        `path` (`xray/sync/shm.py`: mapped on first use, then kept), in place."""
-        from xray.sync import shm
+        `path` (`xray/transport/shm.py`: mapped on first use, then kept), in place."""
+        from xray.transport import shm
 
         if not self._sync_started:
             self._sync_started = time.perf_counter()
@@ -221,11 +223,11 @@ class RolloutWorkhorse(Workhorse):
 
     def load_ipc(self, handle: tuple, layout: list) -> int:
         """Load the bucket the actor's exporting shard copied into its GPU buffer behind the CUDA
-        IPC `handle` (`xray/sync/ipc.py`: this shard is on the actor's GPU), in place; the copies
+        IPC `handle` (`xray/transport/ipc.py`: this shard is on the actor's GPU), in place; the copies
         out of the buffer are finished before this returns (the actor then reuses it)."""
         import torch
 
-        from xray.sync import ipc
+        from xray.transport import ipc
 
         if not self._sync_started:
             self._sync_started = time.perf_counter()

@@ -17,11 +17,9 @@ from xray.backends.base import LossFn, ShardInfo, TrainEngine
 from xray.config.optim import OptimConfig
 from xray.data import columns as C
 from xray.data.batch import Batch
-from xray.sync import group, ipc, shm
-from xray.sync.manifest import manifest_of
-from xray.sync import faults
-from xray.sync.weights import pack_bucket, unpack_bucket
-from xray.wholemodel.protocol import fanout
+from xray.protocol import fanout
+from xray.transport import faults, ipc, pg, shm
+from xray.transport.wire import manifest_of, pack_bucket, unpack_bucket
 from xray.workhorse.base import Workhorse, train_step_columns
 
 TRANSPORTS = ("auto", "objstore", "shm", "ipc", "pg")
@@ -84,7 +82,7 @@ class TrainWorkhorse(Workhorse):
     def __init__(self, role: str, rank: int, parallel, seed: int = 0, **kwargs: Any):
         super().__init__(role, rank, parallel, seed=seed, **kwargs)
         self.run_seed = seed  # the same on every rank: model init must agree across shards
-        self._groups: dict[tuple, Any] = {}  # sync groups with rollout shards (`xray/sync/group.py`)
+        self._groups: dict[tuple, Any] = {}  # sync groups with rollout shards (`xray/transport/pg.py`)
         self._places: dict[tuple, tuple] = {}  # a set of rollout shards: all on this node? which on this GPU?
         self._rings: dict[tuple, shm.SendRing] = {}  # shared-memory slots per set of rollout shards
         self._ipc_rings: dict[tuple, ipc.IpcRing] = {}  # GPU buffers per set of rollout shards on this GPU
@@ -200,10 +198,10 @@ class TrainWorkhorse(Workhorse):
         (the first of data-parallel replica `replica`: an asynchronous run's trainer d pushes to
         its own makers) sends each bucket once, with its tensors' checksums, by `transport`:
         "objstore" puts it in the object store in its wire form; "shm" copies it into this shard's
-        shared-memory slots, which the targets map once (`xray/sync/shm.py`; same node, CPU);
+        shared-memory slots, which the targets map once (`xray/transport/shm.py`; same node, CPU);
         "ipc" copies it into this shard's GPU buffers and hands the targets their CUDA IPC handles
-        (`xray/sync/ipc.py`; every target on this shard's own GPU); "pg" broadcasts it over a sync
-        group of its own with the targets (`xray/sync/group.py`, joined on first use). "auto" takes
+        (`xray/transport/ipc.py`; every target on this shard's own GPU); "pg" broadcasts it over a sync
+        group of its own with the targets (`xray/transport/pg.py`, joined on first use). "auto" takes
         "shm" when every target is on this node on the CPU and /dev/shm has room (else the object
         store there), "ipc" when every target shares this shard's GPU, the object store when some
         do (NCCL cannot group two processes of one GPU), and the group otherwise.
@@ -214,7 +212,7 @@ class TrainWorkhorse(Workhorse):
         the targets' last loads and of their `finish_sync` reports (`loads`, `finishes`): the
         caller awaits those while this shard is free for its next call (the actor's side of the
         probe runs while the rollout still loads). `corrupt` breaks the sync on purpose
-        (`xray/sync/faults.py`): a fault-injection knob for testing the verification, never set in a run.
+        (`xray/transport/faults.py`): a fault-injection knob for testing the verification, never set in a run.
         """
         import ray
 
@@ -278,7 +276,7 @@ class TrainWorkhorse(Workhorse):
 
     def _send(self, bucket, targets: list, transport: str, corrupt: str | None, verify: bool) -> list:
         """Send one bucket to every target by `transport`, with checksums when `verify` (the
-        targets then check it: `xray.sync.weights.verified`); their pending loads."""
+        targets then check it: `xray.transport.wire.verified`); their pending loads."""
         import ray
 
         key = tuple(t._actor_id.hex() for t in targets)
@@ -309,7 +307,7 @@ class TrainWorkhorse(Workhorse):
         device = "cuda" if self.device == "gpu" else "cpu"
         layout = [(name, dtype, shape, data.nbytes, sum_) for name, dtype, shape, data, sum_ in wire]
         loads = [t.receive_bucket.remote(layout) for t in targets]  # they wait in the broadcast
-        group.send(sync_group, unpack_bucket(wire), device)
+        pg.send(sync_group, unpack_bucket(wire), device)
         return loads
 
     def _sync_group(self, targets: list):
@@ -321,7 +319,7 @@ class TrainWorkhorse(Workhorse):
             addr, port = self.address()
             world = 1 + len(targets)
             joins = [t.join_sync_group.remote(addr, port, rank + 1, world) for rank, t in enumerate(targets)]
-            self._groups[key] = group.join(addr, port, 0, world, "cuda" if self.device == "gpu" else "cpu")
+            self._groups[key] = pg.join(addr, port, 0, world, "cuda" if self.device == "gpu" else "cpu")
             ray.get(joins)
             self.log.info("weight-sync group of %d ranks at %s:%d", world, addr, port)
         return self._groups[key]

@@ -5,7 +5,7 @@ imports: inside this package `import deepspeed` is the library, never this packa
 `engine.py` (DeepSpeedEngine, build_engine: the TrainEngine contract), `config.py` (the
 DeepSpeed config dict), `model.py` (the modules per role and their outputs), `export.py`
 (bucketed full-weight export, gathering ZeRO-3 shards). Batch arithmetic for elastic world sizes
-is in `xray/backends/elastic.py`.
+is in `xray/config/elasticity.py`, its DeepSpeed config keys in `xray/backends/elastic.py`.
 """
 from xray.backends.deepspeed.config import ZeroOptions
 from xray.backends.deepspeed.engine import DeepSpeedEngine, build_engine

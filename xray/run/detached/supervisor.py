@@ -1,0 +1,314 @@
+"""Detached asynchronous PPO and critic-free runs (`trainer.mode: async`): the driver's part, which
+only supervises.
+
+ColossalChat's design on xray's WholeModels, each part a Ray actor with its own loop:
+- the **buffer** (`xray.run.detached.buffer`): the prompt source, admission control and the queue of
+  scored groups, held as object references;
+- one **experience maker** per rollout replica (`xray.run.detached.maker`): lease prompts, sample,
+  have the reference and the reward score by reference, put each group into the buffer;
+- the **trainer** (`xray.run.detached.trainer`): take what is ready, recompute, train, publish
+  weight versions to the makers without waiting for them.
+The driver starts them, streams the trainer's per-step metrics to `on_step` (loggers, progress,
+checkpoints), lets the trainer run up to the next checkpoint step and takes the checkpoint there
+(the trainer's state, and the buffer's snapshot read at one instant: nothing lost, nothing
+trained twice on a resume), replaces a lost maker while the others and the trainer go on (its
+prompts queued again; the replacement loads the latest published version first), and stops them.
+No experience byte passes through the driver (a checkpoint's snapshot excepted, which it writes).
+When the trainer loses its actor or critic, the driver replaces those models and the trainer
+restores the snapshot in memory it took after its last step (`trainer.memory_snapshots`;
+`AsyncTrainer.recover`) while the makers and the buffer go on: at most the step in flight runs
+again. Without a complete snapshot the error ends `run`, and the run's recovery
+(`xray.run.recovery.recover.recover_async`) goes back to the latest checkpoint. Interleaving is not
+deterministic: runs are not bitwise repeatable.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import time
+
+from xray.config.graph import build_graph
+from xray.run.recovery.policy import RestartsExhausted
+from xray.wholemodel.errors import WholeModelError
+
+log = logging.getLogger(__name__)
+STOP_GRACE_S = 30.0
+"""How long a failing run waits for the trainer to finish its step (it may be waiting on experience
+that will not come) before stopping it."""
+
+
+class MakerLost(RestartsExhausted):
+    """Makers failed more often than `trainer.max_restarts` allows."""
+
+
+class Detached:
+    """The makers, buffer and trainer of one asynchronous run around the driver's `RLTrainer` (its
+    models, data and scorer), supervised."""
+
+    def __init__(self, trainer, data, run_path: str | None = None):
+        import ray
+
+        from xray.run.detached.buffer import BufferActor
+
+        self.trainer, self.data = trainer, data
+        cfg, models = trainer.cfg, trainer.models
+        self.graph = build_graph(cfg.async_.feeds, cfg.async_.pushes, models.rollout.parallel.dp,
+                                 models.actor.parallel.dp)
+        self.share = cfg.ppo.rollout_batch_size // self.graph.trainers
+        """Prompts a maker leases at a time, and each trainer takes a step."""
+        a = cfg.async_
+        self.buffer = ray.remote(BufferActor).options(num_cpus=0).remote(
+            data.train, data.sampler, self.share, [list(f) for f in self.graph.feeds], a.max_staleness,
+            a.on_stale, a.buffer_capacity, trainer.state.step)
+        self.makers: list = []
+        self.runs: list = []
+        self.learner = None
+        self.trainer_runs = 0
+        """Calls of the trainer's `run` so far."""
+        self.run_path = run_path
+        """The run's directory: the trainer's snapshots in memory are named under it (None: none taken)."""
+
+    # -- the parts -------------------------------------------------------------------------------
+    def _maker(self, i: int, version: int):
+        import ray
+
+        from xray.run.detached.maker import ExperienceMaker
+
+        t, m = self.trainer, self.trainer.models
+        slow = os.environ.get("XRAY_MAKER_SLOWDOWN", "")  # a test hook: "<maker>:<factor>"
+        slowdown = float(slow.split(":")[1]) if slow and int(slow.split(":")[0]) == i else 1.0
+        return ray.remote(ExperienceMaker).options(num_cpus=0, max_concurrency=1000).remote(
+            i, m.rollout.replica(i), m.reference if t.uses_reference else None, t.score_fn, self.buffer, t.cfg,
+            t.stop_ids, t.pad_id, self.share, version, slowdown, self.data.tokenizer if t.cfg.env.name else None,
+            teacher=m.teacher if t.teacher_coef else None)
+
+    def start(self) -> None:
+        """Start the makers' loops and the trainer (from the driver's trainer state)."""
+        import ray
+
+        from xray.run.detached.trainer import AsyncTrainer
+
+        t = self.trainer
+        self.makers = [self._maker(i, t.state.step) for i in range(len(self.graph.feeds))]
+        self.runs = [asyncio.ensure_future(m.run.remote()) for m in self.makers]
+        models = dataclasses.replace(t.models, starter=None)
+        self.learner = ray.remote(AsyncTrainer).options(num_cpus=0, max_concurrency=1000).remote(
+            t.cfg, models, t.pad_id, t.stop_ids, self.buffer, self.makers, list(self.graph.pusher), t.state.step,
+            t.kl.state_dict(), self.data.model_dir, self.run_path, t.algorithm)
+
+    async def stop(self) -> None:
+        """Stop the makers and the trainer, and free the buffer."""
+        import ray
+
+        for m in self.makers:
+            m.stop.remote()
+        await asyncio.gather(*self.runs, return_exceptions=True)
+        for actor in [*self.makers, self.learner, self.buffer]:
+            if actor is not None:
+                ray.kill(actor)
+        self.makers, self.runs, self.learner = [], [], None
+
+    # -- the run ---------------------------------------------------------------------------------
+    async def run(self, steps: range, on_step, stop=None, on_stop=None) -> None:
+        """Trainer steps `steps` with the makers running beside them; awaits `on_step(step, metrics)`
+        after each (metrics, checkpoints at `trainer.save_every`, between which the trainer runs
+        on its own); ends early when `stop` (a `GracefulStop`) is requested, awaiting `on_stop()`
+        (the last checkpoint) while the buffer still stands. The makers end holding the trainer's
+        last weights (for the evaluation)."""
+        cfg = self.trainer.cfg
+        self.start()
+        try:
+            first = steps.start
+            while first < steps.stop and not (stop is not None and stop.requested):
+                every = cfg.trainer.save_every
+                until = min(steps.stop - 1, ((first - 1) // every + 1) * every if every else steps.stop - 1)
+                try:
+                    await self.segment(first, until, on_step, stop)
+                except WholeModelError as exc:
+                    await self.recover_trainer(exc)
+                    first = self.trainer.state.step + 1
+                    continue
+                if self.trainer.state.step < first and not (stop is not None and stop.requested):
+                    raise RuntimeError(f"the trainer stopped before step {first} without an error or a signal")
+                first = self.trainer.state.step + 1
+            if stop is not None and stop.requested and on_stop is not None:
+                await self.pull_state()
+                await on_stop()
+            else:
+                await _unwrapped(self.learner.finish.remote())
+        finally:
+            await self.stop()
+
+    async def segment(self, first: int, until: int, on_step, stop) -> None:
+        """The trainer's steps `first..until` on its own; each step's metrics to `on_step` as it
+        ends (the last after the trainer stopped: its checkpoint sees it at rest). A signal stops
+        the trainer after the step under way, whose metrics are still passed on: every step it
+        trained is logged before the run's last checkpoint. Makers that fail meanwhile are
+        replaced; a failure of the trainer is raised, as is `MakerLost` once makers failed too
+        often (the trainer, maybe waiting for their experience, is then given `STOP_GRACE_S`)."""
+        running = asyncio.ensure_future(self.learner.run.remote(until))
+        self.trainer_runs += 1
+        try:
+            for step in range(first, until + 1):
+                metrics = await self.metrics_of(step, stop)
+                if metrics is None:
+                    break  # the trainer stopped before this step: a signal, or its error (raised below)
+                self.trainer.state.step = step
+                if step == until:
+                    await _unwrapped(running)
+                    await self.pull_state()
+                await on_step(step, metrics)
+            await _unwrapped(running)
+        except BaseException:  # the trainer may wait on the buffer for makers that are gone: do not wait long
+            await self._stop_trainer(running, STOP_GRACE_S)
+            raise
+
+    async def _stop_trainer(self, running: asyncio.Future, wait_s: float) -> None:
+        """Ask the trainer to end its `run` after the step under way and wait for it, at most
+        `wait_s` (`stop` kills it after that)."""
+        if not running.done():
+            self.learner.request_stop.remote()
+            await asyncio.wait([running], timeout=wait_s)
+
+    async def metrics_of(self, step: int, stop) -> dict | None:
+        """Step `step`'s metrics from the trainer (None: it stopped before it), replacing the
+        makers that fail while it trains and passing a signal on to it."""
+        got = asyncio.ensure_future(self.learner.next_metrics.remote(step, self.trainer_runs))
+        while True:
+            done, _ = await asyncio.wait([got, *self.runs], return_when=asyncio.FIRST_COMPLETED,
+                                         timeout=0.5 if stop is not None else None)
+            if stop is not None and stop.requested:
+                self.learner.request_stop.remote()
+            if got in done:
+                return await _unwrapped(got)
+            failed = [i for i, r in enumerate(self.runs) if r in done]
+            if failed:
+                await self.replace_failed(failed)
+
+    async def pull_state(self) -> None:
+        """The driver's trainer takes the trainer actor's state (step, KL controller), for a checkpoint."""
+        state = await self.learner.state.remote()
+        self.trainer.state.step = state["step"]
+        self.trainer.kl.load_state_dict(state["kl"])
+
+    async def replace_failed(self, failed: list[int]) -> None:
+        """Replace the makers whose loops ended with an error, while the trainer and the other
+        makers go on: their prompts are queued again; a dead rollout Workhorse's replica is
+        restarted alone on its devices, a dead reference, teacher or reward model anew (every maker then
+        gets the new one), and each new maker loads the trainer's latest published version
+        before it samples."""
+        from xray.run.recovery.dead import dead_models
+
+        errors = {}
+        for i in failed:
+            try:
+                await self.runs[i]
+                errors[i] = RuntimeError(f"maker {i} stopped without an error")
+            except Exception as exc:  # noqa: BLE001 - inspected below
+                errors[i] = _cause(exc)
+            log.warning("experience maker %d failed: %s", i, errors[i])
+        first = next(iter(errors.values()))
+        self.trainer.restarts.spend(f"experience maker{'s' if len(failed) > 1 else ''} {', '.join(map(str, failed))} "
+                                    "failed", first, len(failed), MakerLost)
+        t0 = time.perf_counter()
+        dead = await asyncio.to_thread(dead_models, self.trainer.models)
+        if set(dead) & {"actor", "critic"}:
+            raise first  # the trainer's loss: the run's recovery
+        models = self.trainer.models
+        replicas = sorted({models.rollout.layout[r].dp_rank for r in dead.get("rollout", [])})
+        again = sorted(set(failed) | set(replicas) | (set(range(len(self.makers))) if set(dead) - {"rollout"} else set()))
+        await self._stop_makers(again)
+        for replica in replicas:
+            await asyncio.to_thread(models.rollout.restart_replica, replica)
+        for role in sorted(set(dead) - {"rollout"}):
+            new = await asyncio.to_thread(models.replace, role)
+            if role == "reward" and hasattr(self.trainer.score_fn, "reward"):
+                self.trainer.score_fn.reward = new
+        latest = await self._start_makers(again)
+        log.warning("experience maker%s %s replaced in %.1f s at weight version %d (%s; dead Workhorses: %s; "
+                    "rollout replicas restarted: %s); the trainer and the other makers went on",
+                    "s" if len(again) > 1 else "", ", ".join(map(str, again)), time.perf_counter() - t0,
+                    latest[again[0]].version, "; ".join(f"maker {i}: {type(e).__name__}" for i, e in errors.items()),
+                    dead or "none", replicas or "none")
+
+    async def recover_trainer(self, exc: WholeModelError) -> None:
+        """The trainer's step failed: replace the dead models (the rollout's replicas are the makers'
+        to replace) and have the trainer restore the newest snapshot in memory while the makers and
+        the buffer go on (at most the step in flight runs again). Re-raises `exc` when nothing
+        trained died or no snapshot is complete (the run's recovery then goes back to its checkpoint)."""
+        from xray.run.recovery.dead import dead_models
+
+        t0 = time.perf_counter()
+        dead = await asyncio.to_thread(dead_models, self.trainer.models)
+        if self.run_path is None or not set(dead) & set(self.trainer.trained):
+            raise exc
+        self.trainer.restarts.spend(f"the trainer's Workhorses died ({dead})", exc, error=MakerLost)
+        log.warning("the trainer lost Workhorses (role: ranks %s); replacing %s, the makers and the buffer go on",
+                    dead, ", ".join(sorted(set(dead) - {"rollout"})))
+        for role in sorted(set(dead) - {"rollout"}):
+            new = await asyncio.to_thread(self.trainer.models.replace, role)
+            if role == "reward" and hasattr(self.trainer.score_fn, "reward"):
+                self.trainer.score_fn.reward = new
+        if set(dead) - {"rollout"} - set(self.trainer.trained):  # every maker scores with the new one
+            await self._stop_makers(list(range(len(self.makers))))
+            await self._start_makers(list(range(len(self.makers))))
+        try:
+            state = await _unwrapped(self.learner.recover.remote(dataclasses.replace(self.trainer.models, starter=None)))
+        except RuntimeError as why:
+            log.warning("the trainer cannot restore from memory (%s); going back to the latest checkpoint", why)
+            raise exc from None
+        self.trainer.state.step = state["step"]
+        self.trainer.kl.load_state_dict(state["kl"])
+        log.warning("%s replaced; the trainer is back at step %d, restored from %s in %.1f s; the makers and the "
+                    "buffer went on", ", ".join(sorted(set(dead) - {"rollout"})), state["step"],
+                    "the in-memory snapshot" if state["source"] == "memory" else "disk", time.perf_counter() - t0)
+
+    async def _start_makers(self, which: list[int]) -> dict:
+        """New makers `which` (the old ones stopped), at the trainer's latest published version,
+        which they load first; that version, per maker."""
+        latest, rollback = await self.learner.latest.remote(), await self.learner.epoch.remote()
+        for i in which:
+            self.makers[i] = self._maker(i, -1)
+            await _unwrapped(self.makers[i].load.remote(latest[i], *rollback))
+            self.runs[i] = asyncio.ensure_future(self.makers[i].run.remote())
+        await self.learner.set_makers.remote(self.makers)
+        return latest
+
+    async def _stop_makers(self, which: list[int]) -> None:
+        """Stop makers `which` and queue their prompts again."""
+        import ray
+
+        for i in which:
+            self.makers[i].stop.remote()
+        await asyncio.gather(*[self.runs[i] for i in which], return_exceptions=True)
+        for i in which:
+            ray.kill(self.makers[i])
+            requeued = await self.buffer.requeue.remote(i)
+            log.info("maker %d stopped; its %d prompts in the making queued again", i, requeued)
+
+    # -- checkpoints -----------------------------------------------------------------------------
+    async def state_dict(self) -> dict:
+        """The buffer's snapshot, read at one instant: the sampler's state, the prompts to make
+        again and the ready groups with their experiences."""
+        return await self.buffer.snapshot.remote()
+
+    async def load_state_dict(self, state: dict, version: int, sampler: dict) -> None:
+        """Resume at trainer `version` (before `run`): the checkpoint's groups queued again, its
+        prompts made first, the sampler where it was."""
+        await self.buffer.restore.remote({**state, "sampler": sampler}, version)
+
+
+def _cause(exc: BaseException) -> BaseException:
+    """The error a Ray task raised, not Ray's wrapper."""
+    from ray.exceptions import RayTaskError
+
+    return exc.cause if isinstance(exc, RayTaskError) and exc.cause is not None else exc
+
+
+async def _unwrapped(ref):
+    try:
+        return await ref
+    except Exception as exc:  # noqa: BLE001 - re-raised unwrapped
+        raise _cause(exc) from None

@@ -1,0 +1,255 @@
+"""The RL run: what `python -m xray.train ppo` (or grpo, rloo, reinforce_pp, opd, or any registered
+RL algorithm) does after the config is checked, the same for every algorithm (it knows one only
+through `xray/run/algorithm.py`).
+
+Reads like the script it is: prepare the model and data, start the WholeModels, evaluate, loop
+steps with progress, metrics and checkpoints (and the timeline of step `trainer.timeline_step`,
+`xray.run.timeline`), evaluate again, export the actor, write the run report (`xray.report`), and
+return (eval_before, eval_after). `--resume` continues from the latest checkpoint of a run. A
+synchronous run steps here (`sync_steps`); an asynchronous one supervises its detached makers and
+trainer (`xray/run/detached/`); both recover from lost Workhorses (`xray/run/recovery/`).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Iterator
+
+from xray.config.plan import Plan
+from xray.config.schema import RunConfig
+from xray.config.typed import to_dict
+from xray.rewards.model import ModelScorer
+from xray.run.algorithm import Algorithm
+from xray.run.checkpoints import FlashCheckpoints
+from xray.run.final import export_actor
+from xray.run.graceful import GracefulStop, RunInterrupted
+from xray.run.inputs import BUILTIN_MODEL, RunData, prepare
+from xray.run.models import build_models, check_layouts
+from xray.run.outputs import RunDir
+from xray.run.progress import StepProgress
+from xray.run.resume import resume_from, save_checkpoint
+from xray.run.step import RLTrainer
+from xray.run.timeline import StepTimeline
+
+log = logging.getLogger(__name__)
+Warm = Callable[[RunConfig, Plan, RunDir, "str | None"], "tuple[str, RunConfig]"]
+"""`warm(cfg, plan, run, ray_address) -> (model_dir, cfg)`: the actor's model directory (a built-in
+model built and warm-started where the config names one) and the config with the teacher's
+directory filled in; the algorithms layer supplies it (`algorithms/rl.py`)."""
+
+
+def make_trainer(algorithm: Algorithm, cfg: RunConfig, models, score, data: RunData) -> RLTrainer:
+    """The trainer of `algorithm`; with `env.name` or `env.agent`, its samples are episodes
+    (`xray.run.episodes.samples`, `xray.run.episodes.agents`)."""
+    trainer = RLTrainer(cfg, models, score, data.pad_id, data.stop_ids, algorithm)
+    trainer.more_rows = data.next_train_rows  # dynamic sampling's further prompts
+    if cfg.env.agent:
+        from xray.run.episodes.agents import AgentSamples
+
+        trainer.episodes = AgentSamples(cfg, models.rollout, data.tokenizer, data.pad_id)
+    elif cfg.env.name:
+        from xray.run.episodes.samples import EpisodeSamples
+
+        trainer.episodes = EpisodeSamples(cfg, models.rollout, data.tokenizer, data.pad_id)
+    return trainer
+
+
+@contextmanager
+def started(cfg: RunConfig, plan: Plan, run: RunDir, algorithm: Algorithm, warm: Warm,
+            ray_address: str | None = None) -> Iterator:
+    """Prepare the model and prompts, start the run's WholeModels, and yield (trainer, RunData)
+    for `algorithm`; the WholeModels are shut down on the way out (the run, the benchmarks and
+    the tests use it)."""
+    model_dir, cfg = warm(cfg, plan, run, ray_address)
+    data = prepare(cfg, run, model_dir)
+    models = build_models(cfg, plan, data.model_dir, ray_address)
+    try:
+        score = data.score or ModelScorer(models.reward, cfg.reward.on_nonfinite)
+        yield make_trainer(algorithm, cfg, models, score, data), data
+    finally:
+        models.shutdown()
+
+
+def run_rl(cfg: RunConfig, plan: Plan, output_dir: Path, resume: str | None, ray_address: str | None,
+           algorithm: Algorithm, warm: Warm) -> tuple[float, float]:
+    """The whole run of `algorithm`; (eval_before, eval_after)."""
+    t_start = time.perf_counter()
+    if cfg.model.path != BUILTIN_MODEL:
+        check_layouts(cfg, plan, cfg.model.path)  # before anything is built or started
+    run = RunDir(Path(resume) if resume not in (None, "latest") else output_dir, cfg.trainer.loggers)
+    run.write_config(to_dict(cfg))
+    with run, started(cfg, plan, run, algorithm, warm, ray_address) as (trainer, data):  # loggers close either way
+        eval_after = asyncio.run(train(trainer, run, data, resume))
+    if cfg.trainer.report:
+        from xray.report.write import report_at_end
+
+        report_at_end(run.path)
+    log.info("run finished in %.0f s; outputs in %s", time.perf_counter() - t_start, run.path)
+    return trainer.state.eval_before, eval_after
+
+
+async def train(trainer: RLTrainer, run: RunDir, data: RunData, resume: str | None) -> float:
+    """The run's one event loop: resume, evaluate, steps with progress, metrics and flash
+    checkpoints, evaluate again, and export the actor as a Hugging Face directory. A signal ends
+    it at a step boundary with a checkpoint (`RunInterrupted`)."""
+    cfg = trainer.cfg
+    latest = run.latest_checkpoint() if resume else None
+    if resume and latest is None:
+        raise FileNotFoundError(f"--resume: no complete checkpoint under {run.checkpoints}; "
+                                "start without --resume")
+    detached = None
+    if cfg.trainer.mode == "async":
+        from xray.run.detached.supervisor import Detached
+
+        detached = Detached(trainer, data, str(run.path))
+    if latest is not None:
+        await resume_from(trainer, latest, data, detached)
+    details = {}  # an episode run's: the evaluations' episode metrics (tool-call share, turns, ends)
+    if trainer.state.eval_before is None:
+        trainer.state.eval_before = await trainer.evaluate(data.eval_rows)
+        if trainer.episodes is not None:
+            details["episodes_before"] = dict(trainer.episodes.metrics)
+    log.info("eval before training: %.3f", trainer.state.eval_before)
+    checkpoints = FlashCheckpoints(run, trainer.models, trainer.trained)
+    stop = GracefulStop(cfg.trainer.on_signal, cfg.trainer.exit_grace_s).install()
+    try:
+        await train_steps(trainer, run, data, detached, checkpoints, stop)
+        if stop.requested:
+            await stopped(checkpoints, run)
+    except Exception:
+        await checkpoints.settle()  # a checkpoint taken before the failure is whole: complete it
+        raise
+    finally:
+        stop.uninstall()
+    await checkpoints.finish()
+    eval_after = await trainer.evaluate(data.eval_rows)
+    if trainer.episodes is not None:
+        details["episodes_after"] = dict(trainer.episodes.metrics)
+    run.write_evals(trainer.state.eval_before, eval_after, trainer.state.step, details)
+    if trainer.episodes is not None:
+        await trainer.episodes.close()  # an agent endpoint stops serving (a later run starts it again)
+    await asyncio.to_thread(export_actor, trainer.models.actor, cfg.actor.lora, data.model_dir, run.path / "final")
+    return eval_after
+
+
+async def train_steps(trainer: RLTrainer, run: RunDir, data: RunData, detached, checkpoints: FlashCheckpoints,
+                      stop: GracefulStop) -> None:
+    """The steps from the one after the resumed (or 0) to `trainer.steps`, or to a signal."""
+    cfg = trainer.cfg
+    steps = range(trainer.state.step + 1, cfg.trainer.steps + 1)
+    progress = StepProgress(steps, f"{trainer.algo} ({cfg.trainer.mode})",
+                            cfg.ppo.rollout_batch_size * cfg.rollout.n_samples, trainer.state.eval_before)
+    timeline = StepTimeline(cfg.trainer.timeline_step, run.path)  # busy intervals of one step, per role and rank
+    await timeline.begin(trainer.state.step + 1, trainer.models)
+    current = [detached]  # the live async machinery: a recovery replaces it (`async_steps`)
+
+    async def on_step(step: int, metrics: dict) -> None:
+        await timeline.end(step, trainer.models)
+        if checkpoints.written_s is not None:  # the last checkpoint's figures, once known
+            metrics["checkpoint/write_s"], checkpoints.written_s = checkpoints.written_s, None
+        if checkpoints.stall_s is not None:
+            metrics["checkpoint/stall_s"], checkpoints.stall_s = checkpoints.stall_s, None
+        if cfg.trainer.save_every and step % cfg.trainer.save_every == 0:
+            await save_checkpoint(trainer, checkpoints, data, current[0])
+        elif cfg.trainer.memory_snapshots and current[0] is None:  # at most the step in flight lost
+            await save_checkpoint(trainer, checkpoints, data, persist=False)
+        if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0:
+            metrics["eval"] = await trainer.evaluate(data.eval_rows)
+        if step % cfg.trainer.log_every == 0:
+            run.log_metrics(step, metrics)
+        progress.step(metrics)  # the one progress line: xray.run.progress
+        await timeline.begin(step + 1, trainer.models)
+
+    async def on_stop() -> None:  # a signal: checkpoint the last finished step unless saved or abandoned
+        if not stop.abandoned and checkpoints.last_step != trainer.state.step and trainer.state.step > 0:
+            await save_checkpoint(trainer, checkpoints, data, current[0])
+
+    with progress:
+        if detached is not None:
+            await async_steps(trainer, run, data, current, checkpoints, stop, on_step, on_stop)
+        else:
+            await sync_steps(trainer, run, data, checkpoints, stop, on_step)
+            if stop.requested:
+                await on_stop()
+
+
+async def async_steps(trainer: RLTrainer, run: RunDir, data: RunData, current: list, checkpoints: FlashCheckpoints,
+                      stop: GracefulStop, on_step, on_stop) -> None:
+    """Asynchronous steps to `trainer.steps`, or to a signal; lost makers or trainers are
+    recovered (`xray.run.recovery.recover`), from a step-0 checkpoint if none is newer. `current[0]`
+    is the live `Detached`: a recovery replaces it there, where `on_step` and `on_stop` read it."""
+    from xray.run.recovery.recover import recover_async
+    from xray.wholemodel.errors import WholeModelError
+
+    cfg = trainer.cfg
+    if cfg.trainer.max_restarts and run.latest_checkpoint() is None:
+        await save_checkpoint(trainer, checkpoints, data, current[0])  # somewhere to go back to
+    while True:
+        try:
+            await current[0].run(range(trainer.state.step + 1, cfg.trainer.steps + 1), on_step, stop, on_stop)
+            break
+        except WholeModelError as exc:  # makers and buffer are stopped: start them again
+            current[0] = await recover_async(exc, trainer, data, checkpoints, run)
+
+
+async def sync_steps(trainer: RLTrainer, run: RunDir, data: RunData, checkpoints: FlashCheckpoints,
+                     stop: GracefulStop, on_step) -> None:
+    """Synchronous steps to `trainer.steps`; a step that loses a Workhorse is recovered
+    (`xray.run.recovery.recover`), from a step-0 checkpoint if none is newer; a Workhorse that got
+    SIGTERM is replaced at the step boundary (`xray/workhorse/drain.py`); elastic device groups grow at
+    step boundaries when devices join (`xray.run.recovery.elastic`)."""
+    from xray.run.recovery.elastic import Elastic
+    from xray.run.recovery.recover import recover, replace_drained
+    from xray.workhorse.drain import open_inbox
+    from xray.wholemodel.errors import WholeModelError
+
+    cfg = trainer.cfg
+    elastic = Elastic(trainer)
+    inbox = await asyncio.to_thread(open_inbox)  # drain notices: SIGTERMed Workhorses (xray/workhorse/drain.py)
+    if (cfg.trainer.max_restarts or elastic.ranges) and run.latest_checkpoint() is None:
+        await save_checkpoint(trainer, checkpoints, data)  # somewhere to go back to
+    while trainer.state.step < cfg.trainer.steps and not stop.requested:
+        sampler_state = data.sampler.state_dict()
+        try:
+            metrics = await stop.guard(trainer.step(data.next_train_rows()))
+            if metrics is None:
+                break
+            if elastic.ranges:
+                metrics.update(elastic.metrics())
+            await on_step(trainer.state.step, metrics)
+            if notices := await inbox.take.remote():
+                await replace_drained(notices, trainer, data, checkpoints, run, elastic if elastic.ranges else None)
+            if trainer.models.standby:  # standby processes follow the nodes (trainer.standby_workhorses)
+                await asyncio.to_thread(trainer.models.keep_standby)
+            if elastic.ranges and trainer.state.step < cfg.trainer.steps and not stop.requested:
+                await elastic.grow(lambda: save_checkpoint(trainer, checkpoints, data), checkpoints,
+                                   lambda directory, state: resume_from(trainer, directory, data, None, checkpoints,
+                                                                        state=state))
+        except WholeModelError as exc:
+            await recover(exc, trainer, data, checkpoints, run, sampler_state, elastic)
+
+
+async def stopped(checkpoints: FlashCheckpoints, run: RunDir) -> None:
+    """After a signal (and its checkpoint): wait until the checkpoint is on disk, and raise
+    `RunInterrupted` with the resume command."""
+    await checkpoints.finish()
+    latest = run.latest_checkpoint()
+    raise RunInterrupted(int(latest.name.split("-")[1]) if latest else 0,
+                         resume_command(run.path) if latest else "nothing to resume (no checkpoint was complete)")
+
+
+def resume_command(run_path: Path) -> str:
+    """This command line again, with `--resume RUN_DIR` in place of any `--resume`."""
+    import shlex
+
+    args, skip = [], False
+    for arg in sys.argv[1:]:
+        if skip or arg == "--resume" or arg.startswith("--resume="):
+            skip = arg == "--resume"
+            continue
+        args.append(arg)
+    return " ".join(["python -m xray.train", *map(shlex.quote, args), "--resume", shlex.quote(str(run_path))])
