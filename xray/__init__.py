@@ -1,8 +1,10 @@
 """xray: distributed reinforcement learning for language models on Ray.
 
 Workhorse (one device's shard, `xray.workhorse`) -> WholeModel (one whole model, `xray.wholemodel`)
--> algorithms (`algorithms/`, PPO). Importing xray is cheap: it starts no Ray cluster and imports
-no backend library (megatron, deepspeed, vllm); those load when first used.
+-> the verified weight sync (`xray.sync`) -> the run machinery every RL algorithm shares
+(`xray.run`) -> algorithms (`algorithms/`: math plus a spec each). Importing xray is cheap: it
+starts no Ray cluster and imports no backend library (megatron, deepspeed, vllm); those load when
+first used.
 """
 from __future__ import annotations
 

@@ -43,7 +43,8 @@ def test_samples_and_in_place_reload_match_hf(tmp_path, backend, arch):
         assert max_abs_diff(engine.logprobs(seqs, lens), hf_sequence_stats(hf, seqs, lens)[0]) <= LOGPROB_TOL
         new = changed_weights(hf)  # trains `hf` in place
         engine.load_weights(new)
-        held = engine.held_check()
+        held, holds = engine.held_check(), engine.held_tensors()
+        assert sorted(held.pop("checked")) == sorted(holds), holds  # one verdict per engine tensor written
         assert held == {**HELD[backend, arch], "unchecked": 0, "mismatched": []}, held
         reloaded = engine.logprobs(seqs, lens)
         assert max_abs_diff(reloaded, hf_sequence_stats(hf, seqs, lens)[0]) <= LOGPROB_TOL

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from xray.transport import ipc
+from xray.transport import ipc, wire
 from xray.workhorse.train import choose_transport
 
 
@@ -22,7 +22,8 @@ def test_pack_into_then_views_round_trips_bit_for_bit_at_aligned_offsets():
     bucket = _bucket()
     buffer = torch.zeros(ipc.layout_size(bucket), dtype=torch.uint8)
     layout = ipc.pack_into(buffer, bucket)
-    assert [entry[3] % ipc.ALIGN for entry in layout] == [0, 0, 0, 0]
+    assert [entry[3] % wire.ALIGN for entry in layout] == [0, 0, 0, 0]
+    assert {entry[5][0] for entry in layout} == {"pw64"}  # the family it names: computed where the buffer lies
     assert [entry[3] for entry in layout] == [0, 256, 512, 768]  # 60, 14, 88 bytes, each rounded up to 256
     got, changed = ipc.views(buffer, layout)
     assert changed == []

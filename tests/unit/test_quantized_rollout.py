@@ -63,12 +63,14 @@ def test_held_check_compares_fp8_codes_laid_out_as_vllm_keeps_them():
 
 
 def test_a_quantized_mismatch_fails_the_sync_naming_the_tensor():
-    replica = {"held": {"exact": 14, "unchecked": 0, "mismatched": ["x.down_proj.weight [fp8: 3/64 codes]"]},
-               "dtype": "bfloat16", "quantization": "fp8"}
+    names = [f"x{i}.weight" for i in range(14)]
+    replica = {"held": {"exact": 14, "unchecked": 0, "mismatched": ["x.down_proj.weight [fp8: 3/64 codes]"],
+                        "checked": names}, "holds": names, "dtype": "bfloat16", "quantization": "fp8"}
     with pytest.raises(WeightSyncError, match=r"version 4 failed verification.*x\.down_proj\.weight \[fp8"):
         check_exact(4, [replica])
     replica["held"]["mismatched"] = []
-    assert check_exact(4, [replica])["quantized"] is True
+    totals = check_exact(4, [replica])
+    assert totals["quantized"] is True and (totals["exact"], totals["unchecked"], totals["holds"]) == (14, 0, 14)
     replica["held"]["unchecked"] = 1  # a tensor neither read back nor checked functionally fails the sync
     with pytest.raises(WeightSyncError, match="1 engine tensor.s. could be neither read back nor checked"):
         check_exact(4, [replica])

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from xray.config import ConfigError
+from xray.sync import SyncReport
 from algorithms.specs import command_spec
 
 pytestmark = pytest.mark.unit
@@ -147,12 +148,12 @@ def test_ppo_step_sleeps_after_generating_and_wakes_before_the_sync(sleeps):
         return torch.ones(len(responses)), None
     trainer = RLTrainer(cfg, models, score, pad_id=0, stop_ids=[1], algorithm=command_spec("ppo").algorithm(cfg))
 
-    async def sync(exp, version):
+    async def sync(exp, version):  # a verified sync: its held counts measured
         log.append("sync")
-        return types.SimpleNamespace(max_abs_logprob_diff=0.0, held_exact=0, held_functional=0, unchecked=0,
-                                     verify_s=0.0, version=version)
+        return SyncReport(version, 0, 0.0, 0.0, 0.0, held_exact=7, held_functional=8, unchecked=0, held_tensors=15)
     trainer.sync = sync
     metrics = asyncio.run(trainer.step([{"prompt_ids": [1, 2]}] * 32))
+    assert (metrics["sync/held_exact"], metrics["sync/held_functional"], metrics["sync/unchecked"]) == (7.0, 8.0, 0.0)
     trained = [e for e in log if e.endswith("train_step")]
     assert sorted(trained) == ["actor.train_step", "critic.train_step"]
     if not sleeps:
@@ -177,12 +178,12 @@ def test_critic_free_step_sleeps_after_generating_and_wakes_before_the_sync():
     trainer = RLTrainer(cfg, models, lambda rows, responses: (torch.arange(len(responses)).float(), None),
                         pad_id=0, stop_ids=[1], algorithm=command_spec("grpo").algorithm(cfg))
 
-    async def sync(exp, version):
+    async def sync(exp, version):  # sync.verify=false: nothing measured
         log.append("sync")
-        return types.SimpleNamespace(max_abs_logprob_diff=0.0, held_exact=0, held_functional=0, unchecked=0,
-                                     verify_s=0.0, version=version)
+        return SyncReport(version, 0, 0.0, 0.0, float("nan"))
     trainer.sync = sync
-    asyncio.run(trainer.step([{"prompt_ids": [1, 2]}] * 8))
+    metrics = asyncio.run(trainer.step([{"prompt_ids": [1, 2]}] * 8))
+    assert not {"sync/held_exact", "sync/held_functional", "sync/unchecked"} & metrics.keys(), metrics  # absent, not 0
     assert log.index("rollout.generate") < log.index("rollout.sleep") < log.index("actor.train_step")
     assert log[-2:] == ["rollout.wake_up", "sync"] and "critic.train_step" not in log
 

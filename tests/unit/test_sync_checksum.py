@@ -1,11 +1,13 @@
-"""The weight sync's checksum (`xray/transport/wire.py`) sees order: a change of order or offset of
-a tensor's bytes in transit changes it, on the host (XXH3) and in the position-weighted form used
-in GPU memory (computed here on the CPU)."""
+"""The weight sync's checksum families (`xray/transport/wire.py`) see order: a change of order or
+offset of a tensor's bytes in transit changes them, on the host ("xxh3") and in the
+position-weighted form used in GPU memory ("pw64", computed here on the CPU); each is computed the
+same wherever the bytes lie, and a family nobody knows is refused."""
 import numpy as np
 import pytest
 import torch
 
-from xray.transport.wire import CHECKSUM_BLOCK, checksum, pack_bucket, position_weighted
+from xray.transport.errors import WeightSyncError
+from xray.transport.wire import CHECKSUM_BLOCK, PW64, XXH3, checksum, family_for, pack_bucket, position_weighted, xxh3
 
 pytestmark = pytest.mark.unit
 
@@ -14,7 +16,7 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().reshape(-1).view(torch.uint8)
 
 
-@pytest.mark.parametrize("fn", [checksum, position_weighted], ids=["host", "device-form"])
+@pytest.mark.parametrize("fn", [xxh3, position_weighted], ids=["host", "device-form"])
 def test_reordered_or_shifted_bytes_change_the_checksum(fn):
     w = torch.randn(64, CHECKSUM_BLOCK // 4 + 3, generator=torch.Generator().manual_seed(0))
     base = fn(as_bytes(w))
@@ -34,9 +36,14 @@ def test_reordered_or_shifted_bytes_change_the_checksum(fn):
     assert fn(as_bytes(changed)) != base
 
 
-def test_the_wire_checksum_is_the_host_checksum_of_the_bytes():
+def test_the_wire_checksum_is_the_named_host_checksum_of_the_bytes():
     t = torch.arange(1000, dtype=torch.float32)
     (_, _, _, data, sent), = pack_bucket([("x", t)])
-    assert sent == checksum(data) == checksum(torch.from_numpy(np.array(data)))
+    assert sent == (XXH3, checksum(data, XXH3)) == (XXH3, checksum(torch.from_numpy(np.array(data)), XXH3))
+    assert checksum(data, PW64) == position_weighted(as_bytes(t))  # either family of host bytes, on the CPU
+    assert checksum(data, PW64) != checksum(data, XXH3)
     odd = as_bytes(t)[3:1003]  # an unaligned view with a tail of < 8 bytes
     assert position_weighted(odd) == position_weighted(odd.clone())
+    assert (family_for("cpu"), family_for("cuda"), family_for(torch.device("cuda", 1))) == (XXH3, PW64, PW64)
+    with pytest.raises(WeightSyncError, match="checksum family 'crc32' is unknown here.*xxh3, pw64.*same xray"):
+        checksum(data, "crc32")

@@ -183,9 +183,18 @@ class GenerationEngine(ABC):
 
     def held_check(self) -> dict:
         """Since the last call: how many loaded tensors the engine was seen to hold exactly, was
-        seen to compute with functionally, could not check, or holds otherwise
-        (`xray/backends/held.py`). Default: none checked."""
-        return {"exact": 0, "functional": 0, "unchecked": 0, "mismatched": []}
+        seen to compute with functionally, could not check, or holds otherwise, and the names
+        given a verdict (`xray/backends/held.py`, `HeldCheck.take`). Default: none checked, which
+        fails a verified sync that loaded anything (`xray/sync/coverage.py`): an engine must check
+        what it holds."""
+        return {"exact": 0, "functional": 0, "unchecked": 0, "mismatched": [], "checked": []}
+
+    def held_tensors(self) -> list[str] | None:
+        """The engine tensors the loads since the last call wrote (reset afterwards), named as its
+        held check names them (vLLM: a fused layer once, `...qkv_proj.weight`): a verified sync
+        fails unless each got exactly one verdict (`xray/sync/coverage.py`). Default None (the
+        engine does not say), which fails a verified sync."""
+        return None
 
     def sleep(self) -> bool:
         """Free the engine's device memory until `wake_up`, where the engine can (vLLM built with

@@ -178,6 +178,7 @@ class DsInferEngine(GenerationEngine):
         self.params = dict(self.module.named_parameters(remove_duplicate=False))
         self.slices = self._shard_slices(full_shapes, tp_config.get("mpu"))
         self.held = HeldCheck()
+        self.holds: list[str] = []  # the tensors written since `held_tensors` was last asked
         self._expert_parts: dict[str, set[ExpertPart]] = {}  # fused experts written one expert at a time
         gen = self.module.generation_config
         eos = gen.eos_token_id if gen.eos_token_id is not None else self.module.config.eos_token_id
@@ -310,6 +311,7 @@ class DsInferEngine(GenerationEngine):
                 raise DsInferError(f"{name}: got shape {tuple(tensor.shape)}, the shard holds "
                                    f"{tuple(param.shape)}; send the full (unsharded) tensor")
             param.copy_(tensor.to(param.device))
+            self.holds.append(name)
         if check:
             self._check_held(bucket)
 
@@ -328,7 +330,7 @@ class DsInferEngine(GenerationEngine):
                 dim, sizes = self.shard_sizes[name]
                 tensor = tensor.split(sizes, dim)[self.tp_rank]
             if not self.held.compare(name, held, tensor):
-                self.held.unchecked += 1
+                self.held.skip([name])
 
     def weight_names(self) -> dict | None:
         """A full sync writes every parameter of the model once (tied ones under their first
@@ -347,6 +349,11 @@ class DsInferEngine(GenerationEngine):
 
     def held_check(self) -> dict:
         return self.held.take()
+
+    def held_tensors(self) -> list[str]:
+        """The Hugging Face names the loads since the last call wrote (each checked by that name)."""
+        holds, self.holds = self.holds, []
+        return holds
 
     @torch.no_grad()
     def logprobs(self, sequences: list[list[int]], prompt_lens: list[int]) -> list[list[float]]:

@@ -2,7 +2,9 @@
 
 Used by the generation engines (`vllm_held.py` for vLLM, `dsinfer.py`) right after they load a
 bucket, and reported by the rollout Workhorse at the end of a sync (`xray/sync/weights.py` judges
-it). Each engine tensor is checked one of two ways, and none may be left unchecked:
+it), with the name of every tensor given a verdict; the engine separately names the tensors its
+loads wrote (`GenerationEngine.held_tensors`), and the two must match (`xray/sync/coverage.py`).
+Each engine tensor is checked one of two ways, and none may be left unchecked:
 - exact (`compare`): read back and compared bit for bit with the tensors it was sent, laid out as
   the engine lays them out (vLLM's fused q/k/v and gate/up, its vocabulary padding, a
   tensor-parallel shard) and cast to the engine's dtype the way its own load casts them (round to
@@ -44,7 +46,10 @@ SLACK = 2.0
 
 @dataclass
 class HeldCheck:
-    """Counts of an engine's tensors checked against what it was sent since the last `take`."""
+    """Counts of an engine's tensors checked against what it was sent since the last `take`, and
+    the name of every tensor a verdict was given on (`checked`): the driver compares those with
+    the tensors the engine's loads wrote (`GenerationEngine.held_tensors`), so that no tensor
+    counts as checked that was not, and none escapes the check (`xray/sync/coverage.py`)."""
 
     exact: int = 0
     """Engine tensors found equal, bit for bit, to the expected values."""
@@ -54,6 +59,23 @@ class HeldCheck:
     """Engine tensors neither read back nor checked functionally (fails the sync)."""
     mismatched: list[str] = field(default_factory=list)
     """Engine tensors that differ from what was sent, each with how."""
+    checked: list[str] = field(default_factory=list)
+    """The engine tensors given a verdict (exact, functional, unchecked or mismatched), in order."""
+
+    def passed(self, kind: str, names: list[str]) -> None:
+        """`names` were found to hold what was sent: `kind` "exact" (read back) or "functional"."""
+        setattr(self, kind, getattr(self, kind) + len(names))
+        self.checked += names
+
+    def skip(self, names: list[str]) -> None:
+        """`names` could be neither read back nor checked functionally (the sync fails)."""
+        self.unchecked += len(names)
+        self.checked += names
+
+    def mismatch(self, what: str, names: list[str]) -> None:
+        """`names` hold otherwise than sent (`what` says how; the sync fails)."""
+        self.mismatched.append(what)
+        self.checked += names
 
     def compare(self, name: str, held: torch.Tensor | None, expected: torch.Tensor) -> bool:
         """Compare the engine's tensor `name` with `expected` (the sent values, laid out as held).
@@ -62,9 +84,9 @@ class HeldCheck:
         if same is None:
             return False
         if same:
-            self.exact += 1
+            self.passed("exact", [name])
         else:
-            self.mismatched.append(f"{name} [held otherwise than sent]")
+            self.mismatch(f"{name} [held otherwise than sent]", [name])
         return True
 
     def compare_product(self, name: str, apply, width: int, expected: torch.Tensor | list[torch.Tensor],
@@ -76,7 +98,7 @@ class HeldCheck:
         what the layer keeps its weight in, fp8 for a quantized layer)."""
         blocks = expected if isinstance(expected, list) else [expected]
         if any(w.dim() != 2 or w.shape[1] != width for w in blocks):
-            self.unchecked += 1
+            self.skip([name])
             return
         g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
         x = torch.randn(PROBE_ROWS, width, generator=g).to(dtype)
@@ -94,13 +116,13 @@ class HeldCheck:
         bound = product_bound(want.double(), scale.double(), 2 * width, dtype, held_dtype or dtype)
         err = (got.detach().double().cpu() - want.double()).abs()
         if tuple(err.shape) != tuple(want.shape):
-            self.mismatched.append(f"{name} [its product has shape {tuple(got.shape)}, expected {tuple(want.shape)}]")
+            self.mismatch(f"{name} [its product has shape {tuple(got.shape)}, expected {tuple(want.shape)}]", [name])
         elif bool((err <= bound).all()):
-            self.functional += 1
+            self.passed("functional", [name])
         else:
             worst = int((err - bound).argmax())
-            self.mismatched.append(f"{name} [product off by {float(err.view(-1)[worst]):.3g}, bound "
-                                   f"{float(bound.view(-1)[worst]):.3g}: held otherwise than sent]")
+            self.mismatch(f"{name} [product off by {float(err.view(-1)[worst]):.3g}, bound "
+                          f"{float(bound.view(-1)[worst]):.3g}: held otherwise than sent]", [name])
 
     def compare_fp8(self, name: str, held: torch.Tensor | None, held_scale: torch.Tensor | None,
                     expected: torch.Tensor, dtype: torch.dtype) -> bool:
@@ -114,9 +136,9 @@ class HeldCheck:
         codes, scale = fp8_per_channel(expected, dtype)
         diff = fp8_difference(codes, scale, held.detach().cpu().t(), held_scale.detach().cpu())
         if diff is None:
-            self.exact += 1
+            self.passed("exact", [name])
         else:
-            self.mismatched.append(f"{name} [{diff}]")
+            self.mismatch(f"{name} [{diff}]", [name])
         return True
 
     def merge(self, counts: dict) -> None:
@@ -125,12 +147,13 @@ class HeldCheck:
         self.functional += counts["functional"]
         self.unchecked += counts["unchecked"]
         self.mismatched += counts["mismatched"]
+        self.checked += counts["checked"]
 
     def take(self) -> dict:
-        """The counts so far as a dict (reset afterwards)."""
+        """The counts so far as a dict, with the names checked (reset afterwards)."""
         out = {"exact": self.exact, "functional": self.functional, "unchecked": self.unchecked,
-               "mismatched": list(self.mismatched)}
-        self.exact, self.functional, self.unchecked, self.mismatched = 0, 0, 0, []
+               "mismatched": list(self.mismatched), "checked": list(self.checked)}
+        self.exact, self.functional, self.unchecked, self.mismatched, self.checked = 0, 0, 0, [], []
         return out
 
 

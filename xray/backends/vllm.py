@@ -40,7 +40,7 @@ from xray.backends.sampling import SamplingSpec, call_seed, rollout_batch
 from xray.backends.vllm_adapter import AdapterSlot
 from xray.backends.vllm_adapter import engine_kwargs as adapter_engine_kwargs
 from xray.backends import vllm_moe
-from xray.backends.vllm_held import ReloadLedger, check_model, fused_layer_of
+from xray.backends.vllm_held import ReloadLedger, check_model, fused_layer_of, held_units
 from xray.backends.expert_names import moe_block_of
 from xray.backends.vllm_moe import Routing
 from xray.config.engines import engine as engine_row
@@ -276,6 +276,7 @@ class VllmEngine(GenerationEngine):
         """How the model routes tokens to experts (None: a dense model)."""
         self.stager = FusedLayerStager(self.names, self.routing)
         self.held = HeldCheck()
+        self.holds: list[str] = []  # the engine tensors written since `held_tensors` was last asked
         self.ledger = ReloadLedger()
         self.adapter = AdapterSlot(config.lora, config.model_dir) if config.lora is not None else None
         self._calls = 0
@@ -329,6 +330,7 @@ class VllmEngine(GenerationEngine):
         if not ready:
             return
         self.reload(ready)
+        self.holds += held_units(ready, self.routing is not None)
         if check:
             self._check_held(ready)
         logger.debug("reloaded %d tensors; %d waiting for their fused layer", len(ready),
@@ -357,10 +359,16 @@ class VllmEngine(GenerationEngine):
     def held_check(self) -> dict:
         return self.held.take()
 
+    def held_tensors(self) -> list[str]:
+        """The layers' tensors the reloads since the last call wrote (`vllm_held.held_units`) and
+        the adapter tensors applied."""
+        holds, self.holds = self.holds, []
+        return holds
+
     def finish_load(self) -> None:
         """The end of a sync: the adapter received (if any) is loaded now, and checked."""
-        if self.adapter is not None:
-            self.adapter.apply(self.llm, getattr(torch, self.config.dtype), self.held)
+        if self.adapter is not None and self.adapter.apply(self.llm, getattr(torch, self.config.dtype), self.held):
+            self.holds += sorted(self.adapter.current)
 
     def takes_adapter(self) -> bool:
         """Whether the engine serves the actor's LoRA adapter (a sync then sends it alone)."""

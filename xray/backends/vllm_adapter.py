@@ -125,7 +125,7 @@ class AdapterSlot:
     def _check(self, loras: dict | None, sent: dict[str, torch.Tensor], dtype: torch.dtype,
                held: HeldCheck) -> None:
         if loras is None:
-            held.unchecked += len(sent)
+            held.skip(list(sent))
             return
         for module, (a_list, b_list) in loras.items():
             parts = PACKED.get(module.rsplit(".", 1)[-1])
@@ -137,7 +137,7 @@ class AdapterSlot:
                 for n, got, want in ((a_name, a, sent[a_name].to(dtype)),
                                      (b_name, b, sent[b_name].to(dtype) * self.lora.scaling)):
                     if not held.compare(n, got, want):
-                        held.unchecked += 1
+                        held.skip([n])
 
     def close(self) -> None:
         shutil.rmtree(self.directory, ignore_errors=True)

@@ -10,7 +10,9 @@ range, padding rows ignored). Then `xray/backends/held.py` checks the layer: bit
 the engine keeps a readable tensor, else functionally, the layer's own `quant_method.apply` on a
 seeded input (vLLM on CPU keeps only the oneDNN-packed copy of a linear weight). A layout this
 module does not know counts as unchecked, and an unchecked tensor fails the sync. An MoE block
-is checked as a whole, by its forward (`xray/backends/vllm_moe.py`).
+is checked as a whole, by its forward (`xray/backends/vllm_moe.py`). `held_units` names the
+tensors a reload writes as the check names its verdicts: the engine reports them
+(`VllmEngine.held_tensors`), and a tensor written without a verdict fails the sync.
 
 vLLM's own account of what a reload wrote (its warning "Following weights were not loaded") is
 kept by `ReloadLedger` over the reloads of a sync and reported at its end: a parameter that no
@@ -50,6 +52,18 @@ def fused_layer_of(name: str) -> str:
     return name.rsplit(".", 1)[0]
 
 
+def held_units(ready: WeightBucket, moe: bool) -> list[str]:
+    """The engine tensors a reload of `ready` writes, each once, named as `check_model` gives its
+    verdicts: a layer's tensor (`...qkv_proj.weight` for all of q, k, v), or in a model with
+    experts (`moe`) each Hugging Face tensor of an MoE block (checked together by its forward)."""
+    units = [name if moe and moe_block_of(name) is not None else _target_of(name) for name, _ in ready]
+    return list(dict.fromkeys(units))
+
+
+def _target_of(name: str) -> str:
+    return f"{fused_layer_of(name)}.{name.rsplit('.', 1)[1]}"
+
+
 def check_model(model: torch.nn.Module, ready: WeightBucket, dtype: torch.dtype, scheme: str | None,
                 moe: tuple | None = None) -> dict:
     """Check every layer `ready` (whole Hugging Face tensors, fused layers and MoE blocks complete)
@@ -63,12 +77,12 @@ def check_model(model: torch.nn.Module, ready: WeightBucket, dtype: torch.dtype,
         if moe is not None and (block := moe_block_of(name)) is not None:
             blocks.setdefault(block, {})[name] = tensor
             continue
-        groups.setdefault(f"{fused_layer_of(name)}.{name.rsplit('.', 1)[1]}", []).append((name, tensor))
+        groups.setdefault(_target_of(name), []).append((name, tensor))
     for block, tensors in blocks.items():
         if block in modules:
             check_block(held, block, modules[block], tensors, *moe, dtype)
         else:
-            held.unchecked += len(tensors)
+            held.skip(list(tensors))
     for target, parts in groups.items():
         layer, kind = target.rsplit(".", 1)
         module = modules.get(layer)
@@ -76,7 +90,7 @@ def check_model(model: torch.nn.Module, ready: WeightBucket, dtype: torch.dtype,
         pieces = local_shard(module, parts, kind)
         param = getattr(module, kind, None) if module is not None else None
         if pieces is None or not isinstance(param, torch.Tensor):
-            held.unchecked += 1
+            held.skip([target])
             continue
         check_layer(held, target, module, param, kind, pieces, dtype, scheme)
     return held.take()
@@ -103,7 +117,7 @@ def check_layer(held: HeldCheck, target: str, module, param: torch.Tensor, kind:
         held.compare_product(target, lambda x: method.apply(module, x.to(_device_of(module))), width, pieces,
                              dtype, param.dtype if readable else dtype)
     else:
-        held.unchecked += 1
+        held.skip([target])
 
 
 def _device_of(module: torch.nn.Module) -> torch.device:

@@ -150,7 +150,7 @@ def check_block(held, block: str, module: torch.nn.Module, tensors: dict[str, to
     want = expected_output(x.to(dtype).float(), tensors, routing)
     bound = (1e-4 if dtype == torch.float32 else 5e-2) * (1.0 + float(want.abs().max()))
     if float((got - want).abs().max()) <= bound:
-        held.functional += len(tensors)
+        held.passed("functional", list(tensors))
     else:
-        held.mismatched.append(f"{block} (MoE block: {float((got - want).abs().max()):.3g} from the sent "
-                               f"tensors' output, bound {bound:.3g})")
+        held.mismatch(f"{block} (MoE block: {float((got - want).abs().max()):.3g} from the sent "
+                      f"tensors' output, bound {bound:.3g})", list(tensors))

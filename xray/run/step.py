@@ -198,8 +198,7 @@ class RLTrainer(SyncVerification):
                 "response_length": float(mask.sum(1).mean()),
                 **({"sync/max_abs_logprob_diff": report.max_abs_logprob_diff}  # the syncs that ran the probe
                    if not math.isnan(report.max_abs_logprob_diff) else {}),
-                "sync/held_exact": float(report.held_exact), "sync/held_functional": float(report.held_functional),
-                "sync/unchecked": float(report.unchecked),
+                **report.counts(),  # the held counts, measured; absent when sync.verify is off
                 "sync/verify_s": report.verify_s, "sync/version": float(report.version), **t.seconds,
                 "tokens_per_s": tokens / max(1e-9, sum(t.seconds.values())),
                 **(self.episodes.metrics if self.episodes is not None else {}),

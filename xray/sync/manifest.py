@@ -8,14 +8,18 @@ the names its engine needs written by a full sync and can take (`GenerationEngin
 with the other names that write some of them: an MoE block's experts sent fused where the
 checkpoint has one tensor per expert), and what it still holds back (vLLM: a fused layer whose
 parts did not all arrive). `check_complete` compares them and fails the sync naming what is
-missing, extra, loaded twice or not reloaded. Used by `xray/sync/weights.py` before the exact
-checks.
+missing, extra, loaded twice or not reloaded. Each replica also lists every tensor as it arrived
+(`received`: dtype, shape and byte count of the tensor it built from the bytes and the layout sent
+with them), and `check_received` compares those with the manifest's entry of the same name: a
+tensor whose metadata changed on its way (bytes reinterpreted as another dtype, reshaped,
+truncated), which no checksum of the bytes can see, fails the sync naming it. Used by
+`xray/sync/weights.py` before the exact checks.
 """
 from __future__ import annotations
 
 from collections import Counter
 
-from xray.sync.errors import WeightSyncError
+from xray.transport.errors import WeightSyncError
 from xray.transport.wire import Manifest
 
 
@@ -66,3 +70,30 @@ def check_complete(version: int, manifest: Manifest | None, replicas: list[dict]
                 f"weight sync to version {version} is incomplete on rollout replica {replica.get('rank', '?')}: "
                 f"{'; '.join(problems)}. The actor's export and the engine disagree on the model's tensors "
                 "(a name mapping, a tied or untied head, a filter on the export): fix the mapping")
+
+
+def misreceived(manifest: Manifest, replica: dict) -> list[str]:
+    """The tensors of one replica's report that arrived with another dtype, shape or byte count
+    than the `manifest` lists for them, each as `name (sent ..., received ...)`."""
+    sent = {name: (dtype, tuple(shape), nbytes) for name, dtype, shape, nbytes in manifest}
+    wrong = []
+    for name, dtype, shape, nbytes in replica.get("received", []):
+        if name in sent and sent[name] != (dtype, tuple(shape), nbytes):
+            (d, s, n) = sent[name]
+            wrong.append(f"{name} (sent {d} {list(s)} {n} bytes, received {dtype} {list(shape)} {nbytes} bytes)")
+    return wrong
+
+
+def check_received(version: int, manifest: Manifest | None, replicas: list[dict]) -> None:
+    """Raise `WeightSyncError` naming the tensors the first replica received otherwise than the
+    sender's `manifest` lists them (`misreceived`); nothing without a manifest."""
+    if manifest is None:
+        return
+    for replica in replicas:
+        wrong = misreceived(manifest, replica)
+        if wrong:
+            raise WeightSyncError(
+                f"weight sync to version {version}: rollout replica {replica.get('rank', '?')} received {len(wrong)} "
+                f"tensor(s) otherwise than the actor's manifest lists them: {'; '.join(wrong[:3])}. The layout sent "
+                "with the bytes does not describe them as the sender exported them: fix the sender's layout "
+                "(xray/transport)")

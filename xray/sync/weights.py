@@ -11,21 +11,28 @@ exporting shard and the rollout shards (`xray/transport/pg.py`: gloo on CPU, NCC
 `auto`: the slots when every rollout shard shares the exporting shard's node on CPU (the object
 store if /dev/shm has no room), CUDA IPC when every one shares its GPU (the object store when
 only some do), else the group. A staged sync (`stage` / `deliver`, asynchronous runs) always goes
-through the object store, which holds the version until every replica has taken it. A bucket
-travels in its wire form (`xray.transport.wire.pack_bucket`): each tensor as a flat NumPy byte
-view, which Ray moves out of band, so putting a bucket costs one copy into the object store and
-reading it on the same node costs none (a pickled torch tensor is copied in band on both sides,
-several times slower).
+through the object store, which holds the version until every replica has taken it. Through the
+object store and the slots a bucket travels in its wire form (`xray.transport.wire.pack_bucket`):
+each tensor as a flat NumPy byte view, which Ray moves out of band, so putting a bucket costs one
+copy into the object store and reading it on the same node costs none (a pickled torch tensor is
+copied in band on both sides, several times slower). By CUDA IPC and over the group it travels in
+its flat form, one buffer on the sender's device (`xray.transport.wire.pack_into`): on a GPU the
+bytes never pass through host memory.
 
 Verification, unless the config turns it off (`sync.verify`), has three parts:
 - complete (`xray/sync/manifest.py`): the sender's manifest of every tensor against what each
-  replica loaded, what its engine needs and takes, and what it never reloaded;
-- exact: each tensor travels with an order-sensitive checksum of its bytes
-  (`xray.transport.wire.checksum`), recomputed on arrival (a tensor changed, reordered or
-  shifted in transit), and each engine checks every tensor it holds against what it was sent,
-  in its own dtype
+  replica loaded, what its engine needs and takes, and what it never reloaded; and each tensor's
+  dtype, shape and byte count as it arrived against the manifest's;
+- exact: each tensor travels with an order-sensitive checksum of its bytes in the family its
+  transport names for where the bytes lie ("xxh3" in host memory, "pw64" on a GPU:
+  `xray.transport.wire`), named by the sender and recomputed on arrival in that family (a
+  tensor changed, reordered or shifted in transit; a family other than the transport's raises),
+  and each engine checks every tensor it holds against what it was sent, in its own dtype
   (`xray/backends/held.py`): bit for bit where it can be read back, else by its own layer's
-  product on a seeded input; any difference, and any tensor left unchecked, fails the sync;
+  product on a seeded input; any difference, and any tensor left unchecked, fails the sync, and
+  so does a check that does not give exactly one verdict to each tensor the sync wrote
+  (`xray/sync/coverage.py`: per replica, exact + functional + unchecked = the tensors it holds,
+  measured; `SyncReport` carries them, None when verification is off);
 - end to end: a few probe sequences are scored by both sides, concurrently, the actor's per-token
   log-probabilities against the engine's own, within `sync.tolerance` when both sides are fp32
   and `sync.bf16_tolerance` when either is bf16 (two bf16 implementations of one model differ by
@@ -54,19 +61,24 @@ import torch
 from xray.config.schema import SyncConfig
 from xray.data import columns as C
 from xray.data.batch import Batch
-from xray.sync.errors import WeightSyncError
-from xray.sync.manifest import check_complete
+from xray.sync.coverage import check_coverage
+from xray.sync.manifest import check_complete, check_received
+from xray.transport.errors import WeightSyncError
 
 log = logging.getLogger(__name__)
 
 
 def check_exact(version: int, replicas: list[dict], manifest=None, adapter: bool = False) -> dict:
     """Judge the checks the rollout replicas report (`RolloutWorkhorse.finish_sync`): first
-    completeness against the sender's `manifest` (`xray/sync/manifest.py`), then a tensor changed
-    in transit, held otherwise than sent (a quantized layer: otherwise than our quantization of
-    what was sent) or left unchecked raises WeightSyncError. Returns the totals: tensors checked
-    exactly and functionally, the dtypes the replicas hold, and whether any is quantized."""
+    completeness against the sender's `manifest` and each tensor's dtype, shape and byte count as
+    received against it (`xray/sync/manifest.py`), then a tensor changed in transit, held
+    otherwise than sent (a quantized layer: otherwise than our quantization of what was sent) or
+    left unchecked, then a held check that does not cover exactly what each engine holds of the
+    sync (`xray/sync/coverage.py`) raises WeightSyncError. Returns the totals, measured: tensors
+    checked exactly and functionally, left unchecked, held (written by the sync), the dtypes the
+    replicas hold, and whether any is quantized."""
     check_complete(version, manifest, replicas, adapter)
+    check_received(version, manifest, replicas)
     transit = sorted({n for r in replicas for n in r.get("changed_in_transit", [])})
     held = sorted({n for r in replicas for n in r.get("held", {}).get("mismatched", [])})
     if transit or held:
@@ -79,8 +91,10 @@ def check_exact(version: int, replicas: list[dict], manifest=None, adapter: bool
         raise WeightSyncError(f"weight sync to version {version}: {unchecked} engine tensor(s) could be neither "
                               "read back nor checked functionally; this engine's layout is not known to the "
                               "held check (xray/backends/held.py): teach it the layout")
+    check_coverage(version, replicas)
     return {"exact": sum(r.get("held", {}).get("exact", 0) for r in replicas),
             "functional": sum(r.get("held", {}).get("functional", 0) for r in replicas),
+            "unchecked": unchecked, "holds": sum(len(r.get("holds") or []) for r in replicas),
             "dtypes": sorted({r["dtype"] for r in replicas if "dtype" in r}),
             "quantized": any(r.get("quantization", "none") != "none" for r in replicas)}
 
@@ -110,15 +124,36 @@ class SyncReport:
     verify_s: float
     max_abs_logprob_diff: float
     """NaN when verification is off."""
-    held_exact: int = 0
-    """Engine tensors (over all replicas) found equal, bit for bit, to what was sent."""
-    held_functional: int = 0
+    held_exact: int | None = None
+    """Engine tensors (over all replicas) found equal, bit for bit, to what was sent; None (not
+    measured) when verification is off, as every count below."""
+    held_functional: int | None = None
     """Engine layers that cannot be read back (vLLM on CPU: its linear layers) whose product with a
     seeded input matched the one computed from what was sent (`xray/backends/held.py`)."""
-    unchecked: int = 0
-    """Engine tensors left unchecked: always 0 in a verified sync (any fails it)."""
+    unchecked: int | None = None
+    """Engine tensors the replicas' held checks counted as unchecked (any fails the sync, so a
+    report holds 0: measured, summed over the replicas' reports)."""
+    held_tensors: int | None = None
+    """Engine tensors (over all replicas) the sync wrote: held_exact + held_functional + unchecked,
+    enforced per replica (`xray/sync/coverage.py`)."""
     transport: str = "objstore"
     """How the bytes travelled: "objstore", "shm", "ipc" or "pg" (`sync.transport`)."""
+
+    def counts(self) -> dict[str, float]:
+        """The held counts as step metrics (`sync/held_exact`, `sync/held_functional`,
+        `sync/unchecked`); empty when they were not measured (verification off): absent, not 0."""
+        if self.unchecked is None:
+            return {}
+        return {"sync/held_exact": float(self.held_exact), "sync/held_functional": float(self.held_functional),
+                "sync/unchecked": float(self.unchecked)}
+
+
+def measured(exact: dict | None) -> dict:
+    """The SyncReport fields of `check_exact`'s totals (none when the sync was not verified)."""
+    if exact is None:
+        return {}
+    return {"held_exact": exact["exact"], "held_functional": exact["functional"], "unchecked": exact["unchecked"],
+            "held_tensors": exact["holds"]}
 
 
 def random_probe(model_dir: str | None, actor_dp: int, rollout_dp: int, seed: int, length: int = 16,
@@ -239,7 +274,7 @@ async def sync_weights(actor, rollout, version: int, cfg: SyncConfig, probe: lis
         engine_call = rollout.call("logprobs", probe, prompt_lens, after=tuple(pushed["finishes"]))
     reports = await landed(pushed, version)
     sync_s = time.perf_counter() - t0 - first_s
-    diff, verify_s = float("nan"), 0.0
+    diff, verify_s, exact = float("nan"), 0.0, None
     if cfg.verify:
         exact = check_exact(version, reports, pushed.get("manifest"), pushed.get("adapter", False))
     if probing:
@@ -252,8 +287,8 @@ async def sync_weights(actor, rollout, version: int, cfg: SyncConfig, probe: lis
     verify_s = time.perf_counter() - t0 - sync_s if cfg.verify else 0.0
     log.debug("weight sync v%d: %.1f MB in %.2f s, verify %.2f s (max diff %.2e)", version,
               pushed["bytes"] / 1e6, sync_s, verify_s, diff)
-    held = (exact["exact"], exact["functional"]) if cfg.verify else (0, 0)
-    return SyncReport(version, pushed["bytes"], sync_s, verify_s, diff, *held, 0, pushed["transport"])
+    return SyncReport(version, pushed["bytes"], sync_s, verify_s, diff, transport=pushed["transport"],
+                      **measured(exact))
 
 
 def sync_to(actor, rollout, verify: bool = True, tolerance: float = 1e-3, bucket_mb: int = 64) -> dict:
@@ -330,7 +365,7 @@ async def deliver(staged: Staged, rollout, cfg: SyncConfig) -> SyncReport:
     replicas = await on_every_shard(rollout.role, "finish_sync",
                                     [t.finish_sync.remote(staged.version) for t in targets])
     sync_s = time.perf_counter() - t0
-    diff, verify_s = float("nan"), 0.0
+    diff, verify_s, exact = float("nan"), 0.0, None
     if cfg.verify:
         exact = check_exact(staged.version, list(replicas), export.get("manifest"))
     if cfg.verify and staged.actor_probe is not None:
@@ -342,5 +377,4 @@ async def deliver(staged: Staged, rollout, cfg: SyncConfig) -> SyncReport:
         verify_s = time.perf_counter() - t0 - sync_s
     log.debug("weight sync v%d (staged): %.1f MB in %.2f s, verify %.2f s (max diff %.2e)", staged.version,
               export["bytes"] / 1e6, sync_s, verify_s, diff)
-    held = (exact["exact"], exact["functional"]) if cfg.verify else (0, 0)
-    return SyncReport(staged.version, export["bytes"], sync_s, verify_s, diff, *held)
+    return SyncReport(staged.version, export["bytes"], sync_s, verify_s, diff, **measured(exact))

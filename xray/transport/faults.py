@@ -2,12 +2,19 @@
 
 `sync_weights(..., corrupt=FAULT)` breaks a sync on purpose, so that a test can show which part
 of the verification (`xray/sync/weights.py`) catches it; the sending Workhorse applies it
-(`TrainWorkhorse.push_weights`), so it sits with the transports. FAULT is
-a tensor name (changed by +1e-2 in transit, its checksum kept: the old form), or `kind:names`:
+(`TrainWorkhorse.push_weights`), on the wire form (`in_transit`: object store, shared memory) or
+in the flat buffer of a device transport (`in_buffer`: CUDA IPC, a process group), so it sits
+with the transports. FAULT is a tensor name (changed by +1e-2 in transit, its checksum kept: the
+old form), or `kind:names`:
 - in transit, after the checksums were taken (the checksum must catch it, or the manifest):
   `perturb:A` (+1e-2), `swap:A,B` (two same-shape tensors' bytes exchanged: an offset bug between
   layers), `rows:A` (rows 0 and 1 of A exchanged inside the bucket), `transpose:A` (a square A
   sent transposed), `drop:A` (A listed in the manifest, never delivered);
+- in the metadata sent with the bytes, which no checksum sees (the manifest comparison must):
+  `reshape:A` (A's bytes sent flattened, as one row), `retype:A` (A's bytes labelled with another
+  dtype of the same width);
+- in the checksums' family: `family:F` (every checksum of the bucket named F, its value kept: a
+  sender naming another family than the one it computed, or than its transport's);
 - at export, before the manifest and checksums (only the log-prob comparison can see it, the
   engine holding exactly what it was sent): `rename:A,B` (two same-shape tensors sent under each
   other's names: a wrong name mapping); `unsent:A` (A missing from the export and the manifest).
@@ -17,10 +24,13 @@ from __future__ import annotations
 import torch
 
 from xray.backends.base import WeightBucket
-from xray.transport.wire import unpack_bucket
+from xray.transport.wire import FlatLayout, bytes_tensor, tensor_of
 
-TRANSIT = ("perturb", "swap", "rows", "transpose", "drop")
+TRANSIT = ("perturb", "swap", "rows", "transpose", "drop", "reshape", "retype", "family")
 EXPORT = ("rename", "unsent")
+SAME_WIDTH = {"float32": "int32", "int32": "float32", "bfloat16": "float16", "float16": "bfloat16",
+              "int64": "float64", "float64": "int64"}
+"""The dtype `retype` labels a tensor's bytes with (the same width, so the byte count still fits)."""
 
 
 def parse(fault: str) -> tuple[str, list[str]]:
@@ -46,33 +56,68 @@ def on_export(bucket: WeightBucket, fault: str | None) -> WeightBucket:
     return bucket
 
 
+def _changed_values(kind: str, names: list[str], tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    a = tensors[names[0]]
+    if kind == "perturb":
+        return {names[0]: (a + 1e-2).to(a.dtype)}
+    if kind == "swap":
+        return {names[0]: tensors[names[1]].clone(), names[1]: a.clone()}  # copies: in a buffer they are overwritten
+    if kind == "rows":
+        return {names[0]: a[[1, 0, *range(2, a.shape[0])]]}
+    if kind == "transpose":
+        return {names[0]: a.t()}
+    return {}
+
+
 def in_transit(wire: list, fault: str | None) -> list:
-    """The wire form of a bucket (`xray.transport.wire.pack_bucket`) with a transit fault applied,
-    each entry keeping the checksum taken before it (unchanged for an export fault or None)."""
+    """The wire form of a bucket (`xray.transport.wire.pack_bucket`; its bytes as NumPy arrays or
+    uint8 tensors) with a transit fault applied, each entry keeping the checksum taken before it
+    (unchanged, the same list, for an export fault or None)."""
     if fault is None:
         return wire
     kind, names = parse(fault)
     if kind not in TRANSIT:
         return wire
-    tensors = {e[0]: t for e, (_, t) in zip(wire, unpack_bucket(wire))}
+    if kind == "family":
+        return [(*e[:4], None if e[4] is None else (names[0], e[4][1])) for e in wire]
+    tensors = {e[0]: tensor_of(e[0], e[3], e[1], e[2]) for e in wire}
     if not all(n in tensors for n in names):
         return wire
     if kind == "drop":
         return [e for e in wire if e[0] != names[0]]
-    changed: dict[str, torch.Tensor] = {}
-    a = tensors[names[0]]
-    if kind == "perturb":
-        changed[names[0]] = (a + 1e-2).to(a.dtype)
-    elif kind == "swap":
-        changed.update({names[0]: tensors[names[1]], names[1]: a})
-    elif kind == "rows":
-        changed[names[0]] = a[[1, 0, *range(2, a.shape[0])]]
-    elif kind == "transpose":
-        changed[names[0]] = a.t()
+    changed = _changed_values(kind, names, tensors)
     out = []
     for entry in wire:
-        if entry[0] in changed:
-            data = changed[entry[0]].contiguous().reshape(-1).view(torch.uint8).numpy()
-            entry = (*entry[:3], data, entry[4])
+        name, dtype, shape, data, sent = entry
+        if name in changed:
+            raw = changed[name].contiguous().reshape(-1).view(torch.uint8)
+            entry = (name, dtype, shape, raw if isinstance(data, torch.Tensor) else raw.numpy(), sent)
+        elif name == names[0] and kind == "reshape":
+            entry = (name, dtype, (1, int(tensors[name].numel())), data, sent)
+        elif name == names[0] and kind == "retype":
+            entry = (name, SAME_WIDTH.get(dtype, dtype), shape, data, sent)
         out.append(entry)
+    return out
+
+
+def in_buffer(buffer: torch.Tensor, layout: FlatLayout, fault: str | None) -> FlatLayout:
+    """A bucket's flat form (`xray.transport.wire.pack_into`) with a transit fault applied: the
+    bytes changed in `buffer` in place, the layout returned changed (metadata, a tensor dropped);
+    each entry keeps the checksum taken before."""
+    if fault is None:
+        return layout
+    entries = [(name, dtype, shape, buffer[start:start + nbytes], sent)
+               for name, dtype, shape, start, nbytes, sent in layout]
+    faulty = in_transit(entries, fault)
+    if faulty is entries:
+        return layout
+    by_name = {e[0]: e for e in faulty}
+    out = []
+    for (name, _, _, start, nbytes, _), (_, _, _, piece, _) in zip(layout, entries):
+        if name not in by_name:
+            continue
+        _, dtype, shape, data, sent = by_name[name]
+        if data is not piece:
+            piece.copy_(bytes_tensor(data).to(piece.device))
+        out.append((name, dtype, shape, start, nbytes, sent))
     return out

@@ -1,19 +1,21 @@
 """The CUDA IPC handoff of a weight sync: the actor and the rollout on one GPU. Both halves: the
 sender's `IpcRing`, the receivers' `open_handle` and `views`.
 
-Checksum family: `xray.transport.wire.checksum` of each tensor's bytes in the GPU buffer, the
-position-weighted sum on the GPU (the bytes never leave it); XXH3-64 when the buffer is in host
-memory (the CPU tests of the layout).
+Checksum family: "pw64" (`FAMILY`, the position-weighted sum of `xray/transport/wire.py`), named
+by the sender in every checksum of the layout and computed on the GPU by both ends, on each
+tensor's bytes in the shared buffer: the bytes never leave the GPU. A receiver handed another
+family raises (`wire.changed`). The CPU tests of the layout run the same family on a CPU buffer.
 
 One of the transports of a weight sync (`sync.transport`: "ipc"; `auto` takes it when
 every rollout shard runs on the exporting shard's own GPU, as in `configs/ppo_gpu_1x.yaml`). NCCL
 cannot join two processes on one GPU into a group ("Duplicate GPU detected", seen on an H100), and
 the object store would move every byte GPU -> host -> GPU. Here the exporting shard of the actor
 keeps a ring of two GPU buffers: it copies each bucket's tensors into the next buffer, device to
-device, and sends every rollout shard the buffer's CUDA IPC handle (torch's own, as
-`torch.multiprocessing` shares a CUDA tensor) with the bucket's layout and each tensor's checksum;
-each shard opens the handle, views its tensors in the actor's memory without a copy, checks the
-checksums and loads them. The GPU counterpart of the shared-memory slots (`xray/transport/shm.py`).
+device (the flat form, `wire.pack_into`), and sends every rollout shard the buffer's CUDA IPC
+handle (torch's own, as `torch.multiprocessing` shares a CUDA tensor) with the bucket's layout and
+each tensor's checksum; each shard opens the handle, views its tensors in the actor's memory
+without a copy, checks the checksums and loads them. The GPU counterpart of the shared-memory
+slots (`xray/transport/shm.py`).
 
 A buffer is written again only after every shard has loaded the bucket it held (`push_weights`
 keeps at most two buckets in flight), and a shard keeps no view of it after its load. The layout
@@ -25,57 +27,30 @@ from __future__ import annotations
 import torch
 
 from xray.backends.base import WeightBucket
-from xray.transport.wire import checksum
+from xray.transport import faults, wire
+from xray.transport.wire import FlatLayout, PW64, layout_size
 
 SLOTS = 2
-ALIGN = 256
-"""Byte alignment of each tensor in a buffer (any dtype views it in place; CUDA's own alignment)."""
+FAMILY = PW64
+"""The checksum family of this transport: computed on the GPU, where both ends hold the bytes."""
 
-# One tensor of a buffer's layout: (name, torch dtype name, shape, offset, byte count, checksum).
-IpcLayout = list[tuple[str, str, tuple[int, ...], int, int, int]]
-
-
-def _aligned(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
+IpcLayout = FlatLayout
 
 
-def layout_size(bucket: WeightBucket) -> int:
-    """Bytes a buffer needs to hold `bucket` at aligned offsets."""
-    size = 0
-    for _, tensor in bucket:
-        size = _aligned(size + tensor.numel() * tensor.element_size())
-    return max(size, ALIGN)
-
-
-def pack_into(buffer: torch.Tensor, bucket: WeightBucket, corrupt: str | None = None) -> IpcLayout:
+def pack_into(buffer: torch.Tensor, bucket: WeightBucket, corrupt: str | None = None,
+              checksums: bool = True) -> IpcLayout:
     """Copy `bucket`'s tensors into the uint8 `buffer` at aligned offsets; their layout, each with
-    the checksum of its bytes. `corrupt` names a tensor changed by +1e-2 after its checksum was
-    taken (fault injection for testing the verification, never set in a run)."""
-    layout, offset = [], 0
-    for name, tensor in bucket:
-        data = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-        piece = buffer[offset:offset + data.numel()]
-        piece.copy_(data, non_blocking=True)
-        sent = checksum(piece)
-        if name == corrupt:
-            changed = (tensor.detach().to(buffer.device) + 1e-2).to(tensor.dtype)
-            piece.copy_(changed.contiguous().reshape(-1).view(torch.uint8))
-        layout.append((name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), offset,
-                       data.numel(), sent))
-        offset = _aligned(offset + data.numel())
-    return layout
+    the "pw64" checksum of its bytes (None without `checksums`: an unverified sync). `corrupt`
+    breaks the bucket after its checksums were taken (`xray/transport/faults.py`: fault injection
+    for testing the verification, never set in a run)."""
+    layout = wire.pack_into(buffer, bucket, FAMILY, checksums)
+    return faults.in_buffer(buffer, layout, corrupt)
 
 
 def views(whole: torch.Tensor, layout: IpcLayout) -> tuple[WeightBucket, list[str]]:
     """The tensors of `layout` viewing the uint8 `whole` (no copy), and the names of those whose
-    bytes no longer match their checksum."""
-    bucket, changed = [], []
-    for name, dtype, shape, start, nbytes, sent in layout:
-        piece = whole[start:start + nbytes]
-        if checksum(piece) != sent:
-            changed.append(name)
-        bucket.append((name, piece.view(getattr(torch, dtype)).view(shape)))
-    return bucket, changed
+    bytes no longer match their checksum, recomputed where `whole` lies in "pw64"."""
+    return wire.views(whole, layout, FAMILY)
 
 
 class IpcRing:
@@ -88,7 +63,8 @@ class IpcRing:
         """The pending loads of each buffer's last bucket (the writer waits for them before reuse)."""
         self.next = 0
 
-    def write(self, bucket: WeightBucket, corrupt: str | None = None) -> tuple[int, tuple, IpcLayout]:
+    def write(self, bucket: WeightBucket, corrupt: str | None = None,
+              checksums: bool = True) -> tuple[int, tuple, IpcLayout]:
         """Copy `bucket` into the next buffer; (slot, its CUDA IPC handle, layout)."""
         from torch.multiprocessing.reductions import reduce_tensor
 
@@ -98,7 +74,7 @@ class IpcRing:
         if held is None or held.numel() < size:
             self.buffers[slot] = held = None  # free the smaller one first
             self.buffers[slot] = held = torch.empty(size, dtype=torch.uint8, device=self.device)
-        layout = pack_into(held, bucket, corrupt)
+        layout = pack_into(held, bucket, corrupt, checksums)
         torch.cuda.current_stream(self.device).synchronize()  # the bytes are in place before anyone reads
         _, handle = reduce_tensor(held)
         return slot, handle, layout

@@ -1,11 +1,15 @@
 """The process-group transport of a weight sync (`sync.transport: pg`): the actor's exporting shard
-broadcasts each bucket. Both halves: the sender's `send`, the receivers' `receive`, and `join`.
+broadcasts each bucket. Both halves: the sender's `pack` and `send`, the receivers' `receive`,
+and `join`.
 
-Checksum family: `xray.transport.wire.checksum`. The sender's checksums are those of the
-bucket's wire form (`pack_bucket`: XXH3-64 of the host bytes), sent ahead in the layout; each
-receiver recomputes `checksum` where the buffer lies: XXH3-64 on the CPU (gloo), the same family,
-but the position-weighted sum on a GPU (NCCL), which is not the sender's: over NCCL a verified
-push would report every tensor changed in transit (never run here: it needs two GPUs).
+Checksum family: the family of the group's device (`xray.transport.wire.family_for`), named by
+the sender in every checksum of the layout: "pw64" (position-weighted) on a GPU (NCCL), computed
+on the device by both ends, the bytes never leaving it; "xxh3" in host memory (gloo on the CPU).
+The sender copies the bucket's tensors into one flat buffer on its device (`pack`: the flat form,
+`xray/transport/wire.py`) and takes each tensor's checksum there; each receiver receives the
+buffer on its device and recomputes the checksums there, in the family the layout names, which
+must be its own device's (`wire.changed` raises on any other: the two ends never compare
+different families).
 
 `auto` takes it when neither the shared-memory slots nor CUDA IPC fit the placement
 (`TrainWorkhorse.push_weights` picks; `xray/sync/weights.py` drives and verifies the sync). The
@@ -13,10 +17,10 @@ exporting shard of the actor (rank 0) and every rollout shard (ranks 1..n, all t
 ranks of all replicas) join a group of their own, outside each model's
 torch.distributed world: a `TCPStore` on the exporting shard's node and a gloo group on CPU, NCCL
 on GPU, built directly on that store so that it needs no common default group. A bucket travels as
-one flat byte buffer: its layout (names, dtypes, shapes, byte counts and checksums) goes ahead as
-a small Ray call, then the bytes are broadcast from rank 0; each receiver views its tensors in
-the buffer, checks their checksums and loads them (full Hugging Face tensors: each engine cuts
-its tensor-parallel shard as it loads, so the actor's and the rollout's tp may differ).
+one flat byte buffer: its layout (names, dtypes, shapes, offsets, byte counts and checksums) and
+size go ahead as a small Ray call, then the bytes are broadcast from rank 0; each receiver views
+its tensors in the buffer, checks their checksums and loads them (full Hugging Face tensors: each
+engine cuts its tensor-parallel shard as it loads, so the actor's and the rollout's tp may differ).
 
 On one machine shared memory (the object store) moves bytes faster than a gloo broadcast (see
 FACTS.md); the group pays off across nodes and on GPUs, where NCCL moves device memory directly.
@@ -29,10 +33,7 @@ import torch
 import torch.distributed as dist
 
 from xray.backends.base import WeightBucket
-from xray.transport.wire import checksum
-
-# One tensor of a bucket's layout: (name, torch dtype name, shape, byte count, checksum of the bytes).
-Layout = list[tuple[str, str, tuple[int, ...], int, int]]
+from xray.transport.wire import FlatLayout, family_for, layout_size, pack_into, views
 
 
 def join(addr: str, port: int, rank: int, world: int, device: str, timeout_s: float = 120.0):
@@ -51,28 +52,26 @@ def _broadcast(group, buffer: torch.Tensor) -> None:
     group.broadcast([buffer], options).wait()
 
 
-def layout_of(bucket: WeightBucket, checksums: list[int]) -> Layout:
-    """The layout that goes ahead of a bucket's bytes."""
-    return [(name, str(t.dtype).removeprefix("torch."), tuple(t.shape), t.numel() * t.element_size(), c)
-            for (name, t), c in zip(bucket, checksums)]
+def pack(bucket: WeightBucket, device: str, checksums: bool = True,
+         family: str | None = None) -> tuple[torch.Tensor, FlatLayout]:
+    """The sender's half, before `send`: `bucket` copied into one flat uint8 buffer on `device`
+    (device to device when the tensors lie there), and its layout with each tensor's checksum
+    taken in the buffer in `family` (default: `device`'s, `family_for`; the CPU tests pass "pw64"
+    to run the device form on the CPU)."""
+    flat = torch.empty(layout_size(bucket), dtype=torch.uint8, device=device)
+    return flat, pack_into(flat, bucket, family or family_for(device), checksums)
 
 
-def send(group, bucket: WeightBucket, device: str) -> None:
-    """Broadcast the bytes of `bucket` (rank 0), one flat buffer on `device`."""
-    flat = torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8).to(device) for _, t in bucket])
+def send(group, flat: torch.Tensor) -> None:
+    """Broadcast a packed bucket's buffer (rank 0)."""
     _broadcast(group, flat)
 
 
-def receive(group, layout: Layout, device: str) -> tuple[WeightBucket, list[str]]:
-    """Receive a bucket broadcast by rank 0: its tensors (views into one buffer on `device`) and
-    the names of those whose bytes do not match their checksum."""
-    flat = torch.empty(sum(n for _, _, _, n, _ in layout), dtype=torch.uint8, device=device)
+def receive(group, layout: FlatLayout, size: int, device: str,
+            family: str | None = None) -> tuple[WeightBucket, list[str]]:
+    """Receive a bucket of `size` bytes broadcast by rank 0 into a buffer on `device`: its tensors
+    (views into the buffer) and the names of those whose bytes do not match their checksum,
+    computed there in `family` (default: `device`'s, as the sender's `pack`)."""
+    flat = torch.empty(size, dtype=torch.uint8, device=device)
     _broadcast(group, flat)
-    bucket, changed, start = [], [], 0
-    for name, dtype, shape, nbytes, sent in layout:
-        piece = flat[start:start + nbytes]
-        bucket.append((name, piece.view(getattr(torch, dtype)).view(shape)))
-        if sent is not None and checksum(piece) != sent:
-            changed.append(name)
-        start += nbytes
-    return bucket, changed
+    return views(flat, layout, family or family_for(device))

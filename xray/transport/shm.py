@@ -1,8 +1,9 @@
 """The shared-memory transport of a weight sync: the actor and the rollout on one CPU node. Both
 halves: the sender's `SendRing`, the receivers' `SlotReader`.
 
-Checksum family: `xray.transport.wire.checksum` of each tensor's bytes in host memory, XXH3-64,
-taken by the sender on the wire form (`pack_bucket`) and recomputed by each reader in the slot.
+Checksum family: "xxh3" (`FAMILY`, XXH3-64 of each tensor's bytes in host memory), taken and
+named by the sender on the wire form (`xray.transport.wire.pack_bucket`) and recomputed by each
+reader in the slot; a reader handed another family raises (`wire.changed`).
 
 One of the transports of a weight sync (`sync.transport`: "shm"; `auto` takes it when
 every rollout shard shares the exporting shard's node on CPU). The exporting shard of the actor
@@ -33,18 +34,19 @@ import re
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from xray.backends.base import WeightBucket
-from xray.transport.wire import WireTensor, bytes_tensor, checksum
+from xray.transport.wire import XXH3, Checksum, WireTensor, changed, tensor_of
 
 SHM_DIR = Path("/dev/shm")
 SLOTS = 2
 ALIGN = 64
 """Byte alignment of each tensor in a slot (any dtype views it in place)."""
+FAMILY = XXH3
+"""The checksum family of this transport: the wire form's, the bytes lying in host memory."""
 
 # One tensor of a slot's layout: (name, torch dtype name, shape, offset, byte count, checksum).
-SlotLayout = list[tuple[str, str, tuple[int, ...], int, int, int]]
+SlotLayout = list[tuple[str, str, tuple[int, ...], int, int, "Checksum | None"]]
 
 
 def usable(nbytes: int) -> bool:
@@ -154,10 +156,10 @@ class SlotReader:
             finally:
                 os.close(fd)
         whole = np.frombuffer(held[1], dtype=np.uint8)
-        bucket, changed = [], []
+        bucket, moved = [], []
         for name, dtype, shape, start, nbytes, sent in layout:
             piece = whole[start:start + nbytes]
-            if sent is not None and checksum(piece) != sent:
-                changed.append(name)
-            bucket.append((name, bytes_tensor(piece).view(getattr(torch, dtype)).view(shape)))
-        return bucket, changed
+            if changed(name, piece, sent, FAMILY):
+                moved.append(name)
+            bucket.append((name, tensor_of(name, piece, dtype, shape)))
+        return bucket, moved

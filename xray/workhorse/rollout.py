@@ -3,8 +3,10 @@
 Each Workhorse holds one in-process generation engine (`xray.backends.vllm` / `.dsinfer`), one
 tensor-parallel rank of one replica (ranks in Megatron order: tp fastest). Weight sync arrives
 as buckets of full Hugging Face tensors sent by the actor's exporting shard (`load_bucket`,
-`load_slot` or `receive_bucket`, by transport), then `finish_sync` bumps the weight version that
-every generation result carries in `meta["weight_version"]`.
+`load_slot`, `load_ipc` or `receive_bucket`, by transport: each recomputes every tensor's checksum
+where its copy lies, in the family the sender named, which must be its transport's,
+`xray/transport`), then `finish_sync` reports what arrived and what the engine was seen to hold,
+and bumps the weight version that every generation result carries in `meta["weight_version"]`.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from xray.data import columns as C
 from xray.data.batch import Batch
 from xray.data.sequences import pack_sequences
 from xray.protocol import fanout
-from xray.transport.wire import changed_in_transit, unpack_bucket, verified
+from xray.transport.wire import changed_in_transit, manifest_of, unpack_bucket, verified
 from xray.workhorse.base import Workhorse
 
 
@@ -36,7 +38,7 @@ class RolloutWorkhorse(Workhorse):
         self._sync_started = 0.0
         self._received = 0
         self._changed: list[str] = []
-        self._loaded: list[str] = []  # names loaded in the sync under way, in order (duplicates kept)
+        self._got: list = []  # what the sync under way loaded, in order (duplicates kept): manifest entries
         self._failed = ""  # why a bucket of the sync under way did not load
         self._slots = None  # the actor's shared-memory slots, once mapped (`xray/transport/shm.py`)
 
@@ -165,13 +167,19 @@ class RolloutWorkhorse(Workhorse):
         """Load one bucket in its wire form (`xray.transport.wire.pack_bucket`) in place."""
         if not self._sync_started:
             self._sync_started = time.perf_counter()
-        bucket = unpack_bucket(wire)
         with self.busy("load_bucket"), self._noting_failure():
-            self._changed += changed_in_transit(wire)
-            self.engine.load_weights(bucket, check=verified(wire))
-            self._loaded += [name for name, _ in bucket]
-        self._received += sum(t.numel() * t.element_size() for _, t in bucket)
-        return len(bucket)
+            self._take(unpack_bucket(wire), changed_in_transit(wire), verified(wire))
+        return len(wire)
+
+    def _take(self, bucket, changed: list[str], check: bool) -> None:
+        """Load a bucket received (its tensors whose bytes `changed` in transit noted), checking
+        what the engine then holds when the sync is verified (`check`); what it got is noted for
+        `finish_sync` (names, dtypes, shapes, bytes: the receiver's side of the manifest)."""
+        self._changed += changed
+        self.engine.load_weights(bucket, check=check)
+        got = manifest_of(bucket)
+        self._got += got
+        self._received += sum(entry[3] for entry in got)
 
     @contextmanager
     def _noting_failure(self) -> Iterator[None]:
@@ -189,20 +197,18 @@ class RolloutWorkhorse(Workhorse):
 
         self._sync_group = pg.join(addr, port, rank, world, "cuda" if self.device == "gpu" else "cpu")
 
-    def receive_bucket(self, layout: list) -> int:
-        """Receive one bucket broadcast over the sync group and load it in place (its `layout`
-        came ahead: names, dtypes, shapes, byte counts, checksums)."""
+    def receive_bucket(self, layout: list, size: int) -> int:
+        """Receive one bucket of `size` bytes broadcast over the sync group and load it in place
+        (its `layout` came ahead: names, dtypes, shapes, offsets, byte counts and checksums, in the
+        family of this shard's device, `xray/transport/pg.py`)."""
         from xray.transport import pg
 
         if not self._sync_started:
             self._sync_started = time.perf_counter()
         with self.busy("receive_bucket"), self._noting_failure():
-            bucket, changed = pg.receive(self._sync_group, layout, "cuda" if self.device == "gpu" else "cpu")
-            self._changed += changed
-            self.engine.load_weights(bucket, check=verified(layout))
-            self._loaded += [name for name, _ in bucket]
-        self._received += sum(n for _, _, _, n, _ in layout)
-        return len(bucket)
+            bucket, changed = pg.receive(self._sync_group, layout, size, "cuda" if self.device == "gpu" else "cpu")
+            self._take(bucket, changed, verified(layout))
+        return len(layout)
 
     def load_slot(self, slot: int, path: str, layout: list) -> int:
         """Load the bucket the actor's exporting shard copied into its shared-memory `slot` at
@@ -214,12 +220,8 @@ class RolloutWorkhorse(Workhorse):
         if self._slots is None:
             self._slots = shm.SlotReader()
         with self.busy("load_slot"), self._noting_failure():
-            bucket, changed = self._slots.read(slot, path, layout)
-            self._changed += changed
-            self.engine.load_weights(bucket, check=verified(layout))
-            self._loaded += [name for name, _ in bucket]
-        self._received += sum(n for _, _, _, _, n, _ in layout)
-        return len(bucket)
+            self._take(*self._slots.read(slot, path, layout), verified(layout))
+        return len(layout)
 
     def load_ipc(self, handle: tuple, layout: list) -> int:
         """Load the bucket the actor's exporting shard copied into its GPU buffer behind the CUDA
@@ -232,13 +234,9 @@ class RolloutWorkhorse(Workhorse):
         if not self._sync_started:
             self._sync_started = time.perf_counter()
         with self.busy("load_ipc"), self._noting_failure():
-            bucket, changed = ipc.views(ipc.open_handle(handle), layout)
-            self._changed += changed
-            self.engine.load_weights(bucket)
-            self._loaded += [name for name, _ in bucket]
+            self._take(*ipc.views(ipc.open_handle(handle), layout), verified(layout))
             torch.cuda.synchronize()
-        self._received += sum(n for _, _, _, _, n, _ in layout)
-        return len(bucket)
+        return len(layout)
 
     @fanout(dispatch="all", collect=lambda layout, results: results)
     def time_reload(self, repeats: int = 5) -> float:
@@ -271,12 +269,13 @@ class RolloutWorkhorse(Workhorse):
         """Mark the sync complete at `version`; returns what this replica received and its exact
         checks (`xray.sync.weights.check_exact` judges them): tensors whose bytes changed in
         transit, what the engine was seen to hold (`xray/backends/held.py`; a quantized engine's
-        fp8 layers against our quantization of the tensors received), and for the completeness
-        check the names loaded (in order), the names the engine needs and takes, and those it
-        still holds back (a fused layer incomplete)."""
+        fp8 layers against our quantization of the tensors received) and the engine tensors its
+        loads wrote (`held_tensors`: the coverage of the held check), and for the completeness
+        check the names loaded (in order) with the dtype, shape and byte count each arrived in, the
+        names the engine needs and takes, and those it still holds back (a fused layer incomplete)."""
         if self._failed:
             why, self._failed, self._received, self._sync_started, self._changed = self._failed, "", 0, 0.0, []
-            self._loaded = []
+            self._got = []
             raise RuntimeError(f"weight sync to version {version} failed on rollout replica {self.rank}: a bucket "
                                f"did not load ({why}). The replica keeps version {self.version} with its weights "
                                "partly updated: sync again before generating")
@@ -286,10 +285,11 @@ class RolloutWorkhorse(Workhorse):
                   "load_s": time.perf_counter() - self._sync_started if self._sync_started else 0.0,
                   "dtype": self.config.get("dtype", "float32"), "changed_in_transit": self._changed,
                   "quantization": self.config.get("quantization", "none"),
-                  "held": self.engine.held_check(), "loaded": self._loaded,
+                  "held": self.engine.held_check(), "holds": self.engine.held_tensors(),
+                  "loaded": [entry[0] for entry in self._got], "received": self._got,
                   "names": self.engine.weight_names(), "waiting": self.engine.drop_pending(),
                   "not_reloaded": self.engine.not_reloaded()}
-        self.version, self._received, self._sync_started, self._changed, self._loaded = version, 0, 0.0, [], []
+        self.version, self._received, self._sync_started, self._changed, self._got = version, 0, 0.0, [], []
         return report
 
     def abort_sync(self) -> None:
@@ -299,10 +299,11 @@ class RolloutWorkhorse(Workhorse):
         unfinished (a sender that died or was cancelled between its loads and `finish_sync`)
         cannot count in the next. The replica keeps its version, its weights partly updated,
         until the next sync."""
-        self._received, self._sync_started, self._changed, self._failed, self._loaded = 0, 0.0, [], "", []
+        self._received, self._sync_started, self._changed, self._failed, self._got = 0, 0.0, [], "", []
         self.engine.drop_pending()
         self.engine.not_reloaded()
         self.engine.held_check()
+        self.engine.held_tensors()
 
     # -- sleep mode (`rollout.sleep`): the engine's GPU memory freed while training roles use it --
     @fanout(dispatch="all", collect=lambda layout, results: results)

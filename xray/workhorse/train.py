@@ -19,7 +19,7 @@ from xray.data import columns as C
 from xray.data.batch import Batch
 from xray.protocol import fanout
 from xray.transport import faults, ipc, pg, shm
-from xray.transport.wire import manifest_of, pack_bucket, unpack_bucket
+from xray.transport.wire import manifest_of, pack_bucket
 from xray.workhorse.base import Workhorse, train_step_columns
 
 TRANSPORTS = ("auto", "objstore", "shm", "ipc", "pg")
@@ -276,7 +276,9 @@ class TrainWorkhorse(Workhorse):
 
     def _send(self, bucket, targets: list, transport: str, corrupt: str | None, verify: bool) -> list:
         """Send one bucket to every target by `transport`, with checksums when `verify` (the
-        targets then check it: `xray.transport.wire.verified`); their pending loads."""
+        targets then check it: `xray.transport.wire.verified`) in the family the transport names
+        for where the bytes lie ("xxh3" in host memory, "pw64" on a GPU: `xray/transport`);
+        their pending loads."""
         import ray
 
         key = tuple(t._actor_id.hex() for t in targets)
@@ -286,29 +288,28 @@ class TrainWorkhorse(Workhorse):
             ring = self._ipc_rings[key]
             if ring.loads[ring.next]:  # the buffer's last readers (of an earlier sync) must be done
                 ray.wait(ring.loads[ring.next], num_returns=len(ring.loads[ring.next]), fetch_local=False)
-            slot, handle, layout = ring.write(bucket, corrupt)
+            slot, handle, layout = ring.write(bucket, corrupt, checksums=verify)
             ring.loads[slot] = [t.load_ipc.remote(handle, layout) for t in targets]
             return ring.loads[slot]
-        wire = pack_bucket(bucket, checksums=verify)  # the bytes and their checksums
-        wire = faults.in_transit(wire, corrupt)
+        if transport == "pg":  # one flat buffer on this shard's device, checksummed there
+            sync_group = self._sync_group(targets)
+            flat, layout = pg.pack(bucket, "cuda" if self.device == "gpu" else "cpu", checksums=verify)
+            layout = faults.in_buffer(flat, layout, corrupt)
+            loads = [t.receive_bucket.remote(layout, flat.numel()) for t in targets]  # they wait in the broadcast
+            pg.send(sync_group, flat)
+            return loads
+        wire = faults.in_transit(pack_bucket(bucket, checksums=verify), corrupt)  # host bytes, "xxh3"
         if transport == "objstore":
             ref = ray.put(wire)
             return [t.load_bucket.remote(ref) for t in targets]
-        if transport == "shm":
-            if key not in self._rings:
-                self._rings[key] = shm.SendRing(f"{self.role}{self.rank}x{len(self._rings)}")
-            ring = self._rings[key]
-            if ring.loads[ring.next]:  # the slot's last readers (of an earlier sync) must be done
-                ray.wait(ring.loads[ring.next], num_returns=len(ring.loads[ring.next]), fetch_local=False)
-            slot, path, layout = ring.write(wire)
-            ring.loads[slot] = [t.load_slot.remote(slot, path, layout) for t in targets]
-            return ring.loads[slot]
-        sync_group = self._sync_group(targets)
-        device = "cuda" if self.device == "gpu" else "cpu"
-        layout = [(name, dtype, shape, data.nbytes, sum_) for name, dtype, shape, data, sum_ in wire]
-        loads = [t.receive_bucket.remote(layout) for t in targets]  # they wait in the broadcast
-        pg.send(sync_group, unpack_bucket(wire), device)
-        return loads
+        if key not in self._rings:
+            self._rings[key] = shm.SendRing(f"{self.role}{self.rank}x{len(self._rings)}")
+        ring = self._rings[key]
+        if ring.loads[ring.next]:  # the slot's last readers (of an earlier sync) must be done
+            ray.wait(ring.loads[ring.next], num_returns=len(ring.loads[ring.next]), fetch_local=False)
+        slot, path, layout = ring.write(wire)
+        ring.loads[slot] = [t.load_slot.remote(slot, path, layout) for t in targets]
+        return ring.loads[slot]
 
     def _sync_group(self, targets: list):
         """The sync group of this shard (rank 0) and `targets` (ranks 1..n), joined on first use."""

@@ -273,9 +273,7 @@ class AsyncTrainer:
         push = answered[-1][0]
         return {"sync/version": float(push["version"]), "sync/pushes_verified": float(len(answered)),
                 **({"sync/max_abs_logprob_diff": max(probed)} if probed else {}),
-                "sync/held_exact": float(sum(r.held_exact for r, _ in every)),
-                "sync/held_functional": float(sum(r.held_functional for r, _ in every)),
-                "sync/unchecked": float(sum(r.unchecked for r, _ in every)),
+                **{k: sum(r.counts()[k] for r, _ in every) for k in every[0][0].counts()},  # absent unverified
                 "sync/replicas_loaded": float(len(every)),  # loads answered: replicas x pushes
                 "sync/verify_s": max(r.verify_s for r, _ in every),
                 "async/push_latency_s": max(done - p["published"] for p, rs in answered for _, done in rs)}
