@@ -107,7 +107,8 @@ class FlashCheckpoints:
         t0 = time.perf_counter()
         models = self.models
         copies = [m.snapshot(str(directory / role)) for role, m in models.items()]  # in order, now
-        handed = {role: (m.parallel, m.hand_snapshot(), m.handed()) for role, m in models.items()}  # right behind
+        handed = {role: (m.parallel, m.hand_snapshot(str(directory / role)), m.handed())  # right behind
+                  for role, m in models.items()}
         snapshots = asyncio.ensure_future(self._copied(step, directory, models, copies, handed, trainer_state, persist))
         snapshots.add_done_callback(lambda f: f.cancelled() or f.exception())  # a loss: recovery's to handle
         self._taking = [f for f in self._taking if not f.done()] + [snapshots]
@@ -126,8 +127,8 @@ class FlashCheckpoints:
         snapshot is complete."""
         self.stall_s = max(await asyncio.gather(*copies))
         if persist:
-            for m in models.values():
-                m.persist_snapshot()
+            for role, m in models.items():
+                m.persist_snapshot(str(directory / role))
         await asyncio.gather(*[ack for _, _, ack in handed.values()])  # the answers are in, not fetched
         roles = {role: (parallel, list(pending.refs)) for role, (parallel, pending, _) in handed.items()}
         replicated = await self._replicate(str(directory), models, roles)

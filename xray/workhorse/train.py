@@ -23,6 +23,9 @@ from xray.transport.wire import manifest_of, pack_bucket
 from xray.workhorse.base import Workhorse, train_step_columns
 
 TRANSPORTS = ("auto", "objstore", "shm", "ipc", "pg")
+KEPT_SNAPSHOTS = 2
+"""Flash snapshots a training Workhorse holds, the newest, by directory: an asynchronous run's
+trainer may take the next step's while the driver's checkpoint of this one is still being written."""
 
 
 def choose_transport(transport: str, gpu: bool, same_node: bool, same_gpu: list[bool], shm_room) -> str:
@@ -358,16 +361,30 @@ class TrainWorkhorse(Workhorse):
 
     @fanout(dispatch="all", collect=lambda layout, results: max(results))
     def snapshot(self, directory: str) -> float:
-        """A flash snapshot: this shard's state copied into host memory now, kept until the next
-        one, for `hand_snapshot` to answer and `persist_snapshot` to write to `directory` (a disk
-        write under way goes on with its own copy). Returns the seconds the copy blocked (the
-        slowest shard's, collected)."""
+        """A flash snapshot: this shard's state copied into host memory now, kept by `directory`
+        (the newest `KEPT_SNAPSHOTS`) for `hand_snapshot` to answer and `persist_snapshot` to write
+        there (a disk write under way goes on with its own copy). Keyed, because two callers take
+        snapshots of the same Workhorse (an asynchronous run's trainer every step, the driver at a
+        checkpoint) and their calls interleave. Returns the seconds the copy blocked (the slowest
+        shard's, collected)."""
         t0 = time.perf_counter()
-        self._snapshot = self.engine.snapshot(directory)
+        snapshots = getattr(self, "_snapshots", {})
+        snapshots.pop(directory, None)
+        snapshots[directory] = self.engine.snapshot(directory)
+        while len(snapshots) > KEPT_SNAPSHOTS:
+            snapshots.pop(next(iter(snapshots)))
+        self._snapshots = snapshots
         return time.perf_counter() - t0
 
+    def _snapshot_of(self, directory: str, call: str):
+        snapshot = getattr(self, "_snapshots", {}).get(directory)
+        if snapshot is None:
+            raise RuntimeError(f"{call}: no snapshot of {directory} is held (the newest {KEPT_SNAPSHOTS} are); "
+                               "call snapshot(directory) first")
+        return snapshot
+
     @fanout(dispatch="all", collect=lambda layout, results: None)
-    def hand_snapshot(self) -> dict:
+    def hand_snapshot(self, directory: str) -> dict:
         """The last snapshot's files (path -> object) as this call's answer: the object store keeps
         it for the caller, who holds the reference, after this process dies (a replacement reads it
         in `load`). The caller collects no value (it keeps the references). Tensors travel as
@@ -375,10 +392,7 @@ class TrainWorkhorse(Workhorse):
         maps them (`xray/run/snapshot_holder.py`)."""
         from xray.backends.snapshot import to_wire
 
-        snapshot = getattr(self, "_snapshot", None)
-        if snapshot is None:
-            raise RuntimeError("hand_snapshot: no snapshot taken yet; call snapshot first")
-        return to_wire(snapshot.held())
+        return to_wire(self._snapshot_of(directory, "hand_snapshot").held())
 
     @fanout(dispatch="all", collect=lambda layout, results: all(results))
     def handed(self) -> bool:
@@ -387,14 +401,12 @@ class TrainWorkhorse(Workhorse):
         return True
 
     @fanout(dispatch="all", collect=lambda layout, results: None)
-    def persist_snapshot(self) -> None:
-        """Write the last snapshot to disk from a background thread while training goes on (after
-        the previous write, if it is still going: one write at a time)."""
+    def persist_snapshot(self, directory: str) -> None:
+        """Write the snapshot of `directory` to disk from a background thread while training goes
+        on (after the previous write, if it is still going: one write at a time)."""
         import threading
 
-        snapshot = getattr(self, "_snapshot", None)
-        if snapshot is None:
-            raise RuntimeError("persist_snapshot: no snapshot taken yet; call snapshot first")
+        snapshot = self._snapshot_of(directory, "persist_snapshot")
         self.wait_persisted()
         self._persist_error: BaseException | None = None
 
