@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from xray.backends.base import WeightBucket
-from xray.transport.wire import XXH3, Checksum, WireTensor, changed, tensor_of
+from xray.transport.wire import XXH3, Checksum, WireTensor, views
 
 SHM_DIR = Path("/dev/shm")
 SLOTS = 2
@@ -155,11 +155,4 @@ class SlotReader:
                 self.maps[slot] = held = (path, mmap.mmap(fd, 0, access=mmap.ACCESS_READ))
             finally:
                 os.close(fd)
-        whole = np.frombuffer(held[1], dtype=np.uint8)
-        bucket, moved = [], []
-        for name, dtype, shape, start, nbytes, sent in layout:
-            piece = whole[start:start + nbytes]
-            if changed(name, piece, sent, FAMILY):
-                moved.append(name)
-            bucket.append((name, tensor_of(name, piece, dtype, shape)))
-        return bucket, moved
+        return views(np.frombuffer(held[1], dtype=np.uint8), layout, FAMILY)

@@ -229,10 +229,10 @@ def pack_into(buffer: torch.Tensor, bucket: WeightBucket, family: str, checksums
     return layout
 
 
-def views(whole: torch.Tensor, layout: FlatLayout, family: str) -> tuple[WeightBucket, list[str]]:
-    """The tensors of `layout` viewing the uint8 buffer `whole` (no copy), and the names of those
-    whose bytes no longer match their checksum, computed where `whole` lies in `family`, the
-    transport's (`changed`)."""
+def views(whole, layout: FlatLayout, family: str) -> tuple[WeightBucket, list[str]]:
+    """The tensors of `layout` viewing the uint8 buffer `whole` (a torch tensor, or a numpy array over
+    shared memory: no copy), and the names of those whose bytes no longer match their checksum,
+    computed where `whole` lies in `family`, the transport's (`changed`)."""
     bucket, moved = [], []
     for name, dtype, shape, start, nbytes, sent in layout:
         piece = whole[start:start + nbytes]
