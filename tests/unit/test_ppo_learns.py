@@ -16,7 +16,7 @@ from algorithms.ppo.gae import gae
 from algorithms.ppo.value_loss import ValueLoss
 from xray.builtin.sources import load_prompt_splits
 from xray.check.reference import token_logprobs
-from xray.config.schema import DataConfig
+from xray.config.data import DataConfig
 from xray.data import columns as C
 from xray.data.prompts import PromptSampler
 from xray.data.tokenizer import EOS_ID, PAD_ID, VOCAB_SIZE, build_char_tokenizer

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from xray.builtin.sources import load_prompt_splits
-from xray.config.schema import DataConfig
+from xray.config.data import DataConfig
 from xray.data.prompts import PromptDataError, PromptSampler, load_prompts, read_rows
 from xray.data.tokenizer import build_char_tokenizer
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Optional
 
 from xray.builtin.tasks import get_task
-from xray.config.schema import DataConfig
+from xray.config.data import DataConfig
 from xray.data.prompts import PromptDataError, PromptSet, load_prompts
 from xray.data.text import file_documents
 

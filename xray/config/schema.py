@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional, Union
 
 from xray.config.critic_free import CriticFreeConfig
+from xray.config.data import DataConfig
 from xray.config.distill import DistillConfig
 from xray.config.elasticity import ElasticityConfig
 from xray.config.env import EnvConfig
@@ -18,6 +19,7 @@ from xray.config.lora import LoraConfig
 from xray.config.moe import MoeConfig
 from xray.config.optim import OptimConfig
 from xray.config.placement import DeviceGroups
+from xray.config.reward import RewardConfig
 
 
 @dataclass(frozen=True)
@@ -128,27 +130,6 @@ class RolloutConfig:
 
 
 @dataclass(frozen=True)
-class RewardConfig:
-    """Where the score of a response comes from: a Python function or a reward model."""
-
-    function: Optional[str] = "xray.rewards.builtin:exact_answer"
-    """`module:function` following TRL's reward-function convention; null when `model` is set."""
-    model: Optional[str] = None
-    """A Hugging Face sequence-classification directory run by the `reward` WholeModel."""
-    scale: float = 1.0
-    """Multiply scores by this."""
-    clip: Optional[float] = None
-    """Clip scores to [-clip, clip] after scaling (null: no clipping)."""
-    on_nonfinite: Literal["error", "skip"] = "error"
-    """What a NaN or infinite score does: stop the run, or drop that sample."""
-    overlong_buffer: int = 0
-    """DAPO's soft overlong punishment: a response longer than rollout.max_new_tokens less this many
-    tokens loses up to `overlong_penalty`, linearly, at the limit (added after scale and clip). 0: off."""
-    overlong_penalty: float = 1.0
-    """The overlong punishment at the length limit."""
-
-
-@dataclass(frozen=True)
 class PPOConfig:
     """trlX-style PPO hyper-parameters. The critic-free algorithms (grpo, rloo, reinforce_pp) read
     the batch sizes, `ppo_epochs`, the clip ranges, `loss_agg_mode`, `kl_coef` and the KL guards
@@ -231,24 +212,6 @@ class SyncConfig:
     or auto: the slots when the rollout is on the actor's node on CPU and /dev/shm has room (else
     the object store there), CUDA IPC when it shares the actor's GPU (the object store when only
     part of it does: NCCL cannot group two processes of one GPU), the group otherwise."""
-
-
-@dataclass(frozen=True)
-class DataConfig:
-    """Prompts and their extra columns."""
-
-    path: str = "builtin:arith"
-    """A JSONL or Parquet file, a `datasets` directory, or a built-in task (`builtin:arith`)."""
-    prompt_field: str = "prompt"
-    """Column holding the prompt."""
-    answer_field: str = "answer"
-    """Column holding the supervised target (`xray.train sft`; the built-in tasks use `answer`)."""
-    max_prompt_tokens: int = 32
-    """Longer prompts are handled per `on_long_prompt`."""
-    on_long_prompt: Literal["truncate", "reject"] = "truncate"
-    """Truncate long prompts from the left, or stop with an error naming the row."""
-    eval_size: int = 200
-    """Held-out prompts evaluated before and after training."""
 
 
 @dataclass(frozen=True)
