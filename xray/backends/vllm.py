@@ -43,6 +43,9 @@ from xray.backends import vllm_moe
 from xray.backends.vllm_held import ReloadLedger, check_model, fused_layer_of, held_units
 from xray.backends.expert_names import moe_block_of
 from xray.backends.vllm_moe import Routing
+from xray.backends.vllm_tied import check as check_heads
+from xray.backends.vllm_tied import refresh as refresh_heads
+from xray.backends.vllm_tied import tied_heads, written
 from xray.config.engines import engine as engine_row
 from xray.config.lora import LoraConfig
 from xray.data.batch import Batch
@@ -275,6 +278,9 @@ class VllmEngine(GenerationEngine):
         self.routing = Routing.of(config.model_dir)
         """How the model routes tokens to experts (None: a dense model)."""
         self.stager = FusedLayerStager(self.names, self.routing)
+        names = set(self.names)
+        self.heads = self.llm.apply_model(lambda model: tied_heads(model, names))[0]
+        """Tied output layers and their source layers (`xray/backends/vllm_tied.py`)."""
         self.held = HeldCheck()
         self.holds: list[str] = []  # the engine tensors written since `held_tensors` was last asked
         self.ledger = ReloadLedger()
@@ -329,32 +335,41 @@ class VllmEngine(GenerationEngine):
         ready = self.stager.add(list(bucket))
         if not ready:
             return
-        self.reload(ready)
-        self.holds += held_units(ready, self.routing is not None)
+        heads = self.reload(ready)
+        self.holds += held_units(ready, self.routing is not None) + [f"{head}.weight" for head in heads]
         if check:
-            self._check_held(ready)
+            self._check_held(ready, heads)
         logger.debug("reloaded %d tensors; %d waiting for their fused layer", len(ready),
                      len(self.stager.waiting()))
 
-    def reload(self, tensors: WeightBucket) -> None:
-        """vLLM's own in-place reload of whole Hugging Face tensors (fused layers complete), then
-        the prefix cache dropped: the floor of every weight sync into this engine."""
+    def reload(self, tensors: WeightBucket) -> list[str]:
+        """vLLM's own in-place reload of whole Hugging Face tensors (fused layers complete), the tied
+        heads of the layers it wrote processed again, then the prefix cache dropped: the floor of
+        every weight sync into this engine. Returns those heads."""
         with self.ledger.reloading():
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": tensors})
+        heads = written(self.heads, [name for name, _ in tensors])
+        if heads:  # their packed weights still hold the old values
+            self.llm.apply_model(lambda model: refresh_heads(model, heads))
         blocks = {block for name, _ in tensors if (block := moe_block_of(name)) is not None}
         if blocks and self.routing is not None:  # the CPU experts' kernel packs its weights again
             self.llm.apply_model(lambda model: vllm_moe.reprepare(model, blocks))
         if self.adapter is not None:  # vLLM dropped the adapter: it comes back from memory
             self.adapter.restore(self.llm)
         self.llm.reset_prefix_cache()
+        return heads
 
-    def _check_held(self, ready: WeightBucket) -> None:
+    def _check_held(self, ready: WeightBucket, heads: list[str] = ()) -> None:
         """Check what the engine holds of the tensors just reloaded (`xray/backends/vllm_held.py`:
         bit for bit where readable, else its own layers' products; a quantized layer's fp8 codes
         and scales against our quantization of them)."""
         dtype, scheme = getattr(torch, self.config.dtype), self.config.scheme
         moe = (self.routing, self.llm.llm_engine.vllm_config) if self.routing is not None else None
         self.held.merge(self.llm.apply_model(lambda model: check_model(model, ready, dtype, scheme, moe))[0])
+        if heads:
+            tied = {head: self.heads[head] for head in heads}
+            sent = dict(ready)
+            self.held.merge(self.llm.apply_model(lambda model: check_heads(model, tied, sent, dtype))[0])
 
     def held_check(self) -> dict:
         return self.held.take()
