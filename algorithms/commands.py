@@ -61,7 +61,7 @@ def actor_alone(cfg: RunConfig) -> tuple[str, ...]:
 
 def sample_roles(cfg: RunConfig) -> tuple[str, ...]:
     return ("sampler", *(("prm",) if cfg.sample.prm_model else ()),
-            *(("orm",) if cfg.reward.function or cfg.reward.model else ()))
+            *(("orm",) if cfg.reward.specs or cfg.reward.model else ()))
 
 
 def check_sample(cfg: RunConfig) -> None:
@@ -70,7 +70,7 @@ def check_sample(cfg: RunConfig) -> None:
     if groups.group_of("prm") is not None and not s.prm_model:
         raise ConfigError("device_groups: role 'prm' is placed but sample.prm_model is not set; set it to a "
                           "sequence-classification directory, or remove 'prm' from its group's workers")
-    if groups.group_of("orm") is not None and not (cfg.reward.function or cfg.reward.model):
+    if groups.group_of("orm") is not None and not (cfg.reward.specs or cfg.reward.model):
         raise ConfigError("device_groups: role 'orm' is placed but the reward has neither function nor model; "
                           "set reward.function or reward.model, or remove 'orm' from its group's workers")
     if s.n_best < 1 or s.batch_prompts < 1 or s.num_prompts < 0:

@@ -44,12 +44,13 @@ def check_dataset(cfg: RunConfig) -> None:
 
 def distill_pairs(cfg: RunConfig, tokenizer) -> list[tuple[list[int], list[int]]]:
     """(prompt ids, response ids + EOS) of every row of `distill.dataset` with a response."""
+    from xray.data.chat import ChatFormat
     from xray.data.prompts import PromptDataError, load_prompts
     from xray.data.supervised import target_ids
 
     d = cfg.distill
     rows = load_prompts(d.dataset, tokenizer, cfg.data.prompt_field, cfg.data.max_prompt_tokens,
-                        cfg.data.on_long_prompt)
+                        cfg.data.on_long_prompt, ChatFormat.of(cfg.data))
     if d.response_field not in rows.extras:
         raise PromptDataError(f"{d.dataset} has no {d.response_field!r} column (it has {sorted(rows.extras)}); "
                               "set distill.response_field")

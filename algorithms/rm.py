@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from xray.backends.hf_dir import save_hf_model
+from xray.builtin.tasks import is_builtin
 from xray.config.plan import Plan
 from xray.config.schema import RunConfig
 from xray.data import columns as C
@@ -92,7 +93,7 @@ def preference_pairs(cfg: RunConfig, prompts, tokenizer) -> list[Pair]:
         return [(p, target_ids(c, tokenizer), target_ids(r, tokenizer))
                 for p, c, r in zip(prompts.prompt_ids, prompts.extras[f.chosen_field],
                                    prompts.extras[f.rejected_field])]
-    if cfg.data.path.startswith("builtin:"):
+    if is_builtin(cfg.data.path):
         return builtin_pairs(prompts.prompt_ids, prompts.extras[cfg.data.answer_field], tokenizer, cfg.seed)
     raise ValueError(f"{cfg.data.path} has no {f.chosen_field!r} and {f.rejected_field!r} columns (it has "
                      f"{sorted(prompts.extras)}); set rm.chosen_field and rm.rejected_field")
@@ -129,7 +130,7 @@ def run_rm(cfg: RunConfig, plan: Plan, train: list[Pair], held_out: list[Pair], 
     """Train the critic role on `train`; (export directory, held-out accuracy before, after)."""
     from algorithms.sft import started_role
 
-    with started_role(cfg, plan, "critic", model_dir, ray_address, cfg.rm.lr) as critic:
+    with started_role(cfg, plan, "critic", model_dir, ray_address, cfg.rm.lr, cfg.rm.steps) as critic:
         before = accuracy(critic, held_out, pad_id)
         bar = tqdm(range(1, cfg.rm.steps + 1), desc="rm", unit="step", mininterval=2.0, disable=not progress_shown())
         for step in bar:

@@ -38,6 +38,7 @@ from xray.config.schema import RunConfig
 from xray.data import columns as C
 from xray.data.batch import Batch
 from xray.data.records import RecordWriter
+from xray.data.stops import stop_token_ids
 from xray.run.outputs import RunDir
 from xray.run.console import progress_shown
 
@@ -120,7 +121,7 @@ class Sampling:
     def __init__(self, cfg: RunConfig, models: dict, tokenizer, run: RunDir):
         self.cfg, self.models, self.tokenizer, self.run = cfg, models, tokenizer, run
         self.n, self.pad_id = cfg.rollout.n_samples, tokenizer.pad_token_id or 0
-        self.stop_ids = [tokenizer.eos_token_id]
+        self.stop_ids = stop_token_ids(tokenizer)  # the tokenizer's directory: the sampler's model
         self.splitter = StepSplitter(tokenizer, cfg.sample.step_separator, self.stop_ids)
 
     def generate(self, rows: list[dict], call: int):

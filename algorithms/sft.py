@@ -1,7 +1,8 @@
-"""Supervised fine-tuning on (prompt, answer) token pairs, on the same engine as PPO.
+"""Supervised fine-tuning on (prompt, answer) token pairs or conversations, on the same engine as PPO.
 
 `python -m xray.train sft` and the built-in model's warm start use it: the actor WholeModel (any
-training backend) takes `sft.steps` optimizer steps of next-token loss on the answer tokens, then
+training backend) takes `sft.steps` optimizer steps of next-token loss on the answer tokens (a
+conversation's assistant turns: `xray.data.conversation`), then
 its full weights are written as a Hugging Face directory that every role (and vLLM) can load.
 """
 from __future__ import annotations
@@ -16,10 +17,13 @@ from typing import Iterator
 import torch
 from tqdm import tqdm
 
+from xray.config.data import DataConfig
+from xray.config.optim import OptimConfig
 from xray.config.plan import Plan
 from xray.config.schema import RunConfig
 from xray.data import columns as C
 from xray.data.batch import Batch
+from xray.data.files import Rows
 from xray.data.sequences import pack_sequences
 from xray.run.outputs import RunDir
 from xray.data.supervised import SFTLoss, target_ids
@@ -39,17 +43,25 @@ def sft_rows(pairs: list[tuple[list[int], list[int]]], batch_size: int, step: in
     return pack_sequences([pairs[i][0] for i in rows], [pairs[i][1] for i in rows], pad_id, response_masks=masks)
 
 
+def job_optim(optim: OptimConfig, lr: float, steps: int, warmup_steps: int) -> OptimConfig:
+    """A supervised job's optimizer: the role's settings at the job's peak `lr` and warm-up, its
+    lr schedule decaying over the job's `steps` (unless the role sets `optim.decay_steps`)."""
+    return dataclasses.replace(optim, lr=lr, warmup_steps=warmup_steps).for_run(steps)
+
+
 @contextmanager
 def started_role(cfg: RunConfig, plan: Plan, role: str, model_dir: str, ray_address: str | None, lr: float,
-                 warmup_steps: int = 0) -> Iterator:
-    """One trained role's WholeModel alone, on its device group, with its optimizer at `lr`; shut
-    down (and its devices freed) on the way out (SFT and reward-model training)."""
+                 steps: int, warmup_steps: int = 0) -> Iterator:
+    """One trained role's WholeModel alone, on its device group, with its optimizer at `lr`, warmed
+    up over `warmup_steps` and following the role's `optim.lr_schedule` over the job's `steps`
+    (unless `optim.decay_steps` is set); shut down (and its devices freed) on the way out (SFT and
+    reward-model training)."""
     from xray.run.models import start_model
     from xray.wholemodel.cluster import ensure_ray
     from xray.wholemodel.placement import reserve_plan
 
     placed, section = plan.role(role), getattr(cfg, role)
-    optim = dataclasses.replace(section.optim, lr=lr, warmup_steps=warmup_steps)
+    optim = job_optim(section.optim, lr, steps, warmup_steps)
     role_cfg = dataclasses.replace(cfg, **{role: dataclasses.replace(section, optim=optim)})
     ensure_ray(ray_address, num_cpus=plan.nproc_per_node * plan.nnodes)
     bundles = reserve_plan(plan, cfg.threads_per_worker)[role]
@@ -62,8 +74,10 @@ def started_role(cfg: RunConfig, plan: Plan, role: str, model_dir: str, ray_addr
 
 
 def held_out_loss(actor, pairs: list[tuple[list[int], list[int]]], pad_id: int) -> float:
-    """Mean negative log-likelihood of the target tokens of `pairs` under the actor, no update."""
-    batch = pack_sequences([p for p, _ in pairs], [t for _, t in pairs], pad_id)
+    """Mean negative log-likelihood of the target tokens of `pairs` under the actor, no update
+    (a pair's third entry, when there is one, is its target's loss mask, as in `sft_rows`)."""
+    masks = [p[2] for p in pairs] if len(pairs[0]) > 2 else None
+    batch = pack_sequences([p[0] for p in pairs], [p[1] for p in pairs], pad_id, response_masks=masks)
     logp = actor.forward(batch).get()[C.LOGPROBS]
     mask = batch[C.LOSS_MASK].to(logp.dtype)
     return float(-(logp * mask).sum() / mask.sum().clamp(min=1.0))
@@ -76,7 +90,8 @@ def run_sft(cfg: RunConfig, plan: Plan, pairs: list[tuple[list[int], list[int]]]
     `actor.lora` its `peft` adapter directory (`xray/run/final.py`; each step's
     loss is appended to `losses` when given; with `held_out` pairs, their loss before and after
     training goes into `evals` as `before` and `after`)."""
-    with started_role(cfg, plan, "actor", model_dir, ray_address, cfg.sft.lr, cfg.sft.warmup_steps) as actor:
+    with started_role(cfg, plan, "actor", model_dir, ray_address, cfg.sft.lr, cfg.sft.steps,
+                      cfg.sft.warmup_steps) as actor:
         if held_out and evals is not None:
             evals["before"] = held_out_loss(actor, held_out, pad_id)
         bar = tqdm(range(1, cfg.sft.steps + 1), desc="sft", unit="step", mininterval=2.0, disable=not progress_shown())
@@ -100,9 +115,29 @@ def answer_pairs(prompt_ids: list[list[int]], answers: list, tokenizer) -> list[
     return [(p, target_ids(a, tokenizer)) for p, a in zip(prompt_ids, answers)]
 
 
+def supervised_pairs(rows: Rows, data: DataConfig, tokenizer) -> list[tuple]:
+    """What SFT trains on: conversations' (prompt ids, response ids, loss mask), their assistant
+    turns trained (`xray.data.conversation`); else plain rows' (prompt ids, answer ids + EOS)."""
+    from xray.data.chat import ChatFormat
+    from xray.data.conversation import conversation_pairs
+    from xray.data.prompts import load_prompts
+
+    triples = conversation_pairs(rows, tokenizer, data)
+    if triples is not None:
+        return triples
+    prompts = load_prompts(rows, tokenizer, prompt_field=data.prompt_field, max_prompt_tokens=data.max_prompt_tokens,
+                           on_long_prompt=data.on_long_prompt, chat=ChatFormat.of(data))
+    if data.answer_field not in prompts.extras:
+        raise ValueError(f"the data has no {data.answer_field!r} column for supervised targets, nor a "
+                         f"{data.messages_field!r} column of conversations; set data.answer_field (or "
+                         f"data.messages_field) to one of {sorted(prompts.extras)}")
+    return answer_pairs(prompts.prompt_ids, prompts.extras[data.answer_field], tokenizer)
+
+
 def sft_command(cfg: RunConfig, plan: Plan, output_dir: Path, ray_address: str | None) -> Path:
-    """`python -m xray.train sft`: fine-tune `model.path` on the data's (prompt, answer) rows."""
-    from xray.builtin.sources import load_prompt_splits
+    """`python -m xray.train sft`: fine-tune `model.path` on the data's (prompt, answer) rows or
+    conversations (`supervised_pairs`)."""
+    from xray.builtin.sources import load_row_splits
     from xray.builtin.tiny_llama import BUILTIN_MODEL, build_base_model
     from xray.run.inputs import load_tokenizer
 
@@ -112,10 +147,7 @@ def sft_command(cfg: RunConfig, plan: Plan, output_dir: Path, ray_address: str |
     run.write_config(to_dict(cfg))
     model_dir = str(build_base_model(run.path / "base-model", cfg.seed)) if cfg.model.path == BUILTIN_MODEL else cfg.model.path
     tokenizer = load_tokenizer(model_dir)
-    train, _ = load_prompt_splits(cfg.data, tokenizer, run.path / "data")
-    if cfg.data.answer_field not in train.extras:
-        raise ValueError(f"the data has no {cfg.data.answer_field!r} column for supervised targets; "
-                         f"set data.answer_field to one of {sorted(train.extras)}")
-    pairs = answer_pairs(train.prompt_ids, train.extras[cfg.data.answer_field], tokenizer)
+    train, _ = load_row_splits(cfg.data, run.path / "data")
+    pairs = supervised_pairs(train, cfg.data, tokenizer)
     with run:  # the loggers close, told whether the job failed
         return run_sft(cfg, plan, pairs, model_dir, run, tokenizer.pad_token_id or 0, ray_address)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from algorithms.specs import command_spec
 from xray.builtin.sources import load_prompt_splits
-from xray.builtin.tasks import get_task
+from xray.builtin.tasks import get_task, is_builtin
 from xray.builtin.tiny_llama import (BUILTIN_MODEL, TEACHER_MODEL, TinySpec, build_base_model, builtin_spec,
                                      teacher_spec)
 from xray.config.env import EnvConfig
@@ -40,7 +40,9 @@ def warm_start_key(cfg: RunConfig, train_backend: str, spec: TinySpec | None = N
                "data": cfg.data.path, "eval_size": cfg.data.eval_size, "backend": train_backend,
                "actor": {"micro": cfg.actor.micro_batch_size, "tp": cfg.actor.tp, "pp": cfg.actor.pp,
                          "dp": cfg.actor.dp}, "version": 1}
-    task = get_task(cfg.data.path) if cfg.data.path.startswith("builtin:") else None
+    if not is_builtin(cfg.data.path):  # which rows are held out of a user's data shapes it too
+        shaping["data_rows"] = {k: getattr(cfg.data, k) for k in ("split", "eval_path", "eval_split", "eval_seed")}
+    task = get_task(cfg.data.path) if is_builtin(cfg.data.path) else None
     if hasattr(task, "demonstrations"):  # what its demonstrations are made of shapes it too
         shaping["task"] = repr(task)
     return hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()[:16]
@@ -77,12 +79,15 @@ def build_builtin_model(cfg: RunConfig, plan: Plan, run: RunDir, ray_address: st
     if (target / "model.safetensors").is_file():
         log.info("warm-started model from cache: %s", target)
         return target
-    # the warm start trains every weight, also for a LoRA run (which then trains adapters on it)
-    cfg = dataclasses.replace(cfg, actor=dataclasses.replace(cfg.actor, lora=None), env=EnvConfig())  # no episodes
+    # the warm start trains every weight, also for a LoRA run (which then trains adapters on it), at
+    # the built-in constant rate after its warm-up: the run's own lr schedule is not in the cache key
+    constant = dataclasses.replace(cfg.actor.optim, lr_schedule="constant", min_lr=0.0, decay_steps=None)
+    cfg = dataclasses.replace(cfg, actor=dataclasses.replace(cfg.actor, lora=None, optim=constant),
+                              env=EnvConfig())  # no episodes
     base = build_base_model(run.path / ("base-model" if spec is None else f"{name}-base"), cfg.seed, spec)
     tokenizer = load_tokenizer(str(base))
     train, _ = load_prompt_splits(cfg.data, tokenizer, run.path / "data")
-    task = get_task(cfg.data.path) if cfg.data.path.startswith("builtin:") else None
+    task = get_task(cfg.data.path) if is_builtin(cfg.data.path) else None
     if hasattr(task, "demonstrations"):  # a tool-use task: whole episodes, the model's turns trained
         pairs = task.demonstrations(train.prompts, train.extras, tokenizer)
     else:

@@ -77,13 +77,15 @@ def shutdown_ray() -> None:
 
 def user_errors() -> tuple[type[BaseException], ...]:
     """Mistakes in the command, config, data or reward spec: a one-line message, no traceback."""
+    from xray.data.conversation import ConversationError
+    from xray.data.files import DataFileError
     from xray.data.prompts import PromptDataError
     from xray.data.text import TextDataError
     from xray.rewards.loader import RewardSpecError
     from xray.builtin.tasks import TaskError
 
     return (ConfigError, BackendError, UsageError, LayoutError, FileNotFoundError, PromptDataError,
-            TextDataError, RewardSpecError, TaskError)
+            DataFileError, ConversationError, TextDataError, RewardSpecError, TaskError)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -102,3 +102,30 @@ def sequences_of(batch: Batch) -> tuple[list[list[int]], list[int]]:
 def max_abs_diff(a: list[list[float]], b: list[list[float]]) -> float:
     assert [len(x) for x in a] == [len(y) for y in b], "sequences of different lengths"
     return max((abs(x - y) for xs, ys in zip(a, b) for x, y in zip(xs, ys)), default=0.0)
+
+
+SYMBOL_BASE = 0x4E00  # id i is the one character chr(SYMBOL_BASE + i)
+
+
+def save_symbol_tokenizer(directory: str | Path, vocab: int = SPEC.vocab_size) -> None:
+    """A tokenizer for the tiny model: one character per id, no special tokens (no EOS), so that a
+    stop string names the token that completes it exactly (`symbols`)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.WordLevel({chr(SYMBOL_BASE + i): i for i in range(vocab)}, unk_token=chr(SYMBOL_BASE)))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    PreTrainedTokenizerFast(tokenizer_object=core).save_pretrained(str(directory))
+
+
+def symbols(ids: list[int]) -> str:
+    """The text of `ids` under `save_symbol_tokenizer`'s tokenizer."""
+    return "".join(chr(SYMBOL_BASE + i) for i in ids)
+
+
+def stop_string_case(greedy: list[int]) -> tuple[str, int]:
+    """A stop string of a greedy response (its 6th and 7th tokens' text) and how many tokens the
+    response keeps: up to the first token whose text completes it."""
+    stop = symbols(greedy[5:7])
+    return stop, next(k for k in range(1, len(greedy) + 1) if stop in symbols(greedy[:k]))

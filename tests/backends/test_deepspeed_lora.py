@@ -7,7 +7,9 @@ start (`xray.backends.lora.initial_a`), trained by `reference_train_step` on the
 Checked: the step losses, the adapter after two steps, the merged export against peft's
 `merge_and_unload`, log-probs with the adapters on (= peft) and off (= the base model), that
 the frozen base weights did not move, that only the adapters hold optimizer state, and that
-the exported adapter directory loads in `peft` with the same logits.
+the exported adapter directory loads in `peft` with the same logits. ZeRO-3 trains with activation
+checkpointing (transformers' non-reentrant gradient checkpointing: each decoder layer runs twice
+per micro-batch), and must still match peft's steps.
 
 Tolerances: adapters within 1e-3 relative to each tensor's largest entry. B starts at zero, so
 after two Adam steps every entry of B is about +-2 lr whatever its gradient's size: an entry
@@ -32,6 +34,7 @@ from xray.builtin.tiny_llama import build_tiny_model
 pytestmark = pytest.mark.backends
 
 DP, MICRO, STAGES = 2, 2, (1, 2, 3)
+RECOMPUTED = 3  # the stage trained with activation checkpointing
 OPT = OptimConfig(lr=2e-4, warmup_steps=0)
 LORA = LoraConfig(rank=4, alpha=8.0)
 SEED = 3
@@ -53,9 +56,13 @@ def _run(rank, world, model_dir, batch, adapter_root):
     results = {}
     for stage in STAGES:
         engine = build_engine(model_dir, ParallelDims(dp=world), "actor", OPT, seed=SEED, zero_stage=stage,
-                              lora=LORA)
+                              lora=LORA, activation_checkpointing=stage == RECOMPUTED)
+        calls = [0]  # forwards of the first decoder layer in the two steps
+        layer = engine.engine.module.model.layers[0]
+        counting = layer.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
         losses = [engine.train_step(part, policy_loss, MICRO)["loss"] for _ in range(2)]
-        out = {"losses": losses, "on": engine.forward(part)[C.LOGPROBS].numpy(),
+        counting.remove()
+        out = {"losses": losses, "layer_calls": calls[0], "on": engine.forward(part)[C.LOGPROBS].numpy(),
                "off": engine.forward(part, adapters=False)[C.LOGPROBS].numpy()}
         merged = {}
         for bucket in engine.export_weights(bucket_bytes=64 << 10):
@@ -114,6 +121,7 @@ def test_lora_matches_peft(lora_runs):
     for stage, out in ((s, [r[s] for r in results]) for s in STAGES):
         first = out[0]
         assert first["losses"] == pytest.approx(losses, rel=1e-5), stage
+        assert first["layer_calls"] == 2 * 8 // DP // MICRO * (2 if stage == RECOMPUTED else 1), stage
         assert max_rel_diff(_torch(first["adapter"]), ref_adapter) < 1e-3, stage
         assert max(float((_torch(first["adapter"])[k]).abs().max()) for k in ref_adapter if "lora_B" in k) > 1e-4
         merged = _torch(first["merged"])

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from tests.backends.rollout_common import (changed_weights, hf_greedy, hf_sequence_stats, sequences_of,
-                                           make_prompts, max_abs_diff, trained_tiny_model)
+                                           make_prompts, max_abs_diff, save_symbol_tokenizer, stop_string_case,
+                                           trained_tiny_model)
 from tests.dist_harness import run_distributed
 from xray.backends import load_backend
 from xray.check.reference import load_hf
@@ -25,7 +26,9 @@ MIN_GAP = 1e-3      # measured: 4.8e-3
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return trained_tiny_model(tmp_path_factory.mktemp("dsinfer") / "tiny")
+    directory = trained_tiny_model(tmp_path_factory.mktemp("dsinfer") / "tiny")
+    save_symbol_tokenizer(directory)  # for stop strings
+    return directory
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +39,7 @@ def hf(model_dir):
 @pytest.fixture(scope="module")
 def engine(model_dir):
     return load_backend("dsinfer").build_engine(model_dir, dtype="float32", tp=1, max_model_len=256,
-                                                generate_batch=8)
+                                                generate_batch=8, stop_strings=True)
 
 
 def test_greedy_equals_hf_generate(engine, hf):
@@ -78,6 +81,21 @@ def test_stop_token_ends_the_response(engine, hf):
     assert out[C.RESPONSE_IDS][0] == greedy[:cut]
     assert out["finish_reason"][0] == "stop"
     assert [len(x) for x in out["response_logprobs"]] == [len(x) for x in out[C.RESPONSE_IDS]]
+
+
+def test_stop_string_ends_the_response_with_its_token(engine, hf):
+    prompt = make_prompts(1, seed=21)[0]
+    greedy = hf_greedy(hf, [prompt], NEW_TOKENS)[0]
+    stop, cut = stop_string_case(greedy)
+    full = engine.generate([prompt], {"temperature": 0.0, "max_new_tokens": NEW_TOKENS})
+    out = engine.generate([prompt, prompt[:3]], {"temperature": 0.0, "max_new_tokens": NEW_TOKENS, "stop": [stop]})
+    assert out[C.RESPONSE_IDS][0] == greedy[:cut] and out["finish_reason"][0] == "stop"
+    assert out["response_logprobs"][0] == pytest.approx(full["response_logprobs"][0][:cut], abs=1e-6)
+    assert [len(x) for x in out["response_logprobs"]] == [len(x) for x in out[C.RESPONSE_IDS]]
+    first = greedy.index(greedy[2]) + 1  # a stop token before the stop string ends it first
+    early = engine.generate([prompt], {"temperature": 0.0, "max_new_tokens": NEW_TOKENS, "stop": [stop],
+                                       "stop_token_ids": [greedy[2]]})
+    assert early[C.RESPONSE_IDS][0] == greedy[:first] and first < cut
 
 
 def test_load_weights_follows_new_weights(engine, hf):

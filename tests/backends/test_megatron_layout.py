@@ -52,7 +52,9 @@ def test_vocab_must_split_over_tp(tmp_path):
 
 @pytest.mark.parametrize("changes,words", [
     ({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}, "GPT2LMHeadModel"),
-    ({"rope_parameters": {"rope_theta": 5e5, "rope_type": "llama3", "factor": 8.0}}, "llama3"),
+    ({"rope_parameters": {"rope_theta": 5e5, "rope_type": "yarn", "factor": 4.0}}, "RoPE type 'yarn'.*default, llama3"),
+    ({"rope_parameters": {"rope_theta": 5e5, "rope_type": "llama3", "factor": 8.0}},
+     "lacks low_freq_factor, high_freq_factor, original_max_position_embeddings"),
     ({"hidden_act": "gelu"}, "hidden_act"),
     ({"architectures": ["MistralForCausalLM"], "sliding_window": 64, "max_position_embeddings": 4096},
      "sliding_window=64 below max_position_embeddings=4096"),
@@ -75,7 +77,15 @@ def test_read_spec(tmp_path):
     assert (qwen3.head_dim, qwen3.qk_norm, qwen3.qkv_bias) == (64, True, False)
     assert read_spec(_model_dir(tmp_path, architectures=["Qwen3ForCausalLM"], attention_bias=True)).qkv_bias
     mistral = read_spec(_model_dir(tmp_path, architectures=["MistralForCausalLM"], sliding_window=None))
-    assert not (mistral.qkv_bias or mistral.qk_norm)
+    assert not (mistral.qkv_bias or mistral.qk_norm) and mistral.rope_scaling is None
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 8192}
+    for where in ({"rope_parameters": {"rope_theta": 5e5, **llama3}},  # transformers 5, and before it
+                  {"rope_theta": 5e5, "rope_parameters": None, "rope_scaling": {**llama3, "rope_type": None,
+                                                                                "type": "llama3"}}):
+        spec = read_spec(_model_dir(tmp_path, **where))
+        scaling = spec.rope_scaling
+        assert spec.rope_theta == 5e5 and (scaling.factor, scaling.original_max_position_embeddings) == (8.0, 8192)
 
 
 def test_moe_spec_layout_and_fused_experts(tmp_path):
@@ -204,3 +214,21 @@ def test_entropy_is_computed_only_when_read():
     assert calls == [1]
     with pytest.raises(KeyError, match="policy head"):
         outputs[C.VALUES]
+
+
+def test_llama3_frequencies_are_the_ones_transformers_computes():
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from xray.backends.megatron.rope import llama3_inverse_frequencies, read_rope
+
+    params = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    config = LlamaConfig(hidden_size=256, num_attention_heads=4, max_position_embeddings=512, rope_parameters=params)
+    theirs, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+    theta, scaling = read_rope(config.to_dict())
+    ours = llama3_inverse_frequencies(theta, 64, scaling)
+    assert torch.equal(ours, theirs)
+    plain = 1.0 / (5e5 ** (torch.arange(0, 64, 2).float() / 64))
+    kept, divided = (ours == plain).sum().item(), (ours == plain / 8).sum().item()
+    assert kept >= 2 and divided >= 2 and kept + divided < 32  # some kept, some scaled, some blended

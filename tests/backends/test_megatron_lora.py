@@ -8,6 +8,8 @@ and without the adapters, the merged export vs `merge_and_unload`, one AdamW ste
 norm, the adapters' gradients and values after it), the frozen base bitwise unchanged, the
 optimizer holding only adapters; the exported adapter written with `save_adapter` reloads in
 `peft.PeftModel.from_pretrained`. At tp=2 a checkpoint resumes bitwise, and it reshards into pp=2.
+The dp=2 layout trains with activation checkpointing (each decoder layer runs again in the
+backward): adapters behind the frozen embedding must still get peft's gradients.
 
 Tolerances (fp32): log-probs 1e-4 as the base parity tests (tp splits the matmuls and the
 vocabulary softmax, so sums run in another order; measured <= 5e-7); gradients, losses and grad
@@ -42,6 +44,7 @@ LORA = LoraConfig(rank=4, alpha=8.0)  # all-linear; dropout 0 so that both sides
 PARTIAL = LoraConfig(rank=4, alpha=8.0, target_modules=("k_proj", "up_proj", "down_proj"))  # parts of fused layers
 LAYOUTS = [((2, 1, 1), "float32"), ((1, 2, 1), "float32"), ((1, 1, 2), "float32"), ((2, 1, 1), "bfloat16")]
 CRITIC = (1, 2, 1)
+RECOMPUTED = (1, 1, 2)  # the layout trained with activation checkpointing
 
 
 def _numpy(tensors):
@@ -89,7 +92,8 @@ def _actor(model_dir, dims, dtype, adapter, ckpt):
     from xray.backends.megatron import build_engine
 
     parallel = ParallelDims(*dims)
-    engine = build_engine(model_dir, parallel, "actor", OPTIM, seed=SEED, dtype=dtype, lora=LORA)
+    engine = build_engine(model_dir, parallel, "actor", OPTIM, seed=SEED, dtype=dtype, lora=LORA,
+                          activation_checkpointing=dims == RECOMPUTED)
     fresh = engine.export_adapter()
     engine.load_adapter(adapter)
     batch = _batch()
@@ -98,7 +102,11 @@ def _actor(model_dir, dims, dtype, adapter, ckpt):
            "merged": _numpy({n: t for b in engine.export_weights() for n, t in b})}
     frozen = _frozen(engine)
     trained = sum(len(g["params"]) for g in engine.optimizer.param_groups)
+    calls = [0]  # forwards of the first decoder layer in the step
+    counting = engine.model.decoder.layers[0].register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
     out["metrics"] = engine.train_step(batch.split(parallel.dp)[engine.shard_info().dp_rank], R.policy_loss, MICRO)
+    counting.remove()
+    out["layer_calls"] = calls[0]
     out["grads"] = _numpy(engine.adapter_grads())
     out["after"] = _numpy(engine.export_adapter())
     out["base_unchanged"] = all(torch.equal(p, frozen[n]) for n, p in _frozen(engine).items())
@@ -274,6 +282,7 @@ def test_adapter_parity(results, dims, dtype):
         assert r[key]["metrics"]["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-2 if bf16 else 1e-5)
         # (c) only the adapters train: the frozen base is bitwise unchanged, the optimizer holds adapters only
         assert r[key]["base_unchanged"] and r[key]["optimizer_holds_only_adapters"]
+        assert r[key]["layer_calls"] == BATCH // dims[2] // MICRO * (2 if dims == RECOMPUTED else 1)
     grads, after = _torch(out["grads"]), _torch(out["after"])
     assert R.max_rel_diff(grads, ref["grads"]) <= (5e-2 if bf16 else 1e-5)
     # ... and the adapters after the step: AdamW of exactly those gradients (fp32), and within the

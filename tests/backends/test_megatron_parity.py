@@ -10,10 +10,18 @@ export before training (HF -> Megatron -> HF round trip, bitwise), forward (log-
 train step (loss and gradient norm vs the reference), export after the step (every weight vs
 `reference_train_step`). The round trip's export is also written as an HF directory and loaded
 back with transformers.
+Two variants of the Llama: `llama3_rope`, the same weights with Llama 3's RoPE scaling (original
+context 16 positions, the batch's 24: most frequencies are scaled, which moves HF's log-probs by
+~1e-2), built by the engine's own inverse frequencies; and `llama_recompute`, the same model
+trained with activation checkpointing (Megatron's full recompute; also `qwen3_moe_recompute`),
+whose step must equal the plain one (loss, gradient norm, every weight after it) while each decoder
+layer runs twice per micro-batch.
 """
 from __future__ import annotations
 
 import functools
+import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -31,7 +39,16 @@ BATCH, SEQ, MICRO = 8, 24, 2
 OPTIM = OptimConfig()  # lr 1e-5, clip 1.0: the defaults a run starts from
 SPECS = {"llama": TinySpec(arch="llama"), "qwen2": TinySpec(arch="qwen2", tie_word_embeddings=True),
          "qwen3": TinySpec(arch="qwen3", tie_word_embeddings=True), "mistral": TinySpec(arch="mistral"),
-         "qwen3_moe": TinySpec(arch="qwen3_moe"), "qwen2_moe": TinySpec(arch="qwen2_moe")}
+         "qwen3_moe": TinySpec(arch="qwen3_moe"), "qwen2_moe": TinySpec(arch="qwen2_moe"),
+         "llama3_rope": TinySpec(arch="llama")}
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 16}  # below SEQ: the scaling matters
+RECOMPUTED = {"llama_recompute": "llama", "qwen3_moe_recompute": "qwen3_moe"}
+"""Variants trained with activation checkpointing, and the model (a key of SPECS) each trains."""
+
+
+def _model_of(arch: str) -> str:
+    return RECOMPUTED.get(arch, arch)
 
 
 def _numpy(tensors):
@@ -48,22 +65,25 @@ def _worker(rank, world_size, layouts):
     from megatron.core import parallel_state
 
     results = []
-    for model_dir, dims in layouts:
-        results.append(_one_layout(model_dir, dims))
+    for model_dir, dims, recompute in layouts:
+        results.append(_one_layout(model_dir, dims, recompute))
         parallel_state.destroy_model_parallel()
     return results
 
 
-def _one_layout(model_dir, dims):
+def _one_layout(model_dir, dims, recompute=False):
     from xray.backends.megatron import EngineUsageError, build_engine
 
     parallel = ParallelDims(*dims)
-    engine = build_engine(model_dir, parallel, "actor", OPTIM, seed=0)
+    engine = build_engine(model_dir, parallel, "actor", OPTIM, seed=0, activation_checkpointing=recompute)
     before = {n: t for b in engine.export_weights(bucket_bytes=1 << 16) for n, t in b}
     batch = R.random_batch(BATCH, SEQ, SPECS["llama"].vocab_size, seed=1)
     out = engine.forward(batch, entropy=True)
     info = engine.shard_info()
+    calls = [0]  # forwards of this stage's first decoder layer in the train step (recompute: 2 per micro-batch)
+    counting = engine.model.decoder.layers[0].register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
     metrics = engine.train_step(batch.split(parallel.dp)[info.dp_rank], R.policy_loss, MICRO)
+    counting.remove()
     after = {n: t for b in engine.export_weights() for n, t in b}
     plain, refused = None, False
     if parallel.world_size == 1:  # the same model with Megatron's own DotProductAttention
@@ -74,7 +94,7 @@ def _one_layout(model_dir, dims):
         except EngineUsageError:
             refused = True
     return {"reference_refuses_training": refused, "exports": engine.exports(), "collects": info.collects,
-            "metrics": metrics,
+            "metrics": metrics, "layer_calls": calls[0],
             "forward": None if out is None else _numpy(out),
             "forward_megatron_attention": None if plain is None else _numpy(plain),
             "before": _numpy(before), "after": _numpy(after)}
@@ -84,14 +104,18 @@ def _one_layout(model_dir, dims):
 def model_dir(arch: str) -> str:
     import tempfile
 
-    return str(build_tiny_model(tempfile.mkdtemp(prefix=f"xray-mt-{arch}-"), SPECS[arch], seed=0))
+    directory = build_tiny_model(tempfile.mkdtemp(prefix=f"xray-mt-{arch}-"), SPECS[arch], seed=0)
+    if arch == "llama3_rope":  # the Llama's weights with Llama 3's RoPE: the config alone changes
+        config = json.loads((Path(directory) / "config.json").read_text())
+        (Path(directory) / "config.json").write_text(json.dumps({**config, "rope_parameters": LLAMA3_ROPE}))
+    return str(directory)
 
 
 @functools.lru_cache(maxsize=None)
 def run_world(world_size: int) -> dict:
     """Results of every layout of LAYOUTS with this world size, from one spawn: {(arch, dims): per rank}."""
     mine = [(arch, dims) for arch, dims in LAYOUTS if ParallelDims(*dims).world_size == world_size]
-    per_rank = run_distributed(_worker, world_size, [(model_dir(a), d) for a, d in mine])
+    per_rank = run_distributed(_worker, world_size, [(model_dir(_model_of(a)), d, a in RECOMPUTED) for a, d in mine])
     return {key: [r[i] for r in per_rank] for i, key in enumerate(mine)}
 
 
@@ -102,6 +126,8 @@ def run_layout(arch: str, dims: tuple[int, ...]) -> list[dict]:
 @functools.lru_cache(maxsize=None)
 def reference(arch: str) -> dict:
     """HF log-probs, grad norm of the step's gradient, and weights after one reference step."""
+    if arch in RECOMPUTED:
+        return reference(_model_of(arch))
     batch = R.random_batch(BATCH, SEQ, SPECS[arch].vocab_size, seed=1)
     model = R.load_hf(model_dir(arch))
     with torch.no_grad():
@@ -141,7 +167,9 @@ LAYOUTS = [("llama", (1, 1, 1)), ("llama", (2, 1, 1)), ("llama", (1, 2, 1)), ("l
            ("llama", (2, 2, 1)), ("qwen2", (2, 1, 1)), ("qwen2", (1, 2, 1)), ("qwen3", (1, 1, 1)),
            ("qwen3", (2, 1, 1)), ("qwen3", (1, 2, 1)), ("mistral", (2, 1, 1)), ("mistral", (1, 2, 1)),
            ("qwen3_moe", (1, 1, 1)), ("qwen3_moe", (1, 2, 1)), ("qwen3_moe", (1, 1, 2)), ("qwen3_moe", (1, 1, 2, 2)),
-           ("qwen2_moe", (1, 1, 1)), ("qwen2_moe", (1, 2, 1)), ("qwen2_moe", (1, 1, 2, 2))]
+           ("qwen2_moe", (1, 1, 1)), ("qwen2_moe", (1, 2, 1)), ("qwen2_moe", (1, 1, 2, 2)),
+           ("llama3_rope", (1, 1, 1)), ("llama_recompute", (1, 1, 1)), ("llama_recompute", (2, 2, 1)),
+           ("qwen3_moe_recompute", (1, 1, 1))]
 
 
 def _id(arch: str, dims: tuple[int, ...]) -> str:
@@ -163,6 +191,8 @@ def test_parity(arch, dims):
         assert r["metrics"]["loss"] == pytest.approx(ref["loss"], rel=1e-5, abs=1e-6)
         assert r["metrics"]["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)
         assert r["metrics"]["lr"] == OPTIM.lr
+        if len(dims) == 3:  # (with ep, micro-batches are padded to the expert-parallel peer's count)
+            assert r["layer_calls"] == BATCH // dims[2] // MICRO * (2 if arch in RECOMPUTED else 1)
     exporter = [r for r in results if r["exports"]]
     assert len(exporter) == 1 and all(not r["after"] for r in results if not r["exports"])
     after = _torch(exporter[0]["after"])
@@ -170,6 +200,25 @@ def test_parity(arch, dims):
     assert R.max_rel_diff(after, expected) <= 1e-5
     moved = R.max_rel_diff(after, _torch(exporter[0]["before"]))
     assert moved > 1e-4, "the step did not change the weights"
+
+
+@pytest.mark.parametrize("arch,dims", [("llama", (1, 1, 1)), ("llama", (2, 2, 1)), ("qwen3_moe", (1, 1, 1))],
+                         ids=["llama-tp1pp1", "llama-tp2pp2", "qwen3_moe-tp1pp1"])
+def test_activation_checkpointing_takes_the_same_step(arch, dims):
+    plain, recomputed = run_layout(arch, dims), run_layout(f"{arch}_recompute", dims)
+    for p, r in zip(plain, recomputed):  # rank by rank
+        assert r["metrics"]["loss"] == pytest.approx(p["metrics"]["loss"], rel=1e-6, abs=1e-7)
+        assert r["metrics"]["grad_norm"] == pytest.approx(p["metrics"]["grad_norm"], rel=1e-6)
+        assert r["layer_calls"] == 2 * p["layer_calls"] > 0  # each layer ran again in the backward
+    after = [_torch(r["after"]) for r in (*plain, *recomputed) if r["exports"]]
+    assert len(after) == 2 and R.max_rel_diff(after[1], after[0]) <= 1e-6
+
+
+def test_llama3_rope_scaling_changes_the_model():
+    """`llama3_rope`'s parity is not plain RoPE's by accident: the scaling moves HF's log-probs
+    1000 times the parity bound."""
+    gap = (reference("llama3_rope")["logprobs"] - reference("llama")["logprobs"]).abs().max().item()
+    assert gap > 1e-3
 
 
 def test_megatron_core_attention_matches_hf():

@@ -8,10 +8,12 @@ holds the snapshot under its own name. Spawn B (1 rank) loads it from every rank
 (`complete`: resharded from memory), spawn C (1 rank) from the moved directory on disk. B's and C's
 log-probs on a fixed batch agree within 1e-6, so do their step counts; and B, built with twice the
 learning rate (an elastic run's scaled lr), keeps its own peak lr at the restored schedule
-position instead of the snapshot's.
+position instead of the snapshot's: the schedule is a cosine decay to an absolute `min_lr` after a
+one-step warm-up, restored one third of the way down.
 """
 from __future__ import annotations
 
+import math
 import shutil
 
 import pytest
@@ -25,7 +27,7 @@ from xray.builtin.tiny_llama import TinySpec, build_tiny_model
 
 pytestmark = pytest.mark.backends
 
-LR, WARMUP = 1e-3, 4
+LR, WARMUP, DECAY, MIN_LR = 1e-3, 1, 4, 1e-4
 TOL = 1e-6
 
 
@@ -36,7 +38,7 @@ def _batch(seed: int):
 def _engine(backend: str, model_dir: str, world: int, lr: float):
     from xray.backends import load_backend
 
-    optim = OptimConfig(lr=lr, warmup_steps=WARMUP)
+    optim = OptimConfig(lr=lr, warmup_steps=WARMUP, lr_schedule="cosine", min_lr=MIN_LR, decay_steps=DECAY)
     if backend == "megatron":
         return load_backend(backend).build_engine(model_dir, ParallelDims(tp=world), "actor", optim, seed=0)
     return load_backend(backend).build_engine(model_dir, ParallelDims(dp=world), "actor", optim, seed=0,
@@ -93,6 +95,6 @@ def test_a_snapshot_in_memory_restores_into_another_layout_as_its_checkpoint_doe
     assert not ckpt.exists()
     assert float(abs(memory - disk).max()) <= TOL
     assert memory_steps == disk_steps == 2
-    factor = min(1.0, (2 + 1) / WARMUP)  # the schedule's position after two steps, restored
-    assert disk_lr == pytest.approx(LR * factor, rel=1e-12)
-    assert memory_lr == pytest.approx(2 * LR * factor, rel=1e-12)  # its own peak lr, not the snapshot's
+    shape = 0.5 * (1 + math.cos(math.pi * (2 - WARMUP) / (DECAY - WARMUP)))  # after two steps, restored: 0.75
+    assert disk_lr == pytest.approx(MIN_LR + (LR - MIN_LR) * shape, rel=1e-12)
+    assert memory_lr == pytest.approx(MIN_LR + (2 * LR - MIN_LR) * shape, rel=1e-12)  # its own peak, not the snapshot's

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from tests.backends.rollout_common import (EOS, changed_weights, hf_greedy, hf_sequence_stats, sequences_of,
-                                           make_prompts, max_abs_diff, trained_tiny_model)
+                                           make_prompts, max_abs_diff, save_symbol_tokenizer, stop_string_case,
+                                           trained_tiny_model)
 from xray.backends import load_backend
 from xray.check.reference import load_hf
 from xray.data import columns as C
@@ -23,7 +24,9 @@ MIN_GAP = 1e-3      # measured: 4.8e-3 smallest top-1/top-2 logit gap on the gre
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return trained_tiny_model(tmp_path_factory.mktemp("vllm") / "tiny")
+    directory = trained_tiny_model(tmp_path_factory.mktemp("vllm") / "tiny")
+    save_symbol_tokenizer(directory)  # for stop strings (it has no EOS: vLLM stops as without it)
+    return directory
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +38,7 @@ def hf(model_dir):
 @pytest.fixture(scope="module")
 def engine(model_dir):
     eng = load_backend("vllm").build_engine(model_dir, dtype="float32", seed=0, max_model_len=256,
-                                            kv_cache_gib=1)
+                                            kv_cache_gib=1, stop_strings=True)
     yield eng
     eng.shutdown()
 
@@ -89,6 +92,20 @@ def test_stop_token_ends_the_response(engine, hf):
     assert out["finish_reason"] == ["stop"]
     assert len(out["response_logprobs"][0]) == cut
     assert EOS not in greedy  # the stop came from stop_token_ids, not from eos
+
+
+def test_stop_string_ends_the_response_with_its_token(engine, hf):
+    prompt = make_prompts(1, seed=21)[0]
+    greedy = hf_greedy(hf, [prompt], NEW_TOKENS)[0]
+    stop, cut = stop_string_case(greedy)
+    full = engine.generate([prompt], {"temperature": 0.0, "max_new_tokens": NEW_TOKENS})
+    out = engine.generate([prompt], {"temperature": 0.0, "max_new_tokens": NEW_TOKENS, "stop": [stop]})
+    assert out[C.RESPONSE_IDS][0] == greedy[:cut] and out["finish_reason"] == ["stop"]
+    assert out["response_logprobs"][0] == pytest.approx(full["response_logprobs"][0][:cut], abs=1e-6)
+    first = greedy.index(greedy[2]) + 1  # a stop token before the stop string ends it first
+    early = engine.generate([prompt], {"temperature": 0.0, "max_new_tokens": NEW_TOKENS, "stop": [stop],
+                                       "stop_token_ids": [greedy[2]]})
+    assert early[C.RESPONSE_IDS][0] == greedy[:first] and first < cut
 
 
 def _long_prompts(count: int, length: int, seed: int = 77) -> list[list[int]]:

@@ -6,8 +6,11 @@ deepspeed-dsinfer: actor/critic/reference on DeepSpeed ZeRO-3 with dp=2, DeepSpe
 rollout of 2 replicas. Every model in bf16 (`model.dtype`: bf16 weights, fp32 main weights in
 Megatron's and DeepSpeed's optimizers, bf16 engines). Each run: metrics finite, every step's
 sync verified (the engines hold exactly the actor's bf16 tensors, the probe within its bf16
-tolerance), actor weights changed. deepspeed-dsinfer: the step-2 (flash) checkpoint, resumed in a fresh run, gives the same
-step-3 metrics. megatron-vllm: a second run gets SIGTERM after its first step; it exits 0 within
+tolerance), actor weights changed, the evaluations' and a few rollouts' responses written as
+text (and shown in the report's table); with a checkpoint every step and `trainer.keep_last=2`,
+steps 2 and 3 stay on disk, and `python -m xray.export` of step 3 gives `final/actor` bit for bit.
+deepspeed-dsinfer: the step-2 (flash) checkpoint, resumed in a fresh run, gives the same
+step-3 metrics and rollouts. megatron-vllm: a second run gets SIGTERM after its first step; it exits 0 within
 15 s printing the resume command, and resumed, its remaining steps equal the uninterrupted run's;
 its first run's exported actor loads in `transformers` and gives finite logits, and that run
 wrote its report (HTML and PNG plots) and the Chrome-trace timeline of step 2 (every role busy).
@@ -103,7 +106,8 @@ def test_three_steps_then_exact_resume(tmp_path, tiny_model, tiny_teacher, backe
     cfg = config(tmp_path, tiny_model, backend, dtype="bfloat16", teacher=teacher)
     run_a = tmp_path / "a"
     report = ("--trainer.report=true",) if backend == "megatron-vllm" else ()  # its report is checked below
-    out = train("--backend", backend, "--config", str(cfg), "--output-dir", str(run_a), *report)
+    kept = ("--trainer.save_every=1", "--trainer.keep_last=2")  # a checkpoint every step, the newest 2 kept
+    out = train("--backend", backend, "--config", str(cfg), "--output-dir", str(run_a), *report, *kept)
     assert "eval_before=" in out.stdout and "eval_after=" in out.stdout
     steps = metrics(run_a)
     assert sorted(steps) == [1, 2, 3]
@@ -121,6 +125,9 @@ def test_three_steps_then_exact_resume(tmp_path, tiny_model, tiny_teacher, backe
     after = load_file(str(run_a / "final/actor/model.safetensors"))
     assert sorted(before) == sorted(after)
     assert max(float((before[k] - after[k]).abs().max()) for k in before) > 0
+    samples_are_written(run_a, json.loads((run_a / "eval.json").read_text()))
+    assert sorted(p.name for p in (run_a / "checkpoints").iterdir()) == ["step-000002", "step-000003"]
+    last_checkpoint_exports_as_final_actor(run_a, tmp_path / "exported")
 
     if backend == "megatron-vllm":  # resumed after a signal: the same exactness, one run fewer
         final_actor_loads_in_transformers(run_a / "final/actor")
@@ -134,6 +141,25 @@ def test_three_steps_then_exact_resume(tmp_path, tiny_model, tiny_teacher, backe
     resumed = metrics(run_b)
     assert sorted(resumed) == [3]
     assert stable(resumed[3]) == stable(steps[3])
+    assert jsonl(run_b / "rollouts.jsonl") == [r for r in jsonl(run_a / "rollouts.jsonl") if r["step"] == 3]
+
+
+def last_checkpoint_exports_as_final_actor(run: Path, out: Path) -> None:
+    """`python -m xray.export` of the last step's checkpoint (Megatron's tp=2 rank files, or
+    DeepSpeed's ZeRO-3 dp=2 partitions, read from the files alone) writes the run's `final/actor`
+    again: the same bf16 tensors bit for bit, the same config and tokenizer files."""
+    from safetensors.torch import load_file
+
+    p = subprocess.run([sys.executable, "-m", "xray.export", str(run / "checkpoints/step-000003"), str(out)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and p.stdout.strip() == str(out), p.stderr[-6000:]
+    exported, final = (load_file(str(d / "model.safetensors")) for d in (out, run / "final/actor"))
+    assert sorted(exported) == sorted(final) and len(final) > 10
+    for name, tensor in final.items():
+        assert exported[name].dtype == tensor.dtype == torch.bfloat16 and torch.equal(exported[name], tensor), name
+    side = [{f.name: f.read_bytes() for f in d.iterdir() if f.name != "model.safetensors"}
+            for d in (out, run / "final/actor")]
+    assert side[0] == side[1] and "tokenizer_config.json" in side[0]
 
 
 def sigterm_once_logged(run: Path, backend: str, cfg: Path, steps: int) -> None:
@@ -164,6 +190,34 @@ def check_sigterm_then_resume(run: Path, backend: str, cfg: Path, uninterrupted:
         assert stable(steps[step]) == stable(uninterrupted[step]), step
 
 
+def jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def samples_are_written(run: Path, evals: dict) -> None:
+    """What the model said: both evaluations' responses (`evals/step-<N>.jsonl`, one greedy response
+    per held-out prompt, their mean reward the run's `eval_before` and `eval_after`), a few of each
+    step's rollouts (`rollouts.jsonl`, trainer.log_rollouts=4 prompts x rollout.n_samples=1), and
+    the report's table of them."""
+    from xray.report.samples import samples_html
+
+    assert sorted(p.name for p in (run / "evals").iterdir()) == ["step-000000.jsonl", "step-000003.jsonl"]
+    for name, key in (("step-000000.jsonl", "eval_before"), ("step-000003.jsonl", "eval_after")):
+        rows = jsonl(run / "evals" / name)
+        assert len(rows) == 8 and [r["prompt_index"] for r in rows] == list(range(8)), rows
+        assert {tuple(sorted(r)) for r in rows} == {("completion", "correct", "prompt", "prompt_index", "reward",
+                                                      "sample", "source", "step")}
+        assert all(r["prompt"].endswith("=") and isinstance(r["completion"], str) for r in rows), rows
+        assert sum(r["reward"] for r in rows) / 8 == pytest.approx(evals[key])
+        assert evals["metrics_" + key.split("_")[1]]["eval/pass@1"] == pytest.approx(evals[key])  # 0/1 rewards
+    rollouts = jsonl(run / "rollouts.jsonl")
+    assert [(r["step"], r["group"]) for r in rollouts] == [(s, g) for s in (1, 2, 3) for g in range(4)]
+    assert all(r["reward"] in (0.0, 1.0) and math.isfinite(r["advantage"]) and r["prompt"] for r in rollouts)
+    html = samples_html(run)
+    assert "step-000003.jsonl" in html and "Rollouts of step 3" in html
+    assert f"<pre class='sample'>{rows[0]['prompt']}</pre>" in html
+
+
 def report_and_timeline_are_written(run: Path) -> None:
     """The run wrote its report (`trainer.report`: a page and its plots) and the timeline of step 2
     (`trainer.timeline_step`): every Workhorse of the actor, critic, reference and rollout busy in it."""
@@ -173,6 +227,7 @@ def report_and_timeline_are_written(run: Path) -> None:
     images = re.findall(r"<img src='([^']+)'", html)
     assert {"reward.png", "kl.png", "policy_loss.png", "value_loss.png", "phase_seconds.png", "eval.png",
             "timeline.png"} <= set(images), images
+    assert "<h2 id='samples'>Samples</h2>" in html and "Rollouts of step 3" in html  # what the model said
     for name in images:
         assert (run / "report" / name).stat().st_size > 8_000, name
         with Image.open(run / "report" / name) as image:

@@ -83,7 +83,7 @@ def test_prm_step_scores_match_the_hf_model_logits(tmp_path, tiny_model):
 
 @pytest.mark.parametrize("name", ["out.jsonl", "out.parquet"])
 def test_record_writer_round_trips_and_names_the_file_only_when_done(tmp_path, name):
-    from xray.data.prompts import read_rows
+    from xray.data.files import read_rows
 
     writer = RecordWriter(tmp_path / name)
     writer.write([{"prompt": "1+1=", "response": "2", "score": 10.0, "prm_steps": [0.5, 0.25]}])

@@ -1,4 +1,5 @@
 """`python -m xray.train`: dry run prints the plan; user errors are one line, no traceback."""
+import re
 import subprocess
 import sys
 import time
@@ -268,3 +269,46 @@ def test_lora_plan_starts_no_reference_and_says_so():
         resolve(["ppo", "--actor.lora.rank=8", "--config", str(ROOT / "configs/ppo_async_2makers_1trainer.yaml")])
     with pytest.raises(ConfigError, match="remove reference.lora"):
         resolve(["ppo", "--reference.lora.rank=8"])
+
+
+CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
+
+
+def command_of(config: Path) -> str:
+    """The command a config is for, as its opening comment names it (`python -m xray.train grpo ...`)."""
+    header = "".join(line for line in config.read_text().splitlines(keepends=True) if line.startswith("#"))
+    found = re.search(r"xray\.train (\w+)", header)
+    assert found, f"{config.name}: its opening comment names no `python -m xray.train <command>`"
+    return found.group(1)
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=[c.name for c in CONFIGS])
+def test_every_config_passes_its_dry_run(config, capsys, monkeypatch):
+    """Every file under configs/ passes `python -m xray.train <its command> --config FILE --dry-run`
+    as it is (in-process: the command's own `main`), a model.path that is a placeholder included:
+    the resolved config prints back with that path, then the plan of every role."""
+    import xray.train
+
+    monkeypatch.setattr(xray.train, "setup_console", lambda level: None)  # the suite's logging stays
+    assert xray.train.main([command_of(config), "--config", str(config), "--dry-run"]) == 0, capsys.readouterr().err
+    printed, plan = capsys.readouterr().out.split("placement plan")
+    resolved = yaml.safe_load(printed)
+    assert resolved["model"]["path"] == yaml.safe_load(config.read_text())["model"]["path"]
+    assert "actor" in plan or "sampler" in plan, plan
+
+
+def test_the_real_size_configs_train_real_lengths_at_a_real_learning_rate():
+    """configs/grpo_gpu_1x.yaml, grpo_gpu_8x.yaml and ppo_gpu_8x.yaml: a model.path placeholder to
+    replace, bf16, 512-token prompts and 1024-token responses, lr 1e-6, KL 0.001 (veRL's GSM8K)."""
+    from xray.train import resolve
+
+    assert len(CONFIGS) >= 13
+    for name, command in (("grpo_gpu_1x", "grpo"), ("grpo_gpu_8x", "grpo"), ("ppo_gpu_8x", "ppo")):
+        path = ROOT / f"configs/{name}.yaml"
+        assert command_of(path) == command and "placeholder" in path.read_text()
+        _, cfg, plan, _, _ = resolve([command, "--config", str(path)])
+        assert cfg.model.path.startswith("/models/") and cfg.model.dtype == "bfloat16"
+        assert (cfg.data.max_prompt_tokens, cfg.rollout.max_new_tokens) == (512, 1024)
+        assert cfg.actor.optim.lr == 1e-6 and cfg.ppo.kl_coef == 0.001 and cfg.trainer.keep_last == 3
+        assert cfg.ppo.rollout_batch_size * cfg.rollout.n_samples >= 512
+        assert all(r.device == "GPU" for r in plan.roles)

@@ -48,7 +48,7 @@ LAYERS = (
     ("xray.wholemodel",),
     ("xray.sync",),
     ("xray.run", "xray.report", "xray.check"),
-    ("xray.commands", "xray.train", "xray"),
+    ("xray.commands", "xray.train", "xray.export", "xray"),
     ("algorithms",),
 )
 """DESIGN.md's layers, lowest first: a module may import its own layer or a lower one. `xray` is

@@ -6,7 +6,9 @@ import pytest
 
 from xray.builtin.sources import load_prompt_splits
 from xray.config.data import DataConfig
-from xray.data.prompts import PromptDataError, PromptSampler, load_prompts, read_rows
+from xray.data.chat import ChatFormat
+from xray.data.files import DataFileError, read_rows
+from xray.data.prompts import PromptDataError, PromptSampler, load_prompts
 from xray.data.tokenizer import build_char_tokenizer
 
 pytestmark = pytest.mark.unit
@@ -35,20 +37,20 @@ def test_jsonl_prompts_ids_and_extras(tmp_path):
 
 def test_malformed_line_names_file_and_line(tmp_path):
     path = write_jsonl(tmp_path / "bad.jsonl", ROWS[:2], ["\n", '{"prompt": "1+1=", \n'])
-    with pytest.raises(PromptDataError, match=r"bad\.jsonl:4: not valid JSON"):
+    with pytest.raises(DataFileError, match=r"bad\.jsonl:4: not valid JSON"):
         load_prompts(path, TOK)
-    with pytest.raises(PromptDataError, match=r"arr\.jsonl:1: a JSON list, not an object"):
+    with pytest.raises(DataFileError, match=r"arr\.jsonl:1: a JSON list, not an object"):
         read_rows(write_jsonl(tmp_path / "arr.jsonl", [], ["[1, 2]\n"]))
 
 
 def test_empty_missing_and_unknown_files(tmp_path):
-    with pytest.raises(PromptDataError, match=r"empty\.jsonl is empty"):
+    with pytest.raises(DataFileError, match=r"empty\.jsonl is empty"):
         read_rows(write_jsonl(tmp_path / "empty.jsonl", [], ["\n", "  \n"]))
-    with pytest.raises(PromptDataError, match="does not exist"):
+    with pytest.raises(DataFileError, match="does not exist"):
         read_rows(tmp_path / "nope.jsonl")
-    (tmp_path / "p.csv").write_text("prompt\n1+1=\n")
-    with pytest.raises(PromptDataError, match="save_to_disk"):
-        read_rows(tmp_path / "p.csv")
+    (tmp_path / "p.tsv").write_text("prompt\n1+1=\n")
+    with pytest.raises(DataFileError, match="cannot read .*save_to_disk"):
+        read_rows(tmp_path / "p.tsv")
 
 
 def test_missing_prompt_field_names_the_row(tmp_path):
@@ -73,7 +75,7 @@ def test_parquet(tmp_path):
     with pytest.raises(PromptDataError, match=r"q\.parquet row 0: no 'prompt' field"):
         load_prompts(tmp_path / "q.parquet", TOK)
     (tmp_path / "broken.parquet").write_bytes(b"not parquet at all")
-    with pytest.raises(PromptDataError, match="not a readable Parquet file"):
+    with pytest.raises(DataFileError, match="not a readable Parquet file"):
         read_rows(tmp_path / "broken.parquet")
 
 
@@ -88,13 +90,13 @@ def test_datasets_directory(tmp_path):
     assert load_prompts(tmp_path / "dict", TOK).prompts == ["3+4=", "ab"]
     datasets.DatasetDict({"a": datasets.Dataset.from_list(ROWS), "b": datasets.Dataset.from_list(ROWS)}
                          ).save_to_disk(str(tmp_path / "nosplit"))
-    with pytest.raises(PromptDataError, match="none is 'train'"):
+    with pytest.raises(DataFileError, match=r"holds the splits \['a', 'b'\] and the config asks for 'train'"):
         read_rows(tmp_path / "nosplit")
 
 
 def test_long_prompts_truncate_left_keeping_bos_or_reject(tmp_path):
     path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "1+1="}, {"prompt": "123456+7="}])
-    ps = load_prompts(path, TOK, max_prompt_tokens=5)
+    ps = load_prompts(path, TOK, max_prompt_tokens=5, on_long_prompt="truncate")
     assert ps.prompt_ids[0] == [1, 5, 41, 5, 45]            # exactly 5: untouched
     assert ps.prompt_ids[1] == [1, 10, 41, 11, 45]          # <s> + last 4 of "123456+7=" ("6+7=")
     assert ps.truncated == 1
@@ -110,7 +112,7 @@ def test_chat_template(tmp_path):
     ps = load_prompts(path, tok)  # auto: the tokenizer has a template
     assert [tok.decode(i) for i in ps.prompt_ids] == ["u:hi;a:", "u:yo;a:"]
     assert ps.prompts[1] == [{"role": "user", "content": "yo"}]
-    plain = load_prompts(write_jsonl(tmp_path / "s.jsonl", [{"prompt": "hi"}]), tok, chat_template=False)
+    plain = load_prompts(write_jsonl(tmp_path / "s.jsonl", [{"prompt": "hi"}]), tok, chat=ChatFormat("none"))
     assert plain.prompt_ids == [[1, 22, 23]]
     with pytest.raises(PromptDataError, match=r"p\.jsonl:2: .*no chat template"):
         load_prompts(path, TOK)
@@ -120,7 +122,9 @@ def test_splits_user_file_and_builtin(tmp_path):
     rows = [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(10)]
     path = write_jsonl(tmp_path / "p.jsonl", rows)
     train, held = load_prompt_splits(DataConfig(path=str(path), eval_size=3), TOK, tmp_path)
-    assert train.extras["answer"] == [str(i) for i in range(1, 8)] and held.prompts == ["7+1=", "8+1=", "9+1="]
+    # a seeded sample (data.eval_seed=0: rows 0, 6 and 9), not the file's last rows; both in file order
+    assert held.prompts == ["0+1=", "6+1=", "9+1="] and held.where[1].endswith("p.jsonl:7")
+    assert train.extras["answer"] == ["2", "3", "4", "5", "6", "8", "9"]
     with pytest.raises(PromptDataError, match="data.eval_size below 10"):
         load_prompt_splits(DataConfig(path=str(path), eval_size=10), TOK, tmp_path)
     train, held = load_prompt_splits(DataConfig(), TOK, tmp_path / "run")

@@ -28,6 +28,7 @@ def ppo_row(step: int) -> dict:
            "time/score_s": 0.2, "time/train_s": 1.0 + 0.1 * step, "time/sync_s": 0.3, "tokens_per_s": 900.0}
     if step % 3 == 0:
         row["eval"] = 0.2 + 0.05 * step
+        row.update({"eval/mean_reward": row["eval"], "eval/pass@1": 0.1 + 0.05 * step, "eval/arith/mean_reward": 0.3})
     return row
 
 
@@ -84,11 +85,11 @@ def test_report_of_a_ppo_run_has_every_plot_and_the_timeline(tmp_path):
 
 def test_a_panel_is_left_out_when_the_run_has_none_of_its_metrics(tmp_path):
     """A critic-free run without eval.json nor timeline: no value loss, eval only from `eval`."""
-    rows = [{k: v for k, v in ppo_row(s).items() if not k.startswith("critic/") and k != "eval"} for s in (1, 2)]
+    rows = [{k: v for k, v in ppo_row(s).items() if not k.startswith(("critic/", "eval"))} for s in (1, 2)]
     run = synthetic_run(tmp_path / "grpo", rows, trace=False)
     html = write_report(run).read_text()
     drawn = sorted(p.name for p in (run / "report").glob("*.png"))
-    assert drawn == sorted(p.name + ".png" for p in PANELS if p.name not in ("value_loss", "eval"))
+    assert drawn == sorted(p.name + ".png" for p in PANELS if p.name not in ("value_loss", "eval", "eval_detail"))
     assert "value_loss.png" not in html and "eval.png" not in html and "timeline" not in html
     assert_png(run / "report" / "clip_fractions.png", PNG_SIZE)  # the actor's clip fraction alone
 

@@ -14,6 +14,9 @@ on CPU"):
    `torch.cuda.synchronize()` harmless.
 5. Megatron's mixed-precision optimizer accepts only parameters whose `.type()` names a CUDA
    tensor: inside `on_cpu()`, a CPU tensor's `.type()` reads as its `torch.cuda.*` name.
+6. Megatron's activation recompute (`tensor_parallel.checkpoint`) saves and restores the CUDA RNG
+   state around each recomputed layer: `apply()` makes that state empty (the CPU RNG state, which
+   it keeps too, is the one a CPU layer draws from; dropout is 0 anyway).
 
 Usage: call `apply()` once (idempotent) after `parallel_state.initialize_model_parallel`, and wrap
 every call into Megatron (build, forward, train step) in `with on_cpu(): ...`.
@@ -69,6 +72,14 @@ def _synchronize(device: Any = None) -> None:
     return None
 
 
+def _no_cuda_rng_state(*args: Any, **kwargs: Any) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8)
+
+
+def _set_no_cuda_rng_state(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
 def apply() -> None:
     """Install the process-wide CPU adaptations (idempotent). Call only when the device is CPU."""
     global _APPLIED
@@ -82,6 +93,8 @@ def apply() -> None:
     torch.cuda.synchronize = _synchronize
     # Megatron's own tracker variant whose fork() does not touch CUDA RNG state.
     mp_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    mp_random._get_cuda_rng_state = _no_cuda_rng_state  # read by the activation recompute (6.)
+    mp_random._set_cuda_rng_state = _set_no_cuda_rng_state
     _APPLIED = True
     logger.debug("Megatron-core CPU adaptations applied")
 

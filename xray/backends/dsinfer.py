@@ -4,7 +4,9 @@ Sits under a rollout Workhorse (xray/workhorse), behind the `GenerationEngine` c
 xray.backends.base; loaded by name through `xray.backends.load_backend("dsinfer")`. Generation is
 Hugging Face `generate` on the module DeepSpeed prepared (AutoTP-sharded when tp > 1, no kernel
 injection); the log-prob of each sampled token is read from the model's raw logits (before
-temperature, top-k, top-p) while it generates, as vLLM's `raw_logprobs` are.
+temperature, top-k, top-p) while it generates, as vLLM's `raw_logprobs` are. Stop strings (`stop`,
+on an engine built with `stop_strings`): a row stops generating once its text holds one, and its
+response keeps the tokens up to the one that completes the first (`xray.data.stops`), as vLLM's do.
 
 Tensor parallelism: the processes of one replica are consecutive ranks of the default group
 (Megatron order, tp fastest); every rank of the group builds its engine at the same time.
@@ -35,6 +37,7 @@ from xray.backends.held import HeldCheck
 from xray.backends.hf_routing import RoutingRecorder, routers
 from xray.backends.sampling import ROUTED_EXPERTS_ROWS, SamplingSpec, call_seed, rollout_batch
 from xray.data.batch import Batch
+from xray.data.stops import stop_string_end, text_decoder
 
 logger = logging.getLogger(__name__)
 
@@ -66,18 +69,21 @@ class DsInferConfig:
     report_routing: bool = False
     """A mixture of experts: also return the experts each token was routed to (`ROUTED_EXPERTS_ROWS`,
     `xray/backends/hf_routing.py`), for the training forwards to replay."""
+    stop_strings: bool = False
+    """Load the model directory's tokenizer, so that generate calls may give `stop` strings."""
     init_kwargs: dict[str, Any] = field(default_factory=dict)
     """Further keyword arguments for `deepspeed.init_inference`."""
 
 
 def build_engine(model_dir: str | Path, *, dtype: str = "float32", seed: int = 0,
                  max_model_len: int = 1024, tp: int = 1, device: str = "cpu",
-                 generate_batch: int = 32, report_routing: bool = False, **init_kwargs: Any) -> "DsInferEngine":
+                 generate_batch: int = 32, report_routing: bool = False, stop_strings: bool = False,
+                 **init_kwargs: Any) -> "DsInferEngine":
     """Build this process's DeepSpeed-Inference shard of `model_dir` (collective when tp > 1)."""
     config = DsInferConfig(model_dir=str(model_dir), dtype=dtype, seed=seed,
                            max_model_len=max_model_len, tp=tp, device=device,
                            generate_batch=generate_batch, report_routing=report_routing,
-                           init_kwargs=dict(init_kwargs))
+                           stop_strings=stop_strings, init_kwargs=dict(init_kwargs))
     return DsInferEngine(config)
 
 
@@ -142,6 +148,18 @@ class _ChosenTokenLogprobs:
         return torch.stack(self.steps, dim=1) if self.steps else generated.new_zeros(generated.shape, dtype=torch.float)
 
 
+class _StopStrings:
+    """A Hugging Face stopping criterion: a row is done once its response's text holds one of the
+    stop strings (where exactly it ends is `stop_string_end`'s, afterwards)."""
+
+    def __init__(self, decode, stops: tuple[str, ...], prompt_width: int):
+        self.decode, self.stops, self.width = decode, stops, prompt_width
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
+        texts = (self.decode(row) for row in input_ids[:, self.width:].tolist())
+        return torch.tensor([any(s in t for s in self.stops) for t in texts], device=input_ids.device)
+
+
 class DsInferEngine(GenerationEngine):
     """One shard of a DeepSpeed-Inference rollout replica."""
 
@@ -185,6 +203,7 @@ class DsInferEngine(GenerationEngine):
         self.eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
         pad = self.module.config.pad_token_id
         self.pad_id = pad if pad is not None else (self.eos_ids[0] if self.eos_ids else 0)
+        self.decode = text_decoder(_tokenizer(config.model_dir)) if config.stop_strings else None
         self._calls = 0
         logger.info("DeepSpeed-Inference engine ready: %s dtype=%s tp=%d", config.model_dir,
                     config.dtype, config.tp)
@@ -222,10 +241,17 @@ class DsInferEngine(GenerationEngine):
                                    f"exceeds max_model_len={self.config.max_model_len}; shorten it "
                                    "or build the engine with a larger max_model_len")
 
-    def _generate_kwargs(self, spec: SamplingSpec) -> dict[str, Any]:
+    def _generate_kwargs(self, spec: SamplingSpec, width: int) -> dict[str, Any]:
+        from transformers import StoppingCriteriaList
+
         kwargs: dict[str, Any] = dict(max_new_tokens=spec.max_new_tokens, pad_token_id=self.pad_id,
                                       eos_token_id=self.eos_ids + list(spec.stop_token_ids),
                                       return_dict_in_generate=True, use_cache=True)
+        if spec.stop:
+            if self.decode is None:
+                raise DsInferError(f"stop={list(spec.stop)}: stop strings need the engine's tokenizer; build the "
+                                   "engine with stop_strings=True (a run does when rollout.stop is set)")
+            kwargs["stopping_criteria"] = StoppingCriteriaList([_StopStrings(self.decode, spec.stop, width)])
         if spec.greedy:
             kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
         else:
@@ -251,13 +277,15 @@ class DsInferEngine(GenerationEngine):
             torch.manual_seed(seed)
             out = self.module.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
                                        logits_processor=LogitsProcessorList([recorder]),
-                                       **self._generate_kwargs(spec))
+                                       **self._generate_kwargs(spec, width))
         generated = out.sequences[:, width:].cpu()
         logprobs = recorder.finish(out.sequences[:, width:]).cpu()
         stops = set(self.eos_ids) | set(spec.stop_token_ids)
         responses, lps, reasons = [], [], []
         for row, lp in zip(generated.tolist(), logprobs.tolist()):
             end = next((t + 1 for t, tok in enumerate(row) if tok in stops), None)
+            if spec.stop:  # a stop string completed before any stop token: the response ends there
+                end = stop_string_end(self.decode, row[:end], spec.stop) or end
             responses.append(row[:end] if end else row)
             lps.append(lp[:end] if end else lp)
             reasons.append("stop" if end else "length")
@@ -379,3 +407,14 @@ class DsInferEngine(GenerationEngine):
                     raise DsInferError(f"prompt length {plen} is outside 1..{len(s)}")
                 result.append(logp[i, plen - 1:len(s) - 1].tolist())
         return result
+
+
+def _tokenizer(model_dir: str):
+    """The model directory's tokenizer (stop strings are matched on the response's text)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_dir)
+    except (OSError, ValueError) as exc:
+        raise DsInferError(f"stop_strings=True: no usable tokenizer in {model_dir} ({str(exc).splitlines()[0]}); "
+                           "save it there (tokenizer.save_pretrained(dir)) or give no rollout.stop") from None

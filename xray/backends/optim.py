@@ -1,7 +1,8 @@
 """Optimizer and learning-rate schedule shared by the training backends and the parity reference.
 
-Both training backends and `xray.check.reference` build the same torch AdamW and the same linear
-warm-up, so that a sharded step and the single-process reference step agree to rounding.
+Both training backends and `xray.check.reference` build the same torch AdamW and the same
+learning-rate schedule (`lr_schedule.py`: warm-up, then constant, cosine or linear decay), so
+that a sharded step and the single-process reference step agree to rounding.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Iterable, Iterator
 import torch
 
 from xray.backends.base import OptimConfig
+from xray.backends.lr_schedule import decay_horizon, lr_factor
 
 
 def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimConfig) -> torch.optim.AdamW:
@@ -19,15 +21,13 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimConfig) -> t
                              weight_decay=cfg.weight_decay, foreach=False, fused=False)
 
 
-def warmup_factor(step: int, warmup_steps: int) -> float:
-    """Multiplier of the peak lr at optimizer step `step` (0-based): linear warm-up, then 1."""
-    if warmup_steps <= 0:
-        return 1.0
-    return min(1.0, (step + 1) / warmup_steps)
-
-
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig) -> torch.optim.lr_scheduler.LambdaLR:
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: warmup_factor(s, cfg.warmup_steps))
+    """The torch scheduler of `cfg`'s schedule (`xray.backends.lr_schedule.lr_factor`), stepped once
+    per optimizer step; a decaying schedule without its horizon fails here, at build."""
+    if cfg.lr_schedule != "constant":
+        decay_horizon(cfg)
+    # a plain function, not a callable object: the scheduler's state dict then holds no lambda state
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg))
 
 
 def follow_configured_lr(scheduler: torch.optim.lr_scheduler.LambdaLR, lr: float) -> None:

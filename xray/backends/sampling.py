@@ -16,7 +16,7 @@ from xray.data.batch import Batch
 RESPONSE_LOGPROBS = "response_logprobs"  # list of B lists of float: log p of each response token
 ROUTED_EXPERTS_ROWS = "routed_experts_rows"  # list of B int16 tensors [prompt + response - 1, L, K]: the experts
                                              # each fed token went to (an engine that reports its routing)
-FINISH_REASON = "finish_reason"          # list of B str: "stop" (eos or a stop token) or "length"
+FINISH_REASON = "finish_reason"          # list of B str: "stop" (eos, a stop token or string) or "length"
 WEIGHT_VERSION = "weight_version"        # int, where the caller knows it: the weight version that generated
 
 
@@ -40,6 +40,10 @@ class SamplingSpec:
     """Responses per prompt; they come back as consecutive rows."""
     stop_token_ids: tuple[int, ...] = ()
     """Token ids that end a response (in addition to the model's eos); the stop token is kept."""
+    stop: tuple[str, ...] = ()
+    """Strings that end a response: it ends with the token that completes the first of them, which
+    is kept, so the completion holds the stop string (`xray.data.stops.stop_string_end`). The
+    engine must be built with `stop_strings=True` (it needs the model directory's tokenizer)."""
     seed: int | None = None
     """Seed of this call: the same seed, prompts and weights give the same samples. None: the
     engine derives one from its own seed and a call counter (still reproducible per run)."""
@@ -54,6 +58,9 @@ class SamplingSpec:
             raise SamplingError(f"unknown sampling keys {unknown}; the keys are {sorted(known)}")
         if "stop_token_ids" in sampling:
             sampling["stop_token_ids"] = tuple(int(t) for t in sampling["stop_token_ids"] or ())
+        if "stop" in sampling:
+            stop = sampling["stop"] or ()
+            sampling["stop"] = (stop,) if isinstance(stop, str) else tuple(stop)
         spec = cls(**sampling)
         spec._check()
         return spec
@@ -67,6 +74,8 @@ class SamplingSpec:
             raise SamplingError(f"top_k={self.top_k} must be >= 1, or 0 / -1 to turn it off")
         if self.n < 1 or self.max_new_tokens < 1:
             raise SamplingError(f"n={self.n} and max_new_tokens={self.max_new_tokens} must be >= 1")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise SamplingError(f"stop={list(self.stop)}: stop strings must be non-empty strings; remove the others")
 
     @property
     def greedy(self) -> bool:

@@ -84,6 +84,9 @@ class VllmEngineConfig:
     """Build with vLLM's sleep mode (cuda only), so that `sleep()` frees the engine's GPU memory."""
     quantization: str = "none"
     """`none`, or `fp8`: quantized online by vLLM's scheme for the device (`scheme`)."""
+    stop_strings: bool = False
+    """Load the model directory's tokenizer into vLLM, so that generate calls may give `stop`
+    strings (vLLM detokenizes only those calls); without it vLLM never loads the tokenizer."""
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     """Further keyword arguments for `vllm.LLM` (they override the defaults set here)."""
 
@@ -95,7 +98,7 @@ class VllmEngineConfig:
     def llm_kwargs(self) -> dict[str, Any]:
         kwargs = dict(model=self.model_dir, dtype=self.dtype, seed=self.seed,
                       max_model_len=self.max_model_len, tensor_parallel_size=self.tp,
-                      enforce_eager=self.device == "cpu", skip_tokenizer_init=True,
+                      enforce_eager=self.device == "cpu", skip_tokenizer_init=not self.stop_strings,
                       logprobs_mode="raw_logprobs", use_tqdm_on_load=False)  # no loading bar per replica
         if self.device == "cpu":
             # vLLM CPU 0.32 fails a seeded request whose prefill is chunked (`CPU Generator does not
@@ -129,6 +132,10 @@ def _prepare_environment(config: VllmEngineConfig) -> None:
     if config.sleep_mode and config.device != "cuda":
         raise VllmEngineError("sleep_mode=True: vLLM's sleep mode is unsupported on CPU; build the engine "
                               "without it (rollout.sleep: auto or false)")
+    if config.stop_strings and not any(Path(config.model_dir, f).is_file()
+                                       for f in ("tokenizer.json", "tokenizer_config.json")):
+        raise VllmEngineError(f"stop_strings=True: {config.model_dir} has no tokenizer to read stop strings with; "
+                              "save it there (tokenizer.save_pretrained(dir)) or give no rollout.stop")
     if config.quantization != "none":
         try:
             config.scheme
@@ -172,7 +179,7 @@ def _replica_shm_names() -> None:
 def build_engine(model_dir: str | Path, *, dtype: str = "float32", seed: int = 0,
                  max_model_len: int = 1024, tp: int = 1, device: str = "cpu",
                  kv_cache_gib: int = 1, gpu_memory_utilization: float = 0.9, sleep_mode: bool = False,
-                 quantization: str = "none", lora: LoraConfig | None = None,
+                 quantization: str = "none", lora: LoraConfig | None = None, stop_strings: bool = False,
                  **engine_kwargs: Any) -> "VllmEngine":
     """Start an in-process vLLM engine on `model_dir` (a script calling this needs the
     `if __name__ == "__main__":` guard)."""
@@ -180,7 +187,7 @@ def build_engine(model_dir: str | Path, *, dtype: str = "float32", seed: int = 0
                               max_model_len=max_model_len, tp=tp, device=device,
                               kv_cache_gib=kv_cache_gib, gpu_memory_utilization=gpu_memory_utilization,
                               sleep_mode=sleep_mode, quantization=quantization, lora=lora,
-                              engine_kwargs=dict(engine_kwargs))
+                              stop_strings=stop_strings, engine_kwargs=dict(engine_kwargs))
     return VllmEngine(config)
 
 
@@ -303,10 +310,15 @@ class VllmEngine(GenerationEngine):
         return [TokensPrompt(prompt_token_ids=[int(t) for t in p]) for p in prompts]
 
     def _sampling_params(self, spec: SamplingSpec, seed: int) -> Any:
+        """vLLM's parameters for `spec`. Stop strings: the response keeps the token that completes
+        one, and the string (`include_stop_str_in_output`), as `xray.data.stops` states for both engines."""
+        if spec.stop and not self.config.stop_strings:
+            raise VllmEngineError(f"stop={list(spec.stop)}: stop strings need the engine's tokenizer; build the "
+                                  "engine with stop_strings=True (a run does when rollout.stop is set)")
         return self._vllm.SamplingParams(
             n=spec.n, temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k_or_none or 0,
             max_tokens=spec.max_new_tokens, stop_token_ids=list(spec.stop_token_ids), seed=seed,
-            logprobs=0, detokenize=False)
+            logprobs=0, detokenize=bool(spec.stop), stop=list(spec.stop) or None, include_stop_str_in_output=True)
 
     def generate(self, prompts: list[list[int]], sampling: dict[str, Any]) -> Batch:
         self._check_awake("generate")

@@ -58,11 +58,16 @@ def write_splits(directory: Path, name: str, rows: list[dict], eval_size: int) -
     return files
 
 
+def is_builtin(path: object) -> bool:
+    """Whether `data.path` (a string, or a list of files) names a built-in task (`builtin:<name>`)."""
+    return isinstance(path, str) and path.startswith("builtin:")
+
+
 def get_task(path: str) -> Task:
     """The task named by `builtin:<name>` (or a bare name)."""
     name = path.split(":", 1)[1] if path.startswith("builtin:") else path
     if name not in TASKS:
         raise TaskError(f"unknown built-in task {path!r}; built-in tasks are "
-                        f"{', '.join('builtin:' + n for n in TASKS)}, or give a JSONL/Parquet file")
+                        f"{', '.join('builtin:' + n for n in TASKS)}, or give a data file or directory")
     module, attr = TASKS[name].split(":")
     return getattr(importlib.import_module(module), attr)

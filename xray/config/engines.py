@@ -123,7 +123,7 @@ ENGINES = (
            options=("optim", "zero_stage", *_BATCHING), zero=True, load_balancing=("none", "aux_loss")),
     Engine(name="vllm", label="vLLM", module="xray.backends.vllm", **_GENERATION,
            options=("dtype", "max_model_len", "kv_cache_gib", "enforce_eager", "enable_prefix_caching",
-                    "max_num_seqs"),
+                    "max_num_seqs", "stop_strings"),
            replica_world=True, memory_share=True, max_temperature=2.0, sleeps=True, lora_sync="adapters",
            # vLLM's online fp8 on GPU: `fp8` no longer quantizes online, `fp8_per_tensor` does (with a
            # Marlin fallback on GPUs without fp8). Not run here (no vLLM on the lent GPU machine).
@@ -135,7 +135,7 @@ ENGINES = (
            no_routing="vLLM 0.32 reports the experts it chose (enable_return_routed_experts) only with its Model "
                       "Runner V2, which needs Triton and so a GPU, and xray does not read them from it yet"),
     Engine(name="dsinfer", label="DeepSpeed-Inference", module="xray.backends.dsinfer", **_GENERATION,
-           options=("dtype", "max_model_len", "generate_batch"), lora_sync="merged", reports_routing=True),
+           options=("dtype", "max_model_len", "generate_batch", "stop_strings"), lora_sync="merged", reports_routing=True),
     Engine(name="hf", kind="plain", label="Hugging Face", workhorse="xray.workhorse.hf:HFWorkhorse",
            pretrained_roles=("actor", "reference"), options=("optim",)),
     Engine(name="hf-reward", kind="reward", label="reward model", workhorse="xray.workhorse.reward:RewardWorkhorse",

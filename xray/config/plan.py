@@ -435,9 +435,9 @@ def plan_run(cfg: RunConfig, backend: str, spec: JobSpec) -> Plan:
     if spec.kind in ("rl", "reward_model") and not cfg.reward.model and groups.group_of("reward") is not None:
         raise ConfigError("device_groups: role 'reward' is placed but reward.model is not set; "
                           "set reward.model to a sequence-classification directory or remove 'reward'")
-    if cfg.reward.model and cfg.reward.function:
-        raise ConfigError("reward: both function and model are set; set reward.function=null to use "
-                          "the model, or drop reward.model")
+    if cfg.reward.model and cfg.reward.specs:
+        raise ConfigError("reward: both a function and model are set; set reward.function=null (and "
+                          "reward.functions=[]) to use the model, or drop reward.model")
     roles = []
     rewards = (REWARD_MODEL, REWARD_FUNCTION) if cfg.reward.model else (REWARD_FUNCTION, REWARD_MODEL)  # orm's
     for role in needed:

@@ -15,6 +15,7 @@ from xray.config.data import DataConfig
 from xray.config.distill import DistillConfig
 from xray.config.elasticity import ElasticityConfig
 from xray.config.env import EnvConfig
+from xray.config.eval import EvalConfig
 from xray.config.lora import LoraConfig
 from xray.config.moe import MoeConfig
 from xray.config.optim import OptimConfig
@@ -61,7 +62,13 @@ class RoleConfig:
     """Run each micro-batch's rows as one sequence without padding, attention kept inside each row
     (megatron with pp=1, deepspeed): the same log-probs and step as padded, for the tokens' cost only."""
     optim: OptimConfig = field(default_factory=OptimConfig)
-    """Optimizer and warm-up (ignored for the reference, which never trains)."""
+    """Optimizer, warm-up and lr schedule (ignored for the reference, which never trains)."""
+    activation_checkpointing: bool = False
+    """Keep only each decoder layer's input in a train step's forward and recompute the layer in
+    the backward (actor and critic): activation memory of one layer instead of all, for about one
+    more forward's compute; the same loss and gradients. Megatron: its full recompute, one layer
+    at a time; DeepSpeed: the Hugging Face model's gradient checkpointing (non-reentrant). Not with
+    `moe.routing_replay`."""
     model_path: Optional[str] = None
     """Weights for this role, if not the run's `model.path` (a critic from a reward model, say)."""
     lora: Optional[LoraConfig] = None
@@ -116,6 +123,11 @@ class RolloutConfig:
     """Top-k sampling (-1 for all tokens)."""
     n_samples: int = 1
     """Responses sampled per prompt."""
+    stop: list[str] = field(default_factory=list)
+    """Strings that end a response, besides the end-of-sequence ids (every EOS id of the tokenizer
+    and of the model's generation_config.json). A response ends with the token that completes
+    the first of them: that token and the stop string stay in the completion (its ids and
+    log-probs are exactly what the engine sampled), as vLLM's `include_stop_str_in_output`."""
     kv_cache_gib: float = 1.0
     """KV-cache size per replica on CPU (VLLM_CPU_KVCACHE_SPACE)."""
     gpu_memory_utilization: float = 0.9
@@ -224,7 +236,9 @@ class SFTConfig:
     batch_size: int = 32
     """Sequences per step: (prompt, answer) pairs, or `pt`'s text chunks."""
     lr: float = 1e-3
-    """Peak learning rate (replaces actor.optim.lr for SFT)."""
+    """Peak learning rate (replaces actor.optim.lr for SFT). 1e-3 is sized for the built-in tiny
+    model, whose warm start reads this value: fine-tuning a real pretrained model wants about
+    1e-5 (`--sft.lr=1e-5`), or it forgets what it knew."""
     warmup_steps: int = 10
     """Linear warm-up steps."""
 
@@ -349,6 +363,11 @@ class TrainerConfig:
     save_every: int = 10
     """Flash-checkpoint every this many steps (0: never; a signal still takes one): a short copy into host memory,
     written to disk in the background; it becomes the latest once all of it is on disk."""
+    keep_last: int = 3
+    """Complete checkpoints kept on disk (0: all): once a checkpoint is complete, the older ones beyond
+    the newest `keep_last` are deleted. Never the one being written, nor the newest complete one (what
+    `--resume` and a recovery load). `python -m xray.export RUN/checkpoints/step-N OUT` turns a kept
+    one into a Hugging Face directory."""
     memory_snapshots: bool = True
     """Snapshot the trained models into host memory after every step (the copy overlaps the next
     step's generation, or in an asynchronous run its trainer's wait for experience; replicated to
@@ -375,8 +394,12 @@ class TrainerConfig:
     log_every: int = 1
     """Write metrics every this many steps."""
     eval_every: int = 0
-    """Evaluate on the held-out prompts every this many steps too (metric `eval`; 0: only before
-    and after training)."""
+    """Evaluate on the held-out prompts every this many steps too (metrics `eval` and `eval/*`, as
+    the `eval` section says; 0: only before and after training)."""
+    log_rollouts: int = 4
+    """Write the responses of this many prompts of each step (all of each one's `rollout.n_samples`
+    samples, the step's first prompts) to `rollouts.jsonl` in the run directory: step, group, sample,
+    prompt, completion, reward, advantage (the mean over the response's trained tokens). 0: none."""
     timeline_step: int = 2
     """Record where this step's time goes: every Workhorse's busy intervals during it, per role and
     rank, written as a Chrome trace (`timeline.json` in the output directory, opened by Perfetto or
@@ -392,6 +415,11 @@ class TrainerConfig:
     (offline under `wandb/` unless WANDB_MODE or WANDB_API_KEY is set; `pip install 'wandb>=0.31'`),
     `mlflow` (a file store in `mlruns/` unless MLFLOW_TRACKING_URI is set; `pip install
     'mlflow-skinny>=3.17'`). A missing package stops the run before it starts."""
+
+    def __post_init__(self) -> None:
+        if self.keep_last < 0:
+            raise ValueError(f"trainer.keep_last={self.keep_last} is negative; give 0 (keep every checkpoint) "
+                             "or the number of newest checkpoints to keep")
 
 
 @dataclass(frozen=True)
@@ -433,6 +461,8 @@ class RunConfig:
     """Actor to rollout weight sync."""
     data: DataConfig = field(default_factory=DataConfig)
     """Prompts."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Evaluations on the held-out prompts: sampling, pass@k, per-source metrics, samples files."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """Run loop."""
     async_: AsyncConfig = field(default_factory=AsyncConfig)

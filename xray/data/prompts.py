@@ -1,6 +1,7 @@
-"""Prompts for a run: read from a JSONL file, a Parquet file or a Hugging Face `datasets` directory
-(`save_to_disk`), tokenised once, with every other column kept. A built-in task (`builtin:arith`)
-writes its splits as JSONL files first (`xray.builtin.sources.load_prompt_splits`, a layer above).
+"""Prompts for a run: rows read by `xray.data.files` (JSON, JSONL, Parquet or CSV files, compressed
+or not, lists and globs of them, hub-layout and `datasets` directories), tokenised once, with every
+other column kept. A built-in task (`builtin:arith`) writes its splits as JSONL files first, and
+the train and eval sources are chosen one layer above (`xray.builtin.sources.load_prompt_splits`).
 
 The driver samples rows from a `PromptSet`, sends `prompt_ids` to the rollout, and hands the rows'
 `prompts` and `extras` to the reward function (TRL's convention: the other columns become keyword
@@ -9,18 +10,19 @@ position for an exact resume. Bad data stops the run with an error naming the fi
 """
 from __future__ import annotations
 
-import json
 import logging
 import random
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Optional, Sequence
+
+from xray.data.chat import ChatFormat, ChatTemplateError, PromptRenderer
+from xray.data.files import Source, read_rows
 
 
 log = logging.getLogger(__name__)
 
-JSONL_SUFFIXES = (".jsonl", ".ndjson")
-PARQUET_SUFFIXES = (".parquet",)
+LONG_PROMPT_RULES = ("filter", "truncate", "reject")
+"""What `data.on_long_prompt` may say: leave a longer prompt out, keep its last tokens, or stop."""
 
 
 class PromptDataError(ValueError):
@@ -40,7 +42,9 @@ class PromptSet:
     where: list[str] = field(default_factory=list)
     """Where each row came from, for error messages: `file.jsonl:12` or `file.parquet row 11`."""
     truncated: int = 0
-    """How many prompts were truncated from the left."""
+    """How many prompts were truncated from the left (`on_long_prompt=truncate`)."""
+    dropped: int = 0
+    """How many rows were left out for a prompt longer than the limit (`on_long_prompt=filter`)."""
 
     def __len__(self) -> int:
         return len(self.prompt_ids)
@@ -50,7 +54,7 @@ class PromptSet:
         idx = list(indices)
         return PromptSet([self.prompts[i] for i in idx], [self.prompt_ids[i] for i in idx],
                          {k: [v[i] for i in idx] for k, v in self.extras.items()},
-                         [self.where[i] for i in idx] if self.where else [], self.truncated)
+                         [self.where[i] for i in idx] if self.where else [], self.truncated, self.dropped)
 
     def rows(self, indices: Sequence[int] | None = None) -> list[dict[str, Any]]:
         """Row dicts: the other columns, plus `prompt` (the prompt field as in the data) and
@@ -60,141 +64,75 @@ class PromptSet:
                  "prompt_ids": self.prompt_ids[i]} for i in idx]
 
 
-def read_rows(path: str | Path) -> tuple[list[dict[str, Any]], list[str]]:
-    """The rows of a JSONL file, Parquet file or `datasets` directory, and where each came from."""
-    path = Path(path)
-    if not path.exists():
-        raise PromptDataError(f"prompt data {path} does not exist; set data.path to a JSONL or Parquet file, "
-                              "a `datasets` directory, or builtin:arith")
-    if path.is_dir():
-        rows, where = _read_datasets_dir(path)
-    elif path.suffix in JSONL_SUFFIXES:
-        rows, where = _read_jsonl(path)
-    elif path.suffix in PARQUET_SUFFIXES:
-        rows, where = _read_parquet(path)
-    else:
-        raise PromptDataError(f"cannot read prompt data {path}: use a {'/'.join(JSONL_SUFFIXES)} or "
-                              f"{'/'.join(PARQUET_SUFFIXES)} file, or a directory written by datasets' save_to_disk")
-    if not rows:
-        raise PromptDataError(f"prompt data {path} is empty: it has no rows")
-    return rows, where
-
-
-def _read_jsonl(path: Path) -> tuple[list[dict[str, Any]], list[str]]:
-    rows, where = [], []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise PromptDataError(f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno}); "
-                                      "each line must be one JSON object") from None
-            if not isinstance(row, dict):
-                raise PromptDataError(f"{path}:{lineno}: a JSON {type(row).__name__}, not an object; "
-                                      'each line must be one JSON object such as {"prompt": "..."}')
-            rows.append(row)
-            where.append(f"{path}:{lineno}")
-    return rows, where
-
-
-def _read_parquet(path: Path) -> tuple[list[dict[str, Any]], list[str]]:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
+def encode_prompt(renderer: PromptRenderer, prompt: Any, where: str) -> list[int]:
+    """Token ids of one prompt under the run's chat settings (`xray.data.chat`); errors name the row."""
     try:
-        rows = pq.read_table(path).to_pylist()
-    except (pa.ArrowException, OSError) as e:
-        raise PromptDataError(f"{path}: not a readable Parquet file ({e}); write it with "
-                              "pandas.DataFrame.to_parquet or pyarrow.parquet.write_table") from None
-    return rows, [f"{path} row {i}" for i in range(len(rows))]
+        ids = renderer.ids(prompt)
+    except ChatTemplateError as exc:
+        raise PromptDataError(f"{where}: {exc}") from None
+    if not ids:
+        raise PromptDataError(f"{where}: the prompt encodes to no tokens; remove the row or give it text")
+    return ids
 
 
-def _read_datasets_dir(path: Path) -> tuple[list[dict[str, Any]], list[str]]:
-    import datasets
-
-    try:
-        ds = datasets.load_from_disk(str(path))
-    except FileNotFoundError as e:
-        raise PromptDataError(f"{path}: not a directory written by datasets' save_to_disk ({e})") from None
-    if isinstance(ds, datasets.DatasetDict):
-        split = "train" if "train" in ds else (next(iter(ds)) if len(ds) == 1 else None)
-        if split is None:
-            raise PromptDataError(f"{path} holds splits {sorted(ds)} and none is 'train'; save the split "
-                                  "to train on alone, or name it 'train'")
-        ds = ds[split]
-    rows = ds.to_list()
-    return rows, [f"{path} row {i}" for i in range(len(rows))]
-
-
-def has_chat_template(tokenizer) -> bool:
-    return bool(getattr(tokenizer, "chat_template", None))
-
-
-def encode_prompt(tokenizer, prompt: Any, chat_template: Optional[bool], where: str) -> list[int]:
-    """Token ids of one prompt: a list of chat messages always goes through the tokenizer's chat
-    template; a string does when `chat_template` is True, or None (auto) and the tokenizer has one."""
-    if isinstance(prompt, list):
-        if not has_chat_template(tokenizer):
-            raise PromptDataError(f"{where}: the prompt is a list of chat messages but the tokenizer has no "
-                                  "chat template; use plain-text prompts or a model whose tokenizer has one")
-        messages = prompt
-    elif isinstance(prompt, str):
-        if chat_template and not has_chat_template(tokenizer):
-            raise PromptDataError("a chat template was requested but the tokenizer has none; turn the chat "
-                                  "template off or use a model whose tokenizer has one")
-        use = has_chat_template(tokenizer) if chat_template is None else chat_template
-        if not use:
-            return list(tokenizer(prompt).input_ids)
-        messages = [{"role": "user", "content": prompt}]
-    else:
-        raise PromptDataError(f"{where}: the prompt is a {type(prompt).__name__}; it must be a string or "
-                              "a list of chat messages")
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return list(tokenizer(text, add_special_tokens=False).input_ids)
-
-
-def fit_prompt(ids: list[int], max_tokens: int, on_long: str, bos_id: Optional[int], where: str) -> list[int]:
-    """`ids` if they fit; else the last tokens (keeping a leading BOS) or an error, per `on_long`."""
+def fit_prompt(ids: list[int], max_tokens: int, on_long: str, bos_id: Optional[int], where: str) -> Optional[list[int]]:
+    """`ids` if they fit; else, per `on_long`, None (`filter`: the row is left out), the last tokens
+    keeping a leading BOS (`truncate`), or an error (`reject`)."""
+    if on_long not in LONG_PROMPT_RULES:
+        raise PromptDataError(f"unknown data.on_long_prompt {on_long!r}; use one of {', '.join(LONG_PROMPT_RULES)}")
     if len(ids) <= max_tokens:
         return ids
+    if on_long == "filter":
+        return None
     if on_long == "reject":
         raise PromptDataError(f"{where}: the prompt has {len(ids)} tokens, more than data.max_prompt_tokens="
                               f"{max_tokens}; raise data.max_prompt_tokens, shorten the prompt, or set "
-                              "data.on_long_prompt=truncate")
-    if on_long != "truncate":
-        raise PromptDataError(f"unknown data.on_long_prompt {on_long!r}; use 'truncate' or 'reject'")
+                              "data.on_long_prompt to filter (leave such rows out) or truncate")
     if bos_id is not None and ids[0] == bos_id and max_tokens > 1:
         return [ids[0]] + ids[len(ids) - max_tokens + 1:]
     return ids[len(ids) - max_tokens:]
 
 
-def load_prompts(path: str | Path, tokenizer, prompt_field: str = "prompt", max_prompt_tokens: int = 32,
-                 on_long_prompt: str = "truncate", chat_template: Optional[bool] = None) -> PromptSet:
-    """Read, check and tokenise every row of `path`."""
+def load_prompts(path: Source, tokenizer, prompt_field: str = "prompt", max_prompt_tokens: int = 32,
+                 on_long_prompt: str = "filter", chat: ChatFormat = ChatFormat()) -> PromptSet:
+    """Read, check and tokenise every row of `path` (any source `xray.data.files.read_rows` takes,
+    rows already read included) under the chat settings `chat`; rows whose prompt is longer than
+    `max_prompt_tokens` are left out, truncated or refused per `on_long_prompt`."""
     rows, where = read_rows(path)
+    try:
+        renderer = PromptRenderer(tokenizer, chat)
+    except ChatTemplateError as exc:
+        raise PromptDataError(str(exc)) from None
     bos_id = getattr(tokenizer, "bos_token_id", None)
-    prompts, ids = [], []
+    kept, ids = [], []
     truncated = 0
-    for row, loc in zip(rows, where):
+    for i, (row, loc) in enumerate(zip(rows, where)):
         if prompt_field not in row:
             raise PromptDataError(f"{loc}: no {prompt_field!r} field (the row has {sorted(row)}); set "
                                   "data.prompt_field to the column that holds the prompt")
-        prompt = row[prompt_field]
-        full = encode_prompt(tokenizer, prompt, chat_template, loc)
-        if not full:
-            raise PromptDataError(f"{loc}: the prompt encodes to no tokens; remove the row or give it text")
+        full = encode_prompt(renderer, row[prompt_field], loc)
         fitted = fit_prompt(full, max_prompt_tokens, on_long_prompt, bos_id, loc)
+        if fitted is None:
+            continue
         truncated += len(fitted) < len(full)
-        prompts.append(prompt)
+        kept.append(i)
         ids.append(fitted)
-    columns = dict.fromkeys(k for row in rows for k in row if k != prompt_field)  # ordered union
-    extras = {k: [row.get(k) for row in rows] for k in columns}
+    dropped = len(rows) - len(kept)
+    if dropped:
+        log.warning("%d of %d prompts in %s are longer than data.max_prompt_tokens=%d and were left out "
+                    "(data.on_long_prompt=filter); raise data.max_prompt_tokens to keep them",
+                    dropped, len(rows), path, max_prompt_tokens)
+    if not kept:
+        raise PromptDataError(f"every prompt in {path} is longer than data.max_prompt_tokens={max_prompt_tokens} "
+                              "tokens; raise data.max_prompt_tokens or set data.on_long_prompt=truncate")
     if truncated:
-        log.warning("%d of %d prompts in %s were longer than %d tokens and were truncated from the left",
-                    truncated, len(rows), path, max_prompt_tokens)
-    return PromptSet(prompts, ids, extras, where, truncated)
+        log.warning("%d of %d prompts in %s were longer than data.max_prompt_tokens=%d and were truncated from "
+                    "the left (data.on_long_prompt=truncate)", truncated, len(rows), path, max_prompt_tokens)
+    kept_rows = [rows[i] for i in kept]
+    columns = dict.fromkeys(k for row in kept_rows for k in row if k != prompt_field)  # ordered union
+    extras = {k: [row.get(k) for row in kept_rows] for k in columns}
+    return PromptSet([row[prompt_field] for row in kept_rows], ids, extras, [where[i] for i in kept], truncated,
+                     dropped)
 
 
 class PromptSampler:

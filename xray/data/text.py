@@ -1,8 +1,9 @@
 """Plain text for continued pre-training (`python -m xray.train pt`, `algorithms/pt.py`).
 
-Documents come from `data.path`: the `text` column (`pt.text_field`) of a JSONL or Parquet file
-or a `datasets` directory (read as prompts are, `xray.data.prompts.read_rows`), a `.txt` file (one
-document), a directory of `.txt` files (one document each), or a built-in task (`builtin:arith`:
+Documents come from `data.path`: the `text` column (`pt.text_field`) of any data `xray.data.files`
+reads (JSON, JSONL, Parquet or CSV files, compressed or not, lists and globs of them, hub-layout
+and `datasets` directories), a `.txt` file (one document), a directory of `.txt` files (one
+document each), or a built-in task (`builtin:arith`:
 each row's prompt followed by its answer, `xray.builtin.sources.read_documents`, a layer above).
 A seeded `pt.eval_fraction` of the documents is held out. Each split is tokenized, joined with
 EOS after every document and cut into chunks of `pt.seq_len` tokens (the tail shorter than a
@@ -13,6 +14,8 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+from xray.data.files import DataFileError, Source, is_glob, read_rows
+
 TEXT_SUFFIXES = (".txt",)
 
 
@@ -20,32 +23,36 @@ class TextDataError(ValueError):
     """Text data that cannot be read or packed; says what to give instead."""
 
 
-def file_documents(path: str, text_field: str) -> list[str]:
-    """Every document of the file or directory `path` (see the module docstring), in file order."""
+def file_documents(path: str | list[str], text_field: str) -> list[str]:
+    """Every document of `path` (see the module docstring), in file order."""
+    if isinstance(path, (list, tuple)) or is_glob(path):
+        return _non_empty(_column(path, text_field), path)
     source = Path(path)
     if not source.exists():
         raise TextDataError(f"text data {source} does not exist; set data.path to a .txt file, a directory of "
-                            ".txt files, a JSONL or Parquet file or a `datasets` directory with a "
-                            f"{text_field!r} column, or builtin:arith")
+                            f".txt files, data with a {text_field!r} column (JSON, JSONL, Parquet or CSV files, a "
+                            "list or glob of them, a directory of them), or builtin:arith")
     if source.is_file() and source.suffix in TEXT_SUFFIXES:
         docs = [source.read_text(encoding="utf-8")]
     elif source.is_dir() and any(source.glob("*.txt")):
         docs = [p.read_text(encoding="utf-8") for p in sorted(source.glob("*.txt"))]
     else:
         docs = _column(source, text_field)
+    return _non_empty(docs, source)
+
+
+def _non_empty(docs: list[str], source: object) -> list[str]:
     docs = [d for d in docs if d.strip()]
     if not docs:
         raise TextDataError(f"text data {source} holds no non-empty document")
     return docs
 
 
-def _column(source: Path, text_field: str) -> list[str]:
-    from xray.data.prompts import PromptDataError, read_rows
-
+def _column(source: Source, text_field: str) -> list[str]:
     try:
         rows, where = read_rows(source)
-    except PromptDataError as exc:
-        raise TextDataError(str(exc).replace("prompt data", "text data")) from None
+    except DataFileError as exc:
+        raise TextDataError(f"text data: {exc}") from None
     missing = [w for r, w in zip(rows, where) if not isinstance(r.get(text_field), str)]
     if missing:
         raise TextDataError(f"{missing[0]} has no text column {text_field!r} (a string); set pt.text_field to "

@@ -47,8 +47,11 @@ PANELS: tuple[Panel, ...] = (
     Panel("reward", "Reward", "score", ("reward/mean",), kind="band", spread="reward/std",
           about="Mean score of the step's responses; the band is one standard deviation either side."),
     Panel("eval", "Evaluation", "score", ("eval",), kind="eval",
-          about="Mean score of greedy responses on the held-out prompts: before training, every "
-                "trainer.eval_every steps, and after training."),
+          about="Mean score of the responses to the held-out prompts (greedy unless the eval section "
+                "samples): before training, every trainer.eval_every steps, and after training."),
+    Panel("eval_detail", "Evaluation: pass@k and per source", "score", ("eval/pass@*", "eval/*/mean_reward"),
+          about="Every trainer.eval_every steps: pass@k for each eval.pass_k (the unbiased estimate from "
+                "eval.n_samples responses per prompt), and the mean score per data source (eval.source_field)."),
     Panel("kl", "KL", "nats per token", ("kl", "kl_k3", "actor/approx_kl"),
           about="kl, kl_k3: the actor's KL to the reference (k1 and k3 estimates); actor/approx_kl: "
                 "to the policy that sampled (within a step's PPO epochs)."),

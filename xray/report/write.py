@@ -2,7 +2,8 @@
 
 Reads what a run leaves in its output directory (`xray.run.outputs`): `metrics.jsonl` (one row
 per logged step), `eval.json` (the evaluations before and after training), `timeline.json` (one
-step's Chrome trace, `xray.run.timeline`) and `config.yaml`; draws every panel of
+step's Chrome trace, `xray.run.timeline`), the last evaluation's responses and the last step's
+rollouts (`xray.report.samples`) and `config.yaml`; draws every panel of
 `xray.report.panels` whose metrics the run has (`xray.report.plots`), the timeline as a Gantt chart
 (`xray.report.gantt`, with the trace copied beside it), and the page (`xray.report.page`).
 `python -m xray.report RUN_DIR` calls `write_report`; a run calls `report_at_end` when it ends
@@ -18,6 +19,7 @@ from pathlib import Path
 
 from xray.report.page import Section, render
 from xray.report.panels import panels_for, series
+from xray.report.samples import samples_html
 from xray.run.outputs import EVAL_FILE, METRICS_FILE
 from xray.run.timeline import TIMELINE_FILE
 
@@ -57,6 +59,14 @@ def read_evals(run_dir: Path) -> dict[str, float]:
             if isinstance(v, (int, float)) and math.isfinite(v)}
 
 
+def final_eval_metrics(run_dir: Path) -> dict[str, float]:
+    """The last evaluation's metrics besides `eval` (`eval/pass@k`, per source), from `eval.json`."""
+    path = run_dir / EVAL_FILE
+    after = json.loads(path.read_text()).get("metrics_after") if path.is_file() else None
+    return {k: float(v) for k, v in (after or {}).items()
+            if k not in ("eval", "eval/mean_reward") and isinstance(v, (int, float)) and math.isfinite(v)}
+
+
 def summary_of(run_dir: Path, rows: list[dict], evals: dict[str, float]) -> list[tuple[str, str]]:
     """The table at the top of the page."""
     table = [("run", str(run_dir.resolve())), ("steps logged", str(len(rows)))]
@@ -65,6 +75,7 @@ def summary_of(run_dir: Path, rows: list[dict], evals: dict[str, float]) -> list
     for key in ("eval_before", "eval_after"):
         if key in evals:
             table.append((key.replace("_", " "), f"{evals[key]:.4f}"))
+    table += [(f"{key} after", f"{value:.4f}") for key, value in final_eval_metrics(run_dir).items()]
     rewards = series(rows, "reward/mean")[1]
     if rewards:
         table.append(("reward, first / last step", f"{rewards[0]:.4f} / {rewards[-1]:.4f}"))
@@ -110,7 +121,7 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
         sections.append(timeline)
     config = run_dir / "config.yaml"
     page = render(f"xray run report: {run_dir.resolve().name}", summary_of(run_dir, rows, evals), sections,
-                  config.read_text() if config.is_file() else None)
+                  config.read_text() if config.is_file() else None, samples_html(run_dir))
     (out / "index.html").write_text(page)
     return out / "index.html"
 

@@ -11,6 +11,9 @@ infinite score is an error, or (with `on_nonfinite="skip"`) drops that sample vi
 An `async def` function (a remote judge, a sandbox) is awaited on the caller's event loop instead
 of running in a thread: a synchronous step awaits the whole batch at once, so its samples wait
 concurrently; an asynchronous run's makers score each prompt's group as soon as it is generated.
+`RewardScorer` holds the run's functions (`reward.function`, or `reward.functions` with
+`reward.weights`, combined per sample as TRL does: `compose.py`) and, with `reward.workers`,
+calls the synchronous ones in worker processes, a chunk of the batch each (`pool.py`).
 """
 from __future__ import annotations
 
@@ -21,9 +24,13 @@ import math
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
-import torch
+from xray.rewards.compose import Tally, combine, function_names
+from xray.rewards.pool import ProcessPool
+
+if TYPE_CHECKING:  # torch is imported where scores become tensors: reward.workers' processes never need it
+    import torch
 
 RewardFn = Callable[..., Sequence[Optional[float]]]
 
@@ -108,24 +115,63 @@ def _reward_kwargs(fn: RewardFn, prompts: Sequence[Any], completions: Sequence[s
     return _accepted(fn, kwargs)
 
 
-def _raised(fn: RewardFn, e: Exception, row: int, prompts: Sequence[Any], completions: Sequence[str]) -> RewardFunctionError:
+SIGNAL_HINT = ("math-verify (and anything else timed with signal.alarm) works only in a process's main "
+               "thread: set reward.workers=1 or more to call the function in worker processes, or score "
+               "with xray.rewards.math_answer:math_verify\n")
+
+
+def _raised(fn: RewardFn, e: Exception, row: int, prompts: Sequence[Any], completions: Sequence[str],
+            row_offset: int = 0) -> RewardFunctionError:
     tb = "".join(traceback.format_exception(e))
+    hint = SIGNAL_HINT if isinstance(e, ValueError) and "signal" in str(e) and "thread" in str(e) else ""
     return RewardFunctionError(
         f"the reward function {getattr(fn, '__qualname__', fn)!r} raised {type(e).__name__}: {e}\n"
-        f"on row {row} of the batch, prompt {prompts[row]!r}, completion {completions[row]!r}\n"
-        f"fix the function (or the data) and resume from the last checkpoint\n{tb}",
-        row=row, prompt=prompts[row], completion=completions[row], traceback_text=tb)
+        f"on row {row + row_offset} of the batch, prompt {prompts[row]!r}, completion {completions[row]!r}\n"
+        f"{hint}fix the function (or the data) and resume from the last checkpoint\n{tb}",
+        row=row + row_offset, prompt=prompts[row], completion=completions[row], traceback_text=tb)
 
 
 def call_reward_function(fn: RewardFn, prompts: Sequence[Any], completions: Sequence[str],
-                         extras: dict[str, list], completion_ids: Optional[Sequence[list[int]]] = None) -> list:
+                         extras: dict[str, list], completion_ids: Optional[Sequence[list[int]]] = None,
+                         row_offset: int = 0) -> list:
     """Call `fn` TRL-style on the batch; on an exception raise `RewardFunctionError` naming the
-    first row that fails on its own (or the batch's first row) with the original traceback."""
+    first row that fails on its own (or the batch's first row) with the original traceback
+    (`row_offset`: where this batch starts in the caller's, for a chunk)."""
     kwargs = _reward_kwargs(fn, prompts, completions, extras, completion_ids)
     try:
         return list(fn(**kwargs))
     except Exception as e:  # noqa: BLE001 - any user error is reported with its sample
-        raise _raised(fn, e, _first_failing_row(fn, kwargs, len(prompts)), prompts, completions) from e
+        row = _first_failing_row(fn, kwargs, len(prompts))
+        raise _raised(fn, e, row, prompts, completions, row_offset) from e
+
+
+_in_worker: dict[str, RewardFn] = {}
+"""A worker process's reward functions, loaded once per `module:function` name."""
+
+
+def call_by_name(spec: str, prompts: list, completions: list, extras: dict[str, list],
+                 completion_ids: Optional[list], row_offset: int) -> list:
+    """`call_reward_function` on the function named `spec`, in a `reward.workers` process."""
+    if spec not in _in_worker:
+        _in_worker[spec] = load_reward_function(spec)
+    return call_reward_function(_in_worker[spec], prompts, completions, extras, completion_ids, row_offset)
+
+
+def _spec_of(fn: RewardFn, spec: Optional[str]) -> str:
+    """The name a worker process loads `fn` by: its config name, else `module:qualname` when that
+    resolves to `fn` itself; else a `RewardSpecError` that says the fix."""
+    if spec is not None:
+        return spec
+    module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
+    if module and module != "__main__" and "<" not in qualname and "." not in qualname:
+        try:
+            if getattr(importlib.import_module(module), qualname, None) is fn:
+                return f"{module}:{qualname}"
+        except ImportError:
+            pass
+    raise RewardSpecError(f"reward.workers calls the reward functions in other processes, which load them by name; "
+                          f"{fn!r} has no importable name: define it at the top level of a module (or a .py file "
+                          "named as path/to/file.py:function), or set reward.workers=0")
 
 
 async def acall_reward_function(fn: RewardFn, prompts: Sequence[Any], completions: Sequence[str],
@@ -159,32 +205,44 @@ class Scores:
     """[B] bool; False on rows whose score was NaN or infinite and were skipped."""
 
 
-def check_scores(raw: Sequence[Any], prompts: Sequence[Any], completions: Sequence[str],
-                 on_nonfinite: str = "error") -> Scores:
-    """Turn a reward function's answer into `Scores`: one number per sample; NaN, infinity or None
-    raise, or are dropped when `on_nonfinite == "skip"`."""
+def numbers(raw: Sequence[Any], prompts: Sequence[Any], source: str = "the reward function") -> list[float]:
+    """A reward function's answer as one float per sample (None: NaN); a `RewardFunctionError`
+    naming `source` for a wrong count or a score that is not a number."""
+    import torch
+
     n = len(prompts)
     if len(raw) != n:
-        raise RewardFunctionError(f"the reward function returned {len(raw)} scores for {n} completions; "
+        raise RewardFunctionError(f"{source} returned {len(raw)} scores for {n} completions; "
                                   "it must return exactly one score per completion")
     values = []
     for i, s in enumerate(raw):
         if s is not None and not isinstance(s, (int, float)) and not (torch.is_tensor(s) and s.numel() == 1):
-            raise RewardFunctionError(f"the reward function returned a {type(s).__name__} for row {i} "
+            raise RewardFunctionError(f"{source} returned a {type(s).__name__} for row {i} "
                                       f"(prompt {prompts[i]!r}); scores must be numbers", row=i, prompt=prompts[i])
         values.append(math.nan if s is None else float(s))
+    return values
+
+
+def check_scores(raw: Sequence[Any], prompts: Sequence[Any], completions: Sequence[str],
+                 on_nonfinite: str = "error", source: str = "the reward function") -> Scores:
+    """Turn a reward function's answer into `Scores`: one number per sample; NaN, infinity or None
+    raise, or are dropped when `on_nonfinite == "skip"` (`source` names the function in errors)."""
+    import torch
+
+    n = len(prompts)
+    values = numbers(raw, prompts, source)
     scores = torch.tensor(values, dtype=torch.float32)
     keep = torch.isfinite(scores)
     if not bool(keep.all()):
         bad = int((~keep).nonzero()[0])
         if on_nonfinite != "skip":
             raise RewardFunctionError(
-                f"the reward function returned {values[bad]} for row {bad} (prompt {prompts[bad]!r}, completion "
+                f"{source} returned {values[bad]} for row {bad} (prompt {prompts[bad]!r}, completion "
                 f"{completions[bad]!r}); fix it, or set reward.on_nonfinite=skip to drop such samples",
                 row=bad, prompt=prompts[bad], completion=completions[bad])
         if not bool(keep.any()):
             raise RewardFunctionError(f"every one of the {n} scores in the batch is NaN, infinite or None; "
-                                      "nothing is left to train on: fix the reward function")
+                                      f"nothing is left to train on: fix {source}")
         scores = torch.where(keep, scores, torch.zeros_like(scores))
     return Scores(scores, keep)
 
@@ -197,15 +255,42 @@ def compute_scores(fn: RewardFn, prompts: Sequence[Any], completions: Sequence[s
 
 
 class RewardScorer:
-    """A reward function bound to a tokenizer: `(rows, response_ids) -> (scores [B], keep [B])`,
+    """The run's reward functions bound to a tokenizer: `(rows, response_ids) -> (scores [B], keep [B])`,
     where `rows` are `PromptSet.rows()` dicts (`prompt`, `prompt_ids`, other columns) and the
-    responses are decoded without special tokens before the function sees them. An `async def`
-    function is scored with `acall` (`is_async`)."""
+    responses are decoded without special tokens before the functions see them. `fn` is one
+    function or several (each a callable or a `module:function` name), combined with `weights`
+    (default 1 each) by `compose.combine`; each one's mean since the last `take_metrics` is
+    `reward/<name>`. `workers > 0`: the synchronous functions run in that many processes, a chunk
+    of the batch each (not those with `own_processes`, as `math_verify`). When any function is
+    `async def`, score with `acall` (`is_async`)."""
 
-    def __init__(self, fn: RewardFn | str, tokenizer, on_nonfinite: str = "error"):
-        self.fn = load_reward_function(fn) if isinstance(fn, str) else fn
+    def __init__(self, fn: RewardFn | str | Sequence[RewardFn | str], tokenizer, on_nonfinite: str = "error",
+                 weights: Optional[Sequence[float]] = None, workers: int = 0):
+        given = list(fn) if isinstance(fn, (list, tuple)) else [fn]
+        if not given:
+            raise RewardSpecError("no reward function given; set reward.function or reward.functions")
+        self.fns = [load_reward_function(f) if isinstance(f, str) else f for f in given]
+        self.weights = [1.0] * len(given) if weights is None else [float(w) for w in weights]
+        if len(self.weights) != len(given):
+            raise RewardSpecError(f"{len(self.weights)} reward weights for {len(given)} reward functions; "
+                                  "give one weight per function")
+        self.names = function_names(self.fns)
         self.tokenizer, self.on_nonfinite = tokenizer, on_nonfinite
-        self.is_async = inspect.iscoroutinefunction(self.fn)
+        self.is_async = any(inspect.iscoroutinefunction(f) for f in self.fns)
+        self.pool = ProcessPool(workers) if workers > 0 else None
+        self.by_name: list[Optional[str]] = [  # the functions the pool calls, by the name it loads them with
+            _spec_of(f, g if isinstance(g, str) else None) if self.pool is not None and not
+            inspect.iscoroutinefunction(f) and not getattr(f, "own_processes", False) else None
+            for f, g in zip(self.fns, given)]
+        self.tally = Tally(self.names)
+        self.source = ("the reward function" if len(given) == 1 else
+                       f"every one of the reward functions ({', '.join(self.names)})")
+
+    @classmethod
+    def from_config(cls, reward, tokenizer) -> "Optional[RewardScorer]":
+        """The scorer of a `RewardConfig` (`xray.config.reward`); None when no function is set."""
+        specs = reward.specs
+        return cls(list(specs), tokenizer, reward.on_nonfinite, reward.weights, reward.workers) if specs else None
 
     def _inputs(self, rows: Sequence[dict], response_ids: Sequence[list[int]]) -> tuple[list, list[str], dict]:
         if len(rows) != len(response_ids):
@@ -216,20 +301,46 @@ class RewardScorer:
         extras = {k: [row.get(k) for row in rows] for k in columns}
         return [row["prompt"] for row in rows], completions, extras
 
+    def _call(self, f: int, prompts: list, completions: list[str], extras: dict, ids) -> list:
+        """Function `f`'s answer on the batch: in this thread, or in chunks in the workers."""
+        spec = self.by_name[f]
+        if spec is None:
+            return call_reward_function(self.fns[f], prompts, completions, extras, ids)
+        n, parts = len(prompts), min(self.pool.workers, len(prompts))
+        bounds = [(n * k // parts, n * (k + 1) // parts) for k in range(parts)]
+        chunks = [(spec, prompts[a:b], completions[a:b], {k: v[a:b] for k, v in extras.items()},
+                   None if ids is None else [list(r) for r in ids[a:b]], a) for a, b in bounds]
+        return [s for part in self.pool.call_chunks(call_by_name, chunks) for s in part]
+
+    def _finish(self, raws: list[list], prompts: list, completions: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        columns = [numbers(raw, prompts, f"the reward function {name!r}") for raw, name in zip(raws, self.names)]
+        self.tally.add(columns)
+        s = check_scores(combine(columns, self.weights), prompts, completions, self.on_nonfinite, self.source)
+        return s.scores, s.keep
+
     def __call__(self, rows: Sequence[dict], response_ids: Sequence[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         if self.is_async:
-            raise TypeError(f"{self.fn!r} is an async reward function: await RewardScorer.acall(rows, response_ids)")
+            raise TypeError(f"the reward functions {self.names} include an async one: "
+                            "await RewardScorer.acall(rows, response_ids)")
         prompts, completions, extras = self._inputs(rows, response_ids)
-        s = compute_scores(self.fn, prompts, completions, extras, self.on_nonfinite, completion_ids=response_ids)
-        return s.scores, s.keep
+        raws = [self._call(f, prompts, completions, extras, response_ids) for f in range(len(self.fns))]
+        return self._finish(raws, prompts, completions)
 
     async def acall(self, rows: Sequence[dict], response_ids: Sequence[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The scores of an `async def` function (a plain one runs in a worker thread)."""
-        if not self.is_async:
-            import asyncio
+        """The scores when a function is `async def`: those awaited, the others in worker threads,
+        all at once (with no async function, the whole call runs in a worker thread)."""
+        import asyncio
 
+        if not self.is_async:
             return await asyncio.to_thread(self, rows, response_ids)
         prompts, completions, extras = self._inputs(rows, response_ids)
-        raw = await acall_reward_function(self.fn, prompts, completions, extras, response_ids)
-        s = check_scores(raw, prompts, completions, self.on_nonfinite)
-        return s.scores, s.keep
+        raws = await asyncio.gather(*[
+            acall_reward_function(fn, prompts, completions, extras, response_ids) if inspect.iscoroutinefunction(fn)
+            else asyncio.to_thread(self._call, f, prompts, completions, extras, response_ids)
+            for f, fn in enumerate(self.fns)])
+        return self._finish(list(raws), prompts, completions)
+
+    def take_metrics(self) -> dict[str, float]:
+        """`reward/<name>`: each function's mean score (unweighted, over the samples it scored)
+        since the last call; the run logs them with each step's metrics."""
+        return self.tally.take()

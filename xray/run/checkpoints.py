@@ -23,7 +23,10 @@ when all of it is there: a watcher polls the writers (`poll`), or `finish` waits
 the run ends), and then writes `trainer_state.json`, the marker `RunDir.latest_checkpoint` looks
 for, atomically. A crash while writing leaves the previous checkpoint the latest. One checkpoint
 is written at a time: a new one first finishes the last. Memory holds the newest complete
-snapshot, the one being taken and the latest checkpoint's; older ones are freed.
+snapshot, the one being taken and the latest checkpoint's; older ones are freed. Once a
+checkpoint is complete, those on disk older than the newest `keep_last` (`trainer.keep_last`,
+given by `take`) are deleted (`RunDir.prune_checkpoints`): never the one being written, nor the
+newest complete one, which a resume or a recovery loads, nor one whose snapshot memory holds.
 """
 from __future__ import annotations
 
@@ -48,6 +51,8 @@ class _Writing:
     """The Workhorses' copies: their seconds, per role."""
     files: asyncio.Future
     started: float
+    keep_last: int = 0
+    """Complete checkpoints to keep on disk once this one is (0: all)."""
 
 
 @dataclass
@@ -97,9 +102,10 @@ class FlashCheckpoints:
         return {role: getattr(self._models, role) for role in self.roles}
 
     async def take(self, step: int, trainer_state: dict[str, Any], files: dict[str, Any] | None = None,
-                   persist: bool = True) -> asyncio.Future:
+                   persist: bool = True, keep_last: int = 0) -> asyncio.Future:
         """Snapshot every model at `step` into memory (submitted, not awaited: see the module
-        docstring) and, with `persist`, start writing it as a checkpoint; returns a future of the
+        docstring) and, with `persist`, start writing it as a checkpoint, after which only the
+        newest `keep_last` complete checkpoints stay on disk (0: all); returns a future of the
         seconds training stopped (the slowest copy's)."""
         if persist:
             await self.finish()
@@ -115,7 +121,8 @@ class FlashCheckpoints:
         if persist:
             directory.mkdir(parents=True, exist_ok=True)
             writes = [asyncio.to_thread(write_atomically, obj, str(directory / name)) for name, obj in (files or {}).items()]
-            self.writing = _Writing(directory, trainer_state, snapshots, asyncio.ensure_future(asyncio.gather(*writes)), t0)
+            files_written = asyncio.ensure_future(asyncio.gather(*writes))
+            self.writing = _Writing(directory, trainer_state, snapshots, files_written, t0, keep_last)
             self.last_step = step
             self._watcher = asyncio.ensure_future(self._watch())
         return snapshots
@@ -256,6 +263,7 @@ class FlashCheckpoints:
         self.run.write_trainer_state(w.directory, w.trainer_state)
         self._on_disk = w.directory
         self._prune()
+        self.run.prune_checkpoints(w.keep_last, keep=tuple(self._held))  # the snapshots memory holds stay
         seconds = self.written_s = time.perf_counter() - w.started
         log.info("checkpoint complete: %s (written in %.1f s)", w.directory, seconds)
         return seconds

@@ -15,6 +15,7 @@ from xray.builtin.smollm2 import SMOLLM2_MODEL, smollm2_dir
 from xray.builtin.tiny_llama import BUILTIN_MODEL
 from xray.config.schema import RunConfig
 from xray.data.prompts import PromptSampler, PromptSet
+from xray.data.stops import stop_token_ids
 from xray.rewards.loader import RewardScorer
 from xray.run.outputs import RunDir
 
@@ -39,7 +40,16 @@ class RunData:
 
     @property
     def stop_ids(self) -> list[int]:
-        return [self.tokenizer.eos_token_id]
+        """Every EOS id of the tokenizer and of the model's generation_config.json."""
+        return stop_token_ids(self.tokenizer, self.model_dir)
+
+    @property
+    def facts(self) -> dict[str, int]:
+        """What the run's prompts came to, as metrics (`data/...`): the splits' sizes and the long
+        prompts left out or truncated (`data.on_long_prompt`)."""
+        return {"data/train_prompts": len(self.train), "data/eval_prompts": len(self.eval),
+                "data/long_prompts_dropped": self.train.dropped + self.eval.dropped,
+                "data/long_prompts_truncated": self.train.truncated + self.eval.truncated}
 
     @property
     def eval_rows(self) -> list[dict]:
@@ -75,7 +85,8 @@ def prepare(cfg: RunConfig, run: RunDir, model_dir: str) -> RunData:
     the algorithms layer first: `algorithms.warm_start`)."""
     tokenizer = load_tokenizer(model_dir)
     train, held_out = load_prompt_splits(cfg.data, tokenizer, run.path / "data")
-    reward_fn = cfg.reward.function
-    scorer = RewardScorer(reward_fn, tokenizer, cfg.reward.on_nonfinite) if reward_fn else None
+    scorer = RewardScorer.from_config(cfg.reward, tokenizer)  # None: a reward model scores
     sampler = PromptSampler(len(train), cfg.ppo.rollout_batch_size, cfg.seed)
-    return RunData(model_dir, tokenizer, train, held_out, sampler, scorer)
+    data = RunData(model_dir, tokenizer, train, held_out, sampler, scorer)
+    log.info("prompts: %s", ", ".join(f"{k.split('/')[1]}={v}" for k, v in data.facts.items()))
+    return data

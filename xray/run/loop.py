@@ -2,8 +2,9 @@
 RL algorithm) does after the config is checked, the same for every algorithm (it knows one only
 through `xray/run/algorithm.py`).
 
-Reads like the script it is: prepare the model and data, start the WholeModels, evaluate, loop
-steps with progress, metrics and checkpoints (and the timeline of step `trainer.timeline_step`,
+Reads like the script it is: prepare the model and data, start the WholeModels, evaluate
+(`xray.run.evaluate`, which writes each evaluation's responses), loop steps with progress, metrics,
+a few rollouts as text (`xray.run.rollout_log`) and checkpoints (and the timeline of step `trainer.timeline_step`,
 `xray.run.timeline`), evaluate again, export the actor, write the run report (`xray.report`), and
 return (eval_before, eval_after). `--resume` continues from the latest checkpoint of a run. A
 synchronous run steps here (`sync_steps`); an asynchronous one supervises its detached makers and
@@ -19,12 +20,14 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
 
+from xray.config.eval import eval_max_new_tokens
 from xray.config.plan import Plan
 from xray.config.schema import RunConfig
 from xray.config.typed import to_dict
 from xray.rewards.model import ModelScorer
 from xray.run.algorithm import Algorithm
 from xray.run.checkpoints import FlashCheckpoints
+from xray.run.evaluate import Evaluations
 from xray.run.final import export_actor
 from xray.run.graceful import GracefulStop, RunInterrupted
 from xray.run.inputs import BUILTIN_MODEL, RunData, prepare
@@ -32,6 +35,7 @@ from xray.run.models import build_models, check_layouts
 from xray.run.outputs import RunDir
 from xray.run.progress import StepProgress
 from xray.run.resume import resume_from, save_checkpoint
+from xray.run.rollout_log import RolloutLog
 from xray.run.step import RLTrainer
 from xray.run.timeline import StepTimeline
 
@@ -80,6 +84,7 @@ def run_rl(cfg: RunConfig, plan: Plan, output_dir: Path, resume: str | None, ray
     t_start = time.perf_counter()
     if cfg.model.path != BUILTIN_MODEL:
         check_layouts(cfg, plan, cfg.model.path)  # before anything is built or started
+    eval_max_new_tokens(cfg)  # the evaluations fit the rollout engine's context, or say how
     run = RunDir(Path(resume) if resume not in (None, "latest") else output_dir, cfg.trainer.loggers)
     run.write_config(to_dict(cfg))
     with run, started(cfg, plan, run, algorithm, warm, ray_address) as (trainer, data):  # loggers close either way
@@ -108,16 +113,19 @@ async def train(trainer: RLTrainer, run: RunDir, data: RunData, resume: str | No
         detached = Detached(trainer, data, str(run.path))
     if latest is not None:
         await resume_from(trainer, latest, data, detached)
-    details = {}  # an episode run's: the evaluations' episode metrics (tool-call share, turns, ends)
+    details = {}  # every metric of the evaluations; an episode run's also their episode metrics
+    evaluations = Evaluations(trainer, data.eval_rows, run, data.tokenizer)  # and their samples files
+    rollouts = RolloutLog(run.rollouts_path, data.tokenizer, trainer.state.step)
     if trainer.state.eval_before is None:
-        trainer.state.eval_before = await trainer.evaluate(data.eval_rows)
+        details["metrics_before"] = await evaluations(trainer.state.step)
+        trainer.state.eval_before = details["metrics_before"]["eval"]
         if trainer.episodes is not None:
             details["episodes_before"] = dict(trainer.episodes.metrics)
     log.info("eval before training: %.3f", trainer.state.eval_before)
     checkpoints = FlashCheckpoints(run, trainer.models, trainer.trained)
     stop = GracefulStop(cfg.trainer.on_signal, cfg.trainer.exit_grace_s).install()
     try:
-        await train_steps(trainer, run, data, detached, checkpoints, stop)
+        await train_steps(trainer, run, data, detached, checkpoints, stop, evaluations, rollouts)
         if stop.requested:
             await stopped(checkpoints, run)
     except Exception:
@@ -126,7 +134,8 @@ async def train(trainer: RLTrainer, run: RunDir, data: RunData, resume: str | No
     finally:
         stop.uninstall()
     await checkpoints.finish()
-    eval_after = await trainer.evaluate(data.eval_rows)
+    details["metrics_after"] = await evaluations(trainer.state.step)
+    eval_after = details["metrics_after"]["eval"]
     if trainer.episodes is not None:
         details["episodes_after"] = dict(trainer.episodes.metrics)
     run.write_evals(trainer.state.eval_before, eval_after, trainer.state.step, details)
@@ -137,8 +146,9 @@ async def train(trainer: RLTrainer, run: RunDir, data: RunData, resume: str | No
 
 
 async def train_steps(trainer: RLTrainer, run: RunDir, data: RunData, detached, checkpoints: FlashCheckpoints,
-                      stop: GracefulStop) -> None:
-    """The steps from the one after the resumed (or 0) to `trainer.steps`, or to a signal."""
+                      stop: GracefulStop, evaluations: Evaluations, rollouts: RolloutLog) -> None:
+    """The steps from the one after the resumed (or 0) to `trainer.steps`, or to a signal; each
+    step's sampled rollouts go to `rollouts`, and every `trainer.eval_every` steps `evaluations` runs."""
     cfg = trainer.cfg
     steps = range(trainer.state.step + 1, cfg.trainer.steps + 1)
     progress = StepProgress(steps, f"{trainer.algo} ({cfg.trainer.mode})",
@@ -157,8 +167,10 @@ async def train_steps(trainer: RLTrainer, run: RunDir, data: RunData, detached, 
             await save_checkpoint(trainer, checkpoints, data, current[0])
         elif cfg.trainer.memory_snapshots and current[0] is None:  # at most the step in flight lost
             await save_checkpoint(trainer, checkpoints, data, persist=False)
+        rollouts.write(step, trainer.rollout_rows)  # a few of the step's responses as text
+        trainer.rollout_rows = []
         if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0:
-            metrics["eval"] = await trainer.evaluate(data.eval_rows)
+            metrics.update(await evaluations(step))  # `eval`, `eval/*`
         if step % cfg.trainer.log_every == 0:
             run.log_metrics(step, metrics)
         progress.step(metrics)  # the one progress line: xray.run.progress

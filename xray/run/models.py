@@ -197,12 +197,22 @@ def _restarted(model: WholeModel, role_plan: RolePlan, devices: Bundles, kwargs:
         return False
 
 
+def rl_optimizer_steps(cfg: RunConfig) -> int:
+    """The optimizer steps the actor (and critic) of an RL run take at most, the horizon of a
+    decaying lr schedule: trainer.steps x ppo_epochs x the mini-batches of a step's samples
+    (`ppo.target_kl` may stop epochs early; a supervised job sets its own, `algorithms/sft.py`)."""
+    samples = cfg.ppo.rollout_batch_size * cfg.rollout.n_samples
+    return cfg.trainer.steps * cfg.ppo.ppo_epochs * max(1, samples // cfg.ppo.mini_batch_size)
+
+
 def role_init_kwargs(cfg: RunConfig, role: str, backend: str, model_dir: str) -> dict[str, Any]:
     """What a role's Workhorses are built with: its own config section, nothing more."""
     if role in ("rollout", "sampler"):
         r = cfg.rollout
         kwargs = dict(backend=backend, model_dir=model_dir, dtype=r.dtype or cfg.model.dtype,
                       max_model_len=cfg.data.max_prompt_tokens + response_tokens(cfg) + 8)
+        if r.stop:  # both engines match stop strings on text: they load the model's tokenizer
+            kwargs["stop_strings"] = True
         e = engine(backend)
         if e.memory_share:
             kwargs.update(kv_cache_gib=r.kv_cache_gib, gpu_memory_utilization=r.gpu_memory_utilization)
@@ -218,11 +228,13 @@ def role_init_kwargs(cfg: RunConfig, role: str, backend: str, model_dir: str) ->
     if role == "reward" or (role == "orm" and cfg.reward.model):
         return dict(model_dir=cfg.reward.model)
     if role == "orm":  # a reward function, with the policy's tokenizer to decode the candidates
-        return dict(function=cfg.reward.function, model_dir=model_dir, on_nonfinite=cfg.reward.on_nonfinite)
+        return dict(functions=list(cfg.reward.specs), weights=cfg.reward.weights, workers=cfg.reward.workers,
+                    model_dir=model_dir, on_nonfinite=cfg.reward.on_nonfinite)
     if role == "prm":
         return dict(model_dir=cfg.sample.prm_model, steps=True)
     rc = getattr(cfg, role)
-    kwargs: dict[str, Any] = dict(backend=backend, model_dir=rc.model_path or model_dir, optim=rc.optim,
+    optim = rc.optim.for_run(rl_optimizer_steps(cfg)) if role in ("actor", "critic") else rc.optim
+    kwargs: dict[str, Any] = dict(backend=backend, model_dir=rc.model_path or model_dir, optim=optim,
                                   forward_micro_batch_size=rc.micro_batch_size, dtype=cfg.model.dtype)
     if engine(backend).zero:
         kwargs["zero_stage"] = rc.zero_stage
@@ -232,6 +244,8 @@ def role_init_kwargs(cfg: RunConfig, role: str, backend: str, model_dir: str) ->
         kwargs["packing"] = True
     if rc.lora is not None:
         kwargs["lora"] = rc.lora
+    if rc.activation_checkpointing and role in ("actor", "critic"):
+        kwargs["activation_checkpointing"] = True
     if rc.moe.balanced or rc.moe.routing_replay:
         kwargs["moe"] = rc.moe
     if role == "teacher":  # built and run as a reference is: frozen, no optimizer

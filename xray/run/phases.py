@@ -33,8 +33,13 @@ class PhaseTimer:
 
 def rollout_sampling(cfg, stop_ids: list[int], step: int, greedy: bool = False) -> dict[str, Any]:
     """The generation engine's sampling settings for call `step` (seeded by it): the `rollout`
-    section's, or one greedy response (evaluation). `cfg`: the run's `RunConfig`."""
+    section's, or one greedy response (the sync check's; evaluations: `xray.run.evaluate`). `cfg`:
+    the run's `RunConfig`; `stop_ids`: the model's end-of-sequence ids
+    (`xray.data.stops.stop_token_ids`), with `rollout.stop`'s strings."""
     r = cfg.rollout
-    return dict(temperature=0.0 if greedy else r.temperature, top_p=r.top_p, top_k=r.top_k,
-                max_new_tokens=r.max_new_tokens, n=1 if greedy else r.n_samples,
-                stop_token_ids=stop_ids, seed=cfg.seed * 100003 + step)
+    sampling = dict(temperature=0.0 if greedy else r.temperature, top_p=r.top_p, top_k=r.top_k,
+                    max_new_tokens=r.max_new_tokens, n=1 if greedy else r.n_samples,
+                    stop_token_ids=stop_ids, seed=cfg.seed * 100003 + step)
+    if r.stop:
+        sampling["stop"] = list(r.stop)
+    return sampling

@@ -27,15 +27,16 @@ async def save_checkpoint(trainer: RLTrainer, checkpoints: FlashCheckpoints, dat
     """A flash checkpoint of the actor and critic, with the trainer's state and, in async mode, the
     buffer's experiences and the prompts of batches in the making (`Detached.state_dict`); returns
     a future of the seconds training stopped for it (`FlashCheckpoints.take`: not waited for here).
-    Without `persist`, a snapshot kept in memory only (synchronous runs, every step)."""
+    Without `persist`, a snapshot kept in memory only (synchronous runs, every step). Once it is
+    on disk, older checkpoints beyond `trainer.keep_last` are deleted."""
     if detached is not None:  # the buffer's snapshot holds the sampler's state of the same instant
         snapshot = await detached.state_dict()
         sampler, files = snapshot.pop("sampler"), {ASYNC_STATE: snapshot}
     else:
         sampler, files = data.sampler.state_dict(), {}
     state = {"step": trainer.state.step, "kl": trainer.kl.state_dict(), "eval_before": trainer.state.eval_before,
-             "sampler": sampler}
-    return await checkpoints.take(trainer.state.step, state, files, persist)
+             "sampler": sampler, "model_dir": data.model_dir}  # model_dir: what `python -m xray.export` copies from
+    return await checkpoints.take(trainer.state.step, state, files, persist, trainer.cfg.trainer.keep_last)
 
 
 async def resume_from(trainer: RLTrainer, directory: Path, data: RunData, detached=None,

@@ -37,10 +37,12 @@ from xray.data import columns as C
 from xray.data.batch import Batch
 from xray.data.lengths import with_totals
 from xray.run.algorithm import Algorithm, Experience, LossFacts, Sampled
+from xray.run.evaluate import evaluation
 from xray.run.minibatches import balanced_rows, mini_batch_rows
 from xray.run.models import Models, reference_forward
 from xray.run.phases import PhaseTimer, rollout_sampling
 from xray.run.recovery.policy import RestartBudget
+from xray.run.rollout_log import pick_rollouts
 from xray.run.verify import SyncVerification
 
 # score_fn(prompt_rows, response_ids) -> (scores [B], keep mask [B] or None); or an object with
@@ -82,6 +84,9 @@ class RLTrainer(SyncVerification):
         self.episodes = None
         """With `env.name` or `env.agent`: the step's samples are episodes
         (`xray.run.episodes.samples.EpisodeSamples`, set by `make_trainer`)."""
+        self.rollout_rows: list[dict] = []
+        """The last step's first `trainer.log_rollouts` groups (`xray.run.rollout_log.pick_rollouts`),
+        which the loop writes to `rollouts.jsonl`; an asynchronous run's driver puts its trainer's here."""
         self.more_rows = None
         """Where dynamic sampling draws more prompt rows (the run's `RunData.next_train_rows`)."""
         self.replays = cfg.actor.moe.routing_replay
@@ -118,6 +123,7 @@ class RLTrainer(SyncVerification):
     async def step(self, rows: list[dict]) -> dict[str, float]:
         """One step on prompt `rows` (each with `prompt_ids` and its dataset columns)."""
         t, step = PhaseTimer(), self.state.step + 1
+        self.reward_parts()  # drop what evaluations scored: a step reports its own samples
         sampled, dynamic = await self.samples(rows, step, t)
         exp, scores, keep, answers = sampled.exp, sampled.scores, sampled.keep, sampled.answers
         mask = exp[C.LOSS_MASK] if keep is None else exp[C.LOSS_MASK] * keep[:, None].float()
@@ -126,6 +132,8 @@ class RLTrainer(SyncVerification):
                        answers["critic"][C.VALUES] if "critic" in answers else None,
                        _logprobs(answers.get("teacher")), keep)
         targets, measured = self.algorithm.targets(e, self.kl.value)
+        self.rollout_rows = pick_rollouts(exp, scores, targets.get(C.ADVANTAGES), mask, self.cfg.trainer.log_rollouts,
+                                          self.cfg.rollout.n_samples, keep)
         columns = {C.INPUT_IDS: exp[C.INPUT_IDS], C.ATTENTION_MASK: exp[C.ATTENTION_MASK], C.LOSS_MASK: mask,
                    **({} if self.on_policy else {C.OLD_LOGPROBS: logprobs}), **targets, **self.behaviour(exp)}
         if self.replays:  # the actor's forwards route as the rollout did
@@ -194,7 +202,7 @@ class RLTrainer(SyncVerification):
         tokens = int(exp[C.ATTENTION_MASK].sum())
         kl = {k: v for k, v in measured.items() if not k.startswith("distill/")}
         return {"reward/mean": float(scores.mean()), "reward/std": float(scores.std()) if len(scores) > 1 else 0.0,
-                **kl, "kl_coef": kl_coef, **train, **(gap or {}),
+                **self.reward_parts(), **kl, "kl_coef": kl_coef, **train, **(gap or {}),
                 "response_length": float(mask.sum(1).mean()),
                 **({"sync/max_abs_logprob_diff": report.max_abs_logprob_diff}  # the syncs that ran the probe
                    if not math.isnan(report.max_abs_logprob_diff) else {}),
@@ -217,6 +225,12 @@ class RLTrainer(SyncVerification):
         if self.sleeps:
             with t("rollout_wake") if t is not None else nullcontext():
                 await self.models.rollout.wake_up()
+
+    def reward_parts(self) -> dict[str, float]:
+        """`reward/<name>`: each reward function's mean since the last call (`RewardScorer.take_metrics`);
+        nothing for a reward model."""
+        take = getattr(self.score_fn, "take_metrics", None)
+        return take() if take is not None else {}
 
     async def score(self, rows: list[dict], generated: Batch, pending) -> "tuple[torch.Tensor, torch.Tensor | None]":
         """Scores of the generated responses: a reward WholeModel scores the rollout's answer by
@@ -274,13 +288,10 @@ class RLTrainer(SyncVerification):
         return self._hidden
 
     async def evaluate(self, rows: list[dict]) -> float:
-        """Mean score of greedy responses on held-out `rows` (accuracy for a 0/1 reward)."""
-        await self.wake_rollout()
-        pending = await self.rollout(rows, self.sampling(0, greedy=True))
-        scores, keep = await self.score(rows, pending if isinstance(pending, Batch) else await pending, pending)
-        if keep is not None:
-            scores = scores[keep.bool()]
-        return float(scores.mean()) if len(scores) else 0.0
+        """Mean score of responses to held-out `rows` under the `eval` section's sampling (greedy by
+        default: the accuracy, for a 0/1 reward); the run's evaluations write more
+        (`xray.run.evaluate.Evaluations`)."""
+        return (await evaluation(self, rows))[1]["eval"]
 
 
 def _logprobs(answer) -> torch.Tensor | None:

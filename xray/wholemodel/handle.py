@@ -171,7 +171,8 @@ class WholeModel:
             forward and train micro-batch instead (`xray/data/budget.py`); `packing` (the same):
             each micro-batch's rows as one sequence without padding (`xray/data/packing.py`).
           - `dtype` (vllm, dsinfer): "float32" or "bfloat16"; `max_model_len` (default: the model's
-            max_position_embeddings); `kv_cache_gib` (vllm on CPU); `generate_batch` (dsinfer).
+            max_position_embeddings); `kv_cache_gib` (vllm on CPU); `generate_batch` (dsinfer);
+            `stop_strings` (both): load the tokenizer so that `generate` may give `stop` strings.
         Everything is checked here before any process starts (directory, role, layout against the
         model's heads and layers, options, dtype); a WholeModel whose start fails frees all it took.
         `device` is "CPU" or "GPU"; `threads` torch threads per CPU Workhorse; `ray_address` joins a

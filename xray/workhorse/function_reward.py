@@ -1,11 +1,12 @@
 """FunctionRewardWorkhorse: a reward function run in a process on its own device.
 
-The sample job's `orm` role when `reward.function` names a Python function (ms-swift places its
-outcome reward, a model or a function, on the `rm_group`'s devices): each Workhorse loads the
-function and the model directory's tokenizer once, and scores its slice of the candidates the way
-the RL algorithms call the same function on the driver (`xray.rewards.loader.RewardScorer`: TRL's
-convention, every dataset column as a keyword argument). A slow or heavy function (a code sandbox,
-a verifier) then runs beside the sampler instead of in the driver, one replica per device.
+The sample job's `orm` role when `reward.function` (or `reward.functions`) names Python functions
+(ms-swift places its outcome reward, a model or a function, on the `rm_group`'s devices): each
+Workhorse loads the functions and the model directory's tokenizer once, and scores its slice of
+the candidates the way the RL algorithms call the same functions on the driver
+(`xray.rewards.loader.RewardScorer`: TRL's convention, every dataset column as a keyword argument).
+A slow or heavy function (a code sandbox, a verifier) then runs beside the sampler instead of in
+the driver, one replica per device.
 """
 from __future__ import annotations
 
@@ -32,7 +33,9 @@ class FunctionRewardWorkhorse(Workhorse):
         from xray.rewards.loader import RewardScorer
 
         tokenizer = AutoTokenizer.from_pretrained(self.config["model_dir"])
-        self.scorer = RewardScorer(self.config["function"], tokenizer, self.config.get("on_nonfinite", "error"))
+        c = self.config
+        self.scorer = RewardScorer(c["functions"], tokenizer, c.get("on_nonfinite", "error"), c.get("weights"),
+                                   c.get("workers", 0))
 
     @fanout(dispatch="slice", collect="flatten", reads=(ROWS, C.RESPONSE_IDS))
     def score(self, batch: Batch) -> torch.Tensor:

@@ -22,6 +22,7 @@ from xray.config.engines import engine as engine_row
 from xray.data import columns as C
 from xray.data.batch import Batch
 from xray.data.sequences import pack_sequences
+from xray.data.stops import stop_token_ids
 from xray.protocol import fanout
 from xray.transport.wire import changed_in_transit, manifest_of, unpack_bucket, verified
 from xray.workhorse.base import Workhorse
@@ -116,9 +117,11 @@ class RolloutWorkhorse(Workhorse):
     @fanout(dispatch="slice", collect="flatten")
     def generate(self, prompts: list, sampling: dict | None = None, pad_id: int | None = None) -> Batch:
         """Responses for this replica's prompts (token-id lists, or text when the model directory
-        has a tokenizer: then the answer also holds `prompt_text` and `completion`); rows carry
+        has a tokenizer: then the answer also holds `prompt_text` and `completion`, and the
+        responses stop at the model's EOS ids unless `stop_token_ids` says otherwise); rows carry
         the weight version. `sampling`: temperature, top_p, top_k, max_new_tokens, n,
-        stop_token_ids, seed (defaults: the engine's). With `pad_id`, also the model inputs
+        stop_token_ids, stop (strings: an engine built with `stop_strings`), seed (defaults: the
+        engine's). With `pad_id`, also the model inputs
         (INPUT_IDS, ATTENTION_MASK, LOSS_MASK, and the engine's BEHAVIOUR_LOGPROBS, as
         `xray.data.sequences.pack_sequences` lays them out), so the answer can go by reference
         straight to the forwards of other WholeModels."""
@@ -126,8 +129,7 @@ class RolloutWorkhorse(Workhorse):
         sampling = dict(sampling or {})
         if texts is not None:
             prompts = [self.tokenizer(t).input_ids for t in texts]
-            if self.tokenizer.eos_token_id is not None:
-                sampling.setdefault("stop_token_ids", [self.tokenizer.eos_token_id])
+            sampling.setdefault("stop_token_ids", stop_token_ids(self.tokenizer, self.config["model_dir"]))
         out = self.engine.generate(prompts, sampling)
         out.meta["weight_version"] = self.version
         if texts is not None:

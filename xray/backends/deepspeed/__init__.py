@@ -4,7 +4,8 @@
 imports: inside this package `import deepspeed` is the library, never this package). Files:
 `engine.py` (DeepSpeedEngine, build_engine: the TrainEngine contract), `config.py` (the
 DeepSpeed config dict), `model.py` (the modules per role and their outputs), `export.py`
-(bucketed full-weight export, gathering ZeRO-3 shards). Batch arithmetic for elastic world sizes
+(bucketed full-weight export, gathering ZeRO-3 shards), `checkpoint_weights.py` (a checkpoint's full
+tensors from its files alone, through DeepSpeed's `zero_to_fp32`: `python -m xray.export`). Batch arithmetic for elastic world sizes
 is in `xray/config/elasticity.py`, its DeepSpeed config keys in `xray/backends/elastic.py`.
 """
 from xray.backends.deepspeed.config import ZeroOptions

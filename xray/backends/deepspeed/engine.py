@@ -63,8 +63,11 @@ class DeepSpeedEngine(TrainEngine):
                  zero_stage: int, device: str = "cpu", options: ZeroOptions = ZeroOptions(),
                  forward_micro_batch_size: int | None = None, lora: LoraConfig | None = None,
                  max_tokens_per_micro_batch: int | None = None, packing: bool = False,
-                 moe: MoeConfig = MoeConfig()):
+                 moe: MoeConfig = MoeConfig(), activation_checkpointing: bool = False):
         _check_process(parallel, device)
+        if activation_checkpointing and moe.routing_replay:
+            raise EngineSetupError("activation_checkpointing with moe.routing_replay: the backward's recompute "
+                                   "would route anew instead of replaying the rollout's routing; turn one of them off")
         self.max_tokens, self.packing = max_tokens_per_micro_batch, packing
         self.router_aux = router_aux_coef(model_dir, moe)  # 0: no load-balancing loss
         self.lora = lora if role != "reference" else None
@@ -79,7 +82,7 @@ class DeepSpeedEngine(TrainEngine):
         trains = role != "reference"
         config = deepspeed_config(zero_stage, optim, parallel.dp, _hidden_size(model_dir), options, trains)
         module = load_model(model_dir, role, seed, dtype, zero3_config=config if zero_stage == 3 else None,
-                            lora=self.lora, packing=packing)
+                            lora=self.lora, packing=packing, checkpointing=activation_checkpointing and trains)
         _place(module, device)
         trainable = [p for p in module.parameters() if p.requires_grad]  # with LoRA: the adapters
         optimizer = build_optimizer(trainable, optim) if trains else None
@@ -326,7 +329,8 @@ def build_engine(model_dir: str, parallel: ParallelDims, role: str, optim: Optim
                  zero_stage: int, device: str = "cpu", options: ZeroOptions = ZeroOptions(),
                  forward_micro_batch_size: int | None = None, dtype: str | None = None,
                  lora: LoraConfig | None = None, max_tokens_per_micro_batch: int | None = None,
-                 packing: bool = False, moe: MoeConfig = MoeConfig()) -> DeepSpeedEngine:
+                 packing: bool = False, moe: MoeConfig = MoeConfig(),
+                 activation_checkpointing: bool = False) -> DeepSpeedEngine:
     """The DeepSpeed engine of this process's shard (see DeepSpeedEngine); `forward` runs in
     micro-batches of at most `forward_micro_batch_size` rows (None: the whole batch at once);
     `dtype` ("float32" or "bfloat16", DeepSpeed's bf16 with fp32 master weights) overrides the
@@ -334,8 +338,10 @@ def build_engine(model_dir: str, parallel: ParallelDims, role: str, optim: Optim
     `max_tokens_per_micro_batch` cuts forwards and length-grouped train steps by that token
     budget instead of by rows (`xray/data/budget.py`); `packing` runs each micro-batch's rows as
     one sequence without padding (`xray/data/packing.py`); `moe` adds a mixture of experts' router
-    loss to the training loss (`xray/config/moe.py`)."""
+    loss to the training loss (`xray/config/moe.py`); `activation_checkpointing` recomputes each
+    decoder layer in the backward (transformers' gradient checkpointing, non-reentrant)."""
     if dtype is not None:
         options = dataclasses.replace(options, dtype=dtype)
     return DeepSpeedEngine(model_dir, parallel, role, optim, seed, zero_stage, device, options,
-                           forward_micro_batch_size, lora, max_tokens_per_micro_batch, packing, moe)
+                           forward_micro_batch_size, lora, max_tokens_per_micro_batch, packing, moe,
+                           activation_checkpointing)

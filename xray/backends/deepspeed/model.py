@@ -50,14 +50,17 @@ class ValueModel(torch.nn.Module):
 
 def load_model(model_dir: str, role: str, seed: int, dtype: torch.dtype = torch.float32,
                zero3_config: dict | None = None, lora: "LoraConfig | None" = None,
-               packing: bool = False) -> torch.nn.Module:
+               packing: bool = False, checkpointing: bool = False) -> torch.nn.Module:
     """The module for `role`, its weights read from a Hugging Face directory.
 
     With `zero3_config` (a ZeRO stage 3 DeepSpeed config), transformers builds the model inside
     `deepspeed.zero.Init` and loads the checkpoint shard by shard, so no process ever holds the
     whole model (transformers' `HfDeepSpeedConfig` switch, held only while loading). With `lora`,
     the target layers get adapters and only they (and a critic's value head) train. With
-    `packing`, the model attends row by row in packed sequences (`xray/backends/hf_packed.py`)."""
+    `packing`, the model attends row by row in packed sequences (`xray/backends/hf_packed.py`).
+    With `checkpointing`, each decoder layer keeps only its input in a training forward and runs
+    again in the backward (transformers' gradient checkpointing, non-reentrant: the same gradients,
+    also for adapters behind a frozen embedding)."""
     from transformers import AutoModelForCausalLM
 
     if role not in ROLES:
@@ -72,6 +75,8 @@ def load_model(model_dir: str, role: str, seed: int, dtype: torch.dtype = torch.
             unset_hf_deepspeed_config()
     else:
         causal = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    if checkpointing:
+        causal.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if packing:
         from xray.backends.hf_packed import use_rows_attention
 

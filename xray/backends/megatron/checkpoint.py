@@ -84,5 +84,7 @@ def header_of(spec, parallel, role: str, lora: dict | None = None) -> dict[str, 
     """What must agree between the saving and the loading engine (`lora`: `lora.header` of a LoRA
     engine, whose checkpoint holds only the trained parameters)."""
     layout = {k: v for k, v in dataclasses.asdict(parallel).items() if k != "ep" or v != 1}  # as before ep
-    out = {"spec": dataclasses.asdict(spec), "parallel": layout, "role": role}
+    fields = {k: v for k, v in dataclasses.asdict(spec).items()
+              if k != "rope_scaling" or v is not None}  # plain RoPE: as before Llama 3's scaling
+    out = {"spec": fields, "parallel": layout, "role": role}
     return out if lora is None else {**out, "lora": lora}

@@ -28,6 +28,7 @@ from xray.backends.megatron import checkpoint, experts, grads, reshard
 from xray.backends.megatron.attention import attention_mask, packed_params
 from xray.backends.megatron.convert import Entry, Kind, to_shard
 from xray.backends.megatron.export import export_full, gather_entries
+from xray.backends.megatron.imports import import_megatron
 from xray.backends.megatron.logprobs import PolicyOutputs, token_logprobs
 from xray.backends.megatron.lora import (MergedParameters, attach, checkpoint_header, disabled, full_shape,
                                          local_shape, lora_entries)
@@ -356,49 +357,8 @@ class MegatronEngine(TrainEngine):
         dist.barrier()
 
 
-def _import_megatron() -> None:
-    """Import megatron-core with `torch.compile` deferred to each decorated function's first call.
-    Megatron decorates dozens of fusions with `torch.compile` as its modules import, and each
-    decoration sets up TorchDynamo and Inductor: about 1.4 s of every Workhorse's start (2.5 ->
-    1.1 s for the import on this machine). The engine's config turns those fusions off, so none
-    is ever compiled; one that is called still compiles, at its first call."""
-    import functools
-    import importlib
-    import sys
-
-    if "megatron.core" in sys.modules:
-        return
-    compile_now = torch.compile
-
-    def deferred(model=None, **options):
-        if model is None:  # used as @torch.compile(...)
-            return lambda fn: deferred(fn, **options)
-        compiled = None
-
-        @functools.wraps(model)
-        def first_call(*args, **kwargs):
-            nonlocal compiled
-            if compiled is None:
-                compiled = compile_now(model, **options)
-            return compiled(*args, **kwargs)
-        return first_call
-
-    torch.compile = deferred
-    try:
-        importlib.import_module("megatron.core.models.gpt")  # the package and its fusions
-    finally:
-        torch.compile = compile_now
-
-
-def preload() -> None:
-    """Import what a build needs (megatron-core, transformers' config and safetensors reading)
-    ahead of it: a standby Workhorse's warm-up (`xray/wholemodel/standby.py`)."""
-    _import_megatron()
-    import transformers  # noqa: F401 - the HF directory's config and tokenizer readers
-
-
 def _init_parallel_state(parallel: ParallelDims) -> None:
-    _import_megatron()
+    import_megatron()
     from megatron.core import parallel_state as ps
 
     if ps.model_parallel_is_initialized():
@@ -422,7 +382,7 @@ def build_engine(model_dir: str, parallel: ParallelDims, role: str, optim: Optim
                  seed: int = 0, device: str = "cpu", forward_micro_batch_size: int | None = None,
                  attention: str = "sdpa", dtype: str = "float32", lora: LoraConfig | None = None,
                  max_tokens_per_micro_batch: int | None = None, packing: bool = False,
-                 moe: MoeConfig = MoeConfig()) -> MegatronEngine:
+                 moe: MoeConfig = MoeConfig(), activation_checkpointing: bool = False) -> MegatronEngine:
     """Build this rank's engine. torch.distributed's default group must already span exactly
     `parallel.world_size` processes. `role` is "actor", "reference" or "critic";
     `forward_micro_batch_size` bounds the rows per micro-batch of `forward` (None: the whole
@@ -433,7 +393,8 @@ def build_engine(model_dir: str, parallel: ParallelDims, role: str, optim: Optim
     trains too), seeded by `seed`; `max_tokens_per_micro_batch` cuts forwards and length-grouped
     train steps by that token budget instead of by rows (`xray/data/budget.py`; pp=1); `packing`
     runs each micro-batch's rows as one sequence without padding (`xray/data/packing.py`; pp=1,
-    the sdpa attention); `moe`: a mixture of experts' router loss (`xray/config/moe.py`)."""
+    the sdpa attention); `moe`: a mixture of experts' router loss (`xray/config/moe.py`);
+    `activation_checkpointing`: Megatron's full recompute, layer by layer, in train steps."""
     if role not in ROLES:
         raise ValueError(f"unknown role {role!r}; choose one of {', '.join(ROLES)}")
     if attention not in ATTENTIONS:
@@ -447,6 +408,9 @@ def build_engine(model_dir: str, parallel: ParallelDims, role: str, optim: Optim
     if parallel.ep > 1 and (packing or lora is not None):
         raise LayoutError(f"ep={parallel.ep} with {'packing' if packing else 'LoRA'}: expert parallelism runs "
                           "padded micro-batches of full weights; set ep=1, or packing false and lora null")
+    if activation_checkpointing and moe.routing_replay:
+        raise EngineUsageError("activation_checkpointing with moe.routing_replay: the backward's recompute would "
+                               "route anew instead of replaying the rollout's routing; turn one of them off")
     if packing and attention != "sdpa":
         raise EngineUsageError(f"packing runs on the sdpa attention, not {attention!r}: its core attention "
                                "keeps each packed row to itself; build with attention='sdpa'")
@@ -470,8 +434,12 @@ def build_engine(model_dir: str, parallel: ParallelDims, role: str, optim: Optim
         torch.manual_seed(seed)
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
     with cpu_compat.device_context(device):
-        model, entries = build_and_load(model_dir, spec, parallel, role, on_cpu, seed, attention, params_dtype, moe)
+        recompute = activation_checkpointing and role != "reference"
+        model, entries = build_and_load(model_dir, spec, parallel, role, on_cpu, seed, attention, params_dtype, moe,
+                                        recompute)
         adapter_entries = [] if lora is None else _add_lora(model, spec, parallel, role, lora, seed)
+    if recompute and lora is not None:
+        _embedding_needs_grad(model)
     model.to(dev)
     if role == "reference":
         model.requires_grad_(False)
@@ -482,6 +450,17 @@ def build_engine(model_dir: str, parallel: ParallelDims, role: str, optim: Optim
     return MegatronEngine(model, entries, spec, parallel, role, optim, dev, forward_micro_batch_size, mixed,
                           lora, adapter_entries, max_tokens_per_micro_batch, packing,
                           moe.balanced and role != "reference")
+
+
+def _embedding_needs_grad(model: torch.nn.Module) -> None:
+    """A recomputed layer passes gradients on only to inputs that need them (Megatron's checkpoint
+    is an autograd function): with a frozen embedding (LoRA) its output is marked as needing one,
+    or the adapters of the layers would get none."""
+    def needs_grad(module, args, output):
+        return output.requires_grad_(True) if torch.is_grad_enabled() and not output.requires_grad else output
+
+    if getattr(model, "pre_process", False):
+        model.embedding.register_forward_hook(needs_grad)
 
 
 def _add_lora(model: torch.nn.Module, spec: ModelSpec, parallel: ParallelDims, role: str, lora: LoraConfig,

@@ -2,11 +2,11 @@
 
 Third step of `xray.backends.megatron`: `build_gpt` makes this rank's pipeline stage and
 tensor-parallel shard of a Llama, Mistral, Qwen2 or Qwen3 dense model (RMSNorm, SwiGLU, RoPE with
-the model's base, GQA, tied or untied embeddings, Qwen2's q/k/v bias, Qwen3's per-head q/k norms)
-with Megatron's local layer spec; `load_hf` copies the HF weights into it through
-`convert.to_shard`. A critic gets the same trunk with a scalar
-`ValueHead` in place of the output layer, read from the directory's `score.weight` if present,
-else initialised from the seed.
+the model's base and Llama 3's scaling where set, GQA, tied or untied embeddings, Qwen2's q/k/v
+bias, Qwen3's per-head q/k norms) with Megatron's local layer spec, and with `recompute`
+Megatron's full activation recompute; `load_hf` copies the HF weights into it through
+`convert.to_shard`. A critic gets the same trunk with a scalar `ValueHead` in place of the output
+layer, read from the directory's `score.weight` if present, else initialised from the seed.
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import torch
 
 from xray.backends.megatron.convert import VALUE_HEAD, Entry, Kind, stage_entries, to_shard
 from xray.backends.megatron.hf_weights import HFWeights
+from xray.backends.megatron.rope import llama3_inverse_frequencies
 from xray.backends.megatron.spec import ModelSpec, stage_layers, transformer_config
 from xray.config.moe import MoeConfig
 from xray.config.parallel import ParallelDims
@@ -63,12 +64,13 @@ def layer_spec(attention: str, qk_norm: bool = False, num_experts: int = 0):
 
 
 def build_gpt(spec: ModelSpec, parallel: ParallelDims, role: str, on_cpu: bool, attention: str,
-              dtype: torch.dtype = torch.float32, moe: MoeConfig = MoeConfig()):
-    """This rank's GPTModel in `dtype` (parameters uninitialised; fill them with `load_hf`)."""
+              dtype: torch.dtype = torch.float32, moe: MoeConfig = MoeConfig(), recompute: bool = False):
+    """This rank's GPTModel in `dtype` (parameters uninitialised; fill them with `load_hf`);
+    `recompute`: full activation recompute, layer by layer."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
-    config = transformer_config(spec, parallel, on_cpu, dtype, moe)
+    config = transformer_config(spec, parallel, on_cpu, dtype, moe, recompute)
     critic = role == "critic"
     model = GPTModel(
         config=config, transformer_layer_spec=layer_spec(attention, spec.qk_norm, spec.num_experts),
@@ -78,6 +80,8 @@ def build_gpt(spec: ModelSpec, parallel: ParallelDims, role: str, on_cpu: bool, 
         share_embeddings_and_output_weights=spec.tie_word_embeddings and not critic)
     if critic and model.post_process:
         model.output_layer = ValueHead(spec.hidden_size).to(dtype)
+    if spec.rope_scaling is not None:  # Megatron's own llama3 option fixes three of its four parameters
+        model.rotary_pos_emb.inv_freq = llama3_inverse_frequencies(spec.rope_theta, spec.head_dim, spec.rope_scaling)
     first = stage_layers(spec.num_layers, parallel.pp)[ps.get_pipeline_model_parallel_rank()].start
     numbers = [layer.layer_number - 1 for layer in model.decoder.layers]
     assert numbers == list(range(first, first + len(numbers))), (numbers, first)
@@ -114,13 +118,13 @@ def load_hf(model: torch.nn.Module, entries: list[Entry], weights: HFWeights, sp
 
 def build_and_load(model_dir: str, spec: ModelSpec, parallel: ParallelDims, role: str,
                    on_cpu: bool, seed: int, attention: str, dtype: torch.dtype = torch.float32,
-                   moe: MoeConfig = MoeConfig()) -> tuple[torch.nn.Module, list[Entry]]:
+                   moe: MoeConfig = MoeConfig(), recompute: bool = False) -> tuple[torch.nn.Module, list[Entry]]:
     """Build this rank's model in `dtype` and fill it from `model_dir` (rounded to nearest when
     bf16); returns it with its entries."""
     from megatron.core import parallel_state as ps
 
     pp_rank, tp_rank = ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()
-    model = build_gpt(spec, parallel, role, on_cpu, attention, dtype, moe)
+    model = build_gpt(spec, parallel, role, on_cpu, attention, dtype, moe, recompute)
     ep_rank = ps.get_expert_model_parallel_rank() if spec.num_experts else None
     entries = stage_entries(spec, pp_rank, parallel.pp, critic=role == "critic", ep=parallel.ep, ep_rank=ep_rank)
     load_hf(model, entries, HFWeights(model_dir), spec, tp_rank, parallel.tp, seed)

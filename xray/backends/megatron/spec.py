@@ -1,11 +1,11 @@
 """What the Megatron engine reads from a Hugging Face model directory, and the layout check.
 
 First step of `xray.backends.megatron`: `read_spec` turns a local HF `config.json` (Llama,
-Mistral, Qwen2, Qwen3 dense, Qwen3-MoE and Qwen2-MoE: `SUPPORTED_ARCHITECTURES`) into a `ModelSpec`;
-`check_layout` validates a ParallelDims against it before anything is built (the runtime calls it
-before starting any Workhorse); `transformer_config` turns both into Megatron-core's
-`TransformerConfig`. Only `json` is read here: no torch model, no Megatron import at module level,
-so the check is cheap.
+Mistral, Qwen2, Qwen3 dense, Qwen3-MoE and Qwen2-MoE: `SUPPORTED_ARCHITECTURES`; plain or Llama 3
+RoPE: `rope.py`) into a `ModelSpec`; `check_layout` validates a ParallelDims against it before
+anything is built (the runtime calls it before starting any Workhorse); `transformer_config`
+turns both into Megatron-core's `TransformerConfig`. Only `json` is read here: no torch model,
+no Megatron import at module level, so the check is cheap.
 """
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from xray.backends.megatron.rope import Llama3Scaling, UnsupportedRopeError, read_rope
 from xray.config.moe import MoeConfig
 from xray.config.parallel import LayoutError, ParallelDims
 
@@ -86,17 +87,15 @@ class ModelSpec:
     """The top-k routing probabilities are renormalised to sum to 1."""
     shared_expert_intermediate_size: int = 0
     """Qwen2-MoE's shared expert (every token, gated by a sigmoid): its SwiGLU inner width (0: none)."""
+    rope_scaling: Llama3Scaling | None = None
+    """Llama 3's RoPE frequency scaling (`rope_type: llama3`); None: plain RoPE."""
 
 
-def _rope_theta(cfg: dict) -> float:
-    params = cfg.get("rope_parameters") or {}
-    scaling = cfg.get("rope_scaling") or {}
-    rope_type = params.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
-    if rope_type not in ("default", None):
-        raise UnsupportedModelError(
-            f"RoPE type {rope_type!r} is not supported by the Megatron engine; only plain RoPE "
-            "(rope_type 'default') is. Use the deepspeed backend for this model.")
-    return float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+def _rope(cfg: dict) -> tuple[float, Llama3Scaling | None]:
+    try:
+        return read_rope(cfg)
+    except UnsupportedRopeError as exc:
+        raise UnsupportedModelError(str(exc)) from None
 
 
 def _check_options(cfg: dict, arch: str) -> None:
@@ -137,12 +136,13 @@ def read_spec(model_dir: str | Path) -> ModelSpec:
             "or use the deepspeed backend.")
     _check_options(cfg, arch)
     known, heads = SUPPORTED_ARCHITECTURES[arch], int(cfg["num_attention_heads"])
+    theta, scaling = _rope(cfg)
     return ModelSpec(
         architecture=arch, vocab_size=int(cfg["vocab_size"]), hidden_size=int(cfg["hidden_size"]),
         intermediate_size=int(cfg["intermediate_size"]), num_layers=int(cfg["num_hidden_layers"]),
         num_heads=heads, num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
         head_dim=int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads),
-        rope_theta=_rope_theta(cfg), rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta, rope_scaling=scaling, rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=bool(cfg.get("attention_bias")) if known.qkv_bias is None else known.qkv_bias,
@@ -182,10 +182,12 @@ def stage_layers(num_layers: int, pp: int) -> list[range]:
     return [range(start, start + size) for start, size in zip(starts, sizes)]
 
 
-def transformer_config(spec: ModelSpec, parallel: ParallelDims, on_cpu: bool, dtype=None, moe: MoeConfig = MoeConfig()):
+def transformer_config(spec: ModelSpec, parallel: ParallelDims, on_cpu: bool, dtype=None,
+                       moe: MoeConfig = MoeConfig(), recompute: bool = False):
     """Megatron-core's TransformerConfig for `spec` under `parallel` with `dtype` parameters
     (fp32 by default; bf16 sets Megatron's `bf16` flag), no dropout, no fusions; `moe`: the
-    router's load-balancing loss."""
+    router's load-balancing loss; `recompute`: Megatron's full activation recompute, each layer
+    on its own (only its input is kept in a training forward)."""
     import torch
     import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -206,10 +208,11 @@ def transformer_config(spec: ModelSpec, parallel: ParallelDims, on_cpu: bool, dt
         use_cpu_initialization=on_cpu, perform_initialization=False,
         bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
         apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
-        attention_softmax_in_fp32=True, **_moe_config(spec, parallel.ep, moe))
+        attention_softmax_in_fp32=True, **_moe_config(spec, parallel.ep, moe, recompute),
+        **(dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) if recompute else {}))
 
 
-def _moe_config(spec: ModelSpec, ep: int, moe: MoeConfig) -> dict:
+def _moe_config(spec: ModelSpec, ep: int, moe: MoeConfig, recompute: bool = False) -> dict:
     """Megatron's MoE settings that compute what Hugging Face's Qwen3-MoE and Qwen2-MoE do: no load
     balancing or auxiliary loss (unless `moe` asks for one), an fp32 router, softmax over the top-k
     logits (renormalised, `norm_topk_prob`) or top-k of the softmax (not), the experts one by one (no grouped GEMM), and
@@ -222,8 +225,10 @@ def _moe_config(spec: ModelSpec, ep: int, moe: MoeConfig) -> dict:
         return {}
     # ep > 1: the dispatcher's backward gathers on `torch.cuda.current_device()`, which `cpu_compat`
     # rewrites only while no other torch function is being handled; Megatron's own backward
-    # (`deallocate_pipeline_outputs`) calls the autograd engine directly, outside torch.autograd.backward
-    return dict(num_moe_experts=spec.num_experts, expert_model_parallel_size=ep, deallocate_pipeline_outputs=ep > 1,
+    # (`deallocate_pipeline_outputs`) calls the autograd engine directly, outside torch.autograd.backward;
+    # so does a recompute, whose router moves its weight to `torch.cuda.current_device()` in the backward
+    return dict(num_moe_experts=spec.num_experts, expert_model_parallel_size=ep,
+                deallocate_pipeline_outputs=ep > 1 or recompute,
                 moe_router_topk=spec.experts_per_token, moe_ffn_hidden_size=spec.moe_intermediate_size,
                 moe_router_load_balancing_type=moe.load_balancing, moe_aux_loss_coeff=moe.aux_loss_coef,
                 moe_router_pre_softmax=not spec.norm_topk_prob, moe_router_dtype="fp32",

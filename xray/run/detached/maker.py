@@ -382,7 +382,8 @@ class ExperienceMaker:
 
     def stats(self) -> dict:
         """The busy intervals since the last call, those under way up to now (merged; the caller clips
-        them to its window), the samples made so far and those that span weight versions."""
+        them to its window), the samples made so far and those that span weight versions; each
+        reward function's (sum, count) of scores since the last call (`rewards`)."""
         now = time.time()
         intervals, self.busy = sorted([*self.busy, *((a, now) for a in self.making.values())]), []
         merged: list[list[float]] = []
@@ -393,7 +394,8 @@ class ExperienceMaker:
                 merged.append([a, b])
         return {"busy": [tuple(m) for m in merged], "samples": self.samples, "version": self.version,
                 "partial": self.partial, "in_flight": self.in_flight, "segments": self.segments,
-                "bytes": self.bytes, **({"episodes": self.episodes.take_counts()} if self.episodes else {})}
+                "bytes": self.bytes, **({"episodes": self.episodes.take_counts()} if self.episodes else {}),
+                **({"rewards": self.score_fn.tally.take_counts()} if hasattr(self.score_fn, "tally") else {})}
 
     def pid(self) -> int:
         return os.getpid()

@@ -31,6 +31,7 @@ import time
 
 from xray.config.graph import build_graph
 from xray.run.recovery.policy import RestartsExhausted
+from xray.run.rollout_log import ROLLOUT_ROWS
 from xray.wholemodel.errors import WholeModelError
 
 log = logging.getLogger(__name__)
@@ -156,6 +157,7 @@ class Detached:
                 if metrics is None:
                     break  # the trainer stopped before this step: a signal, or its error (raised below)
                 self.trainer.state.step = step
+                self.trainer.rollout_rows = metrics.pop(ROLLOUT_ROWS, [])  # the loop writes them, not a metric
                 if step == until:
                     await _unwrapped(running)
                     await self.pull_state()

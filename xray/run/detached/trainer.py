@@ -12,7 +12,8 @@ actor ahead of the next step, which trains on while they travel) and hand each m
 trainer's copy (`ExperienceMaker.load`). A push never waits for a maker: each loads between two of
 its generations, and the step whose window a load completes in reports it (`sync/*`, push
 latency from publish to the last maker loaded). The driver receives each step's metrics
-(`next_metrics`), and nothing else: the experience stays between the makers, the object store
+(`next_metrics`, with the token ids of the step's first `trainer.log_rollouts` groups for
+`rollouts.jsonl`), and nothing else: the experience stays between the makers, the object store
 and this actor.
 """
 from __future__ import annotations
@@ -25,9 +26,11 @@ import torch
 
 from xray.data import columns as C
 from xray.data.batch import Batch
+from xray.rewards.compose import means
 from xray.run.algorithm import Algorithm, Experience
 from xray.run.detached.buffer import fetch
 from xray.run.detached.episode_maker import episode_metrics
+from xray.run.rollout_log import ROLLOUT_ROWS, pick_rollouts
 from xray.run.step import RLTrainer
 
 
@@ -156,8 +159,9 @@ class AsyncTrainer:
         self.staged = {d: stage(actor, self.t.state.step, cfg, probe, lens, replica=d)
                        for d in sorted(set(self.pusher))}
 
-    async def step(self, step: int) -> dict[str, float]:
-        """One trainer step: take, recompute, train, publish every `push_every` steps."""
+    async def step(self, step: int) -> dict:
+        """One trainer step: take, recompute, train, publish every `push_every` steps; its metrics,
+        and under `ROLLOUT_ROWS` its first groups for `rollouts.jsonl`."""
         t, acfg = self.t, self.t.cfg.async_
         start = time.time()
         taken = await self.buffer.take.remote(t.state.step)
@@ -170,6 +174,8 @@ class AsyncTrainer:
         fresh = self.check_fresh(proximal, exp, mask)  # before the batch is trained on
         kl_coef = t.kl.value
         columns, measured = self.targets(exp, proximal, values, mask)
+        picked = pick_rollouts(exp, exp[C.SCORES], columns.get(C.ADVANTAGES), mask, t.cfg.trainer.log_rollouts,
+                               t.cfg.rollout.n_samples)  # the driver writes them (`ROLLOUT_ROWS`)
         train = await t.train(Batch(columns), step, parts=len(parts))
         t.kl.update(measured.get("kl_sequence", 0.0), len(exp))
         t.state.step = step
@@ -190,7 +196,7 @@ class AsyncTrainer:
                 "async/trainer_busy": 1.0 - waited_s / (end - start), "async/publish_s": publish_s,
                 "async/experience_bytes": float(sum(b.nbytes() for b in parts)),
                 **(await self.maker_busy(start, end)), "samples_per_s": len(exp) / (end - start), **self.loaded(),
-                **(await self.buffer.stats.remote())}
+                **(await self.buffer.stats.remote()), ROLLOUT_ROWS: picked}
 
     async def recompute(self, exp: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The actor's log-probs of `exp` with the weights it holds now (the proximal policy) and the
@@ -215,12 +221,14 @@ class AsyncTrainer:
 
     async def maker_busy(self, start: float, end: float) -> dict[str, float]:
         """The makers' mean busy share of [start, end], from their measured intervals; with episodes,
-        those that ended meanwhile (`episode/*`)."""
+        those that ended meanwhile (`episode/*`); each reward function's mean over the samples the
+        makers scored meanwhile (`reward/<name>`)."""
         stats = await asyncio.gather(*[m.stats.remote() for m in self.makers], return_exceptions=True)
         live = [s for s in stats if isinstance(s, dict)]
         busy = sum(max(0.0, min(b, end) - max(a, start)) for s in live for a, b in s["busy"])
         return {"async/maker_busy": busy / ((end - start) * max(1, len(live))),
-                **episode_metrics([s["episodes"] for s in live if "episodes" in s])}
+                **episode_metrics([s["episodes"] for s in live if "episodes" in s]),
+                **means(s["rewards"] for s in live if "rewards" in s)}
 
     def check_fresh(self, proximal: torch.Tensor, exp: Batch, mask: torch.Tensor) -> dict[str, float]:
         """The end-to-end check of the makers' syncs, for free: the tokens sampled with the weights

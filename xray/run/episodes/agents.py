@@ -21,6 +21,7 @@ from typing import Any
 
 from xray.run.episodes.samples import FAILED, EpisodeSamples
 from xray.data.batch import Batch
+from xray.data.chat import ChatFormat
 from xray.data.trajectory import Trajectory, TrajectoryLimits, pack_trajectories
 from xray.run.episodes.endpoint import AgentEndpoint
 
@@ -46,7 +47,7 @@ class AgentSamples(EpisodeSamples):
         self.timeout_s, self.pad_id = e.timeout_s, pad_id
         host, port = endpoint_address(cfg.trainer.agent_endpoint)
         limits = TrajectoryLimits(max_turns=e.max_turns, max_turn_tokens=e.max_turn_tokens, max_tokens=e.max_tokens)
-        self.endpoint = AgentEndpoint(rollout, tokenizer, limits, {}, host, port)
+        self.endpoint = AgentEndpoint(rollout, tokenizer, limits, {}, host, port, chat=ChatFormat.of(cfg.data))
         self.keep, self.last, self.metrics = None, [], {}
 
     async def play(self, rows: list[dict], sampling: dict) -> Batch:

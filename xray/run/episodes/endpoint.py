@@ -6,8 +6,9 @@ episode is a session with its own base URL (`http://HOST:PORT/sessions/<id>/v1`)
 `chat/completions` to it as to any server, and the session records a token-exact trajectory
 (`xray/data/trajectory.py`):
 
-- the first request's messages, rendered (the tokenizer's chat template, or their contents joined
-  where it has none) with the generation prompt, are the prompt's ids;
+- the first request's messages, rendered (the run's chat template, `data.chat_template` with its
+  kwargs, or their contents joined where none is in use) with the generation prompt, are the
+  prompt's ids;
 - each answer is the engine's own tokens and log-probs, appended as produced (model tokens), and
   returned as the message's text;
 - a later request must repeat the conversation as returned (else 400: nothing is re-tokenized,
@@ -29,6 +30,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from xray.data.chat import ChatFormat
 from xray.data.trajectory import Trajectory, TrajectoryLimits
 
 log = logging.getLogger(__name__)
@@ -54,8 +56,9 @@ class AgentEndpoint:
     """Serves `POST /sessions/<id>/v1/chat/completions` from `rollout` (see the module docstring)."""
 
     def __init__(self, rollout: Any, tokenizer: Any, limits: TrajectoryLimits, sampling: dict,
-                 host: str = "127.0.0.1", port: int = 0, window_s: float = 0.005):
+                 host: str = "127.0.0.1", port: int = 0, window_s: float = 0.005, chat: ChatFormat = ChatFormat()):
         self.rollout, self.tokenizer, self.limits = rollout, tokenizer, limits
+        self.template, self.template_kwargs = chat.template_text(tokenizer), dict(chat.kwargs)
         self.sampling, self.host, self.port, self.window_s = dict(sampling), host, port, window_s
         self.sessions: dict[str, Session] = {}
         self.serial = itertools.count(1)
@@ -177,9 +180,9 @@ class AgentEndpoint:
         t.add_observation(ids)
 
     def _render(self, messages: list[dict], generation_prompt: bool) -> str:
-        if getattr(self.tokenizer, "chat_template", None):
-            return self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                      add_generation_prompt=generation_prompt)
+        if self.template:
+            return self.tokenizer.apply_chat_template(messages, chat_template=self.template, tokenize=False,
+                                                      add_generation_prompt=generation_prompt, **self.template_kwargs)
         return "".join(m["content"] for m in messages)
 
     def _ids(self, text: str) -> list[int]:
