@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import torch
 
-CHECKED_SCHEMES = ("fp8_per_channel",)
-"""Schemes whose held weights are compared with our reference; a layer quantized otherwise is
-counted as unreadable (not passed)."""
+from xray.config.engines import engine
+
+CHECKED_SCHEMES = engine("vllm").quant_verified
+"""Schemes whose held weights are compared with our reference (the engine registry's fact: a
+verified sync refuses the others); a layer quantized otherwise is counted as unreadable."""
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0

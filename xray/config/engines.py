@@ -82,6 +82,9 @@ class Engine:
     quant_schemes: dict[str, dict[str, str]] = field(default_factory=dict, hash=False)
     """Per device (cpu, cuda), each `rollout.quantization` it applies online and its own name for
     the scheme; empty: it does not quantize."""
+    quant_verified: tuple[str, ...] = ()
+    """The schemes whose quantized weights the held check reads back code for code
+    (`xray/backends/quantize.py`); a verified sync refuses the others."""
     quant_dtypes: tuple[str, ...] = ()
     """The engine dtypes it quantizes from online."""
     quant_refused: dict[str, str] = field(default_factory=dict, hash=False)
@@ -128,7 +131,7 @@ ENGINES = (
            # vLLM's online fp8 on GPU: `fp8` no longer quantizes online, `fp8_per_tensor` does (with a
            # Marlin fallback on GPUs without fp8). Not run here (no vLLM on the lent GPU machine).
            quant_schemes={"cpu": {"fp8": "fp8_per_channel"}, "cuda": {"fp8": "fp8_per_tensor"}},
-           quant_dtypes=("bfloat16", "float16"),
+           quant_verified=("fp8_per_channel",), quant_dtypes=("bfloat16", "float16"),
            quant_refused={"int8": "vLLM's int8 (W8A8) runs from a prepared checkpoint (llmcompressor, not "
                                   "installed), and an int8 engine whose weights are reloaded in place gives NaN "
                                   "without an error: each sync would have to rebuild the engine (2-6 s)"},

@@ -287,6 +287,11 @@ def rollout_quantization(cfg: RunConfig, gen_backend: str, device: str) -> str |
     if cfg.actor.lora is not None:
         raise ConfigError(f"rollout.quantization={q} with actor.lora: an adapter-only sync into a quantized engine "
                           "is not supported; set rollout.quantization=none, or train without actor.lora")
+    if cfg.sync.verify and scheme not in e.quant_verified:
+        raise ConfigError(f"rollout.quantization={q} on {device}: {e.label} quantizes with {scheme}, whose weights the "
+                          f"verified sync cannot read back code for code (it reads back {', '.join(e.quant_verified)} "
+                          "only; its layers would pass only a loose functional bound); set rollout.quantization=none, "
+                          "or --sync.verify=false to run it unverified")
     return scheme
 
 

@@ -107,7 +107,8 @@ class RolloutConfig:
     """Generate with a quantized copy of the actor (the trained roles keep full precision). `fp8`:
     vLLM quantizes each linear layer's weights to fp8 as it loads them, at every sync: on CPU
     per output channel (vLLM's `fp8_per_channel`, slow without fp8 hardware), on GPU vLLM's online
-    `fp8_per_tensor` (not tested here). Needs a bf16 rollout (`rollout.dtype` or `model.dtype`
+    `fp8_per_tensor`, which the verified sync cannot read back: refused unless `sync.verify` is
+    false (not tested here). Needs a bf16 rollout (`rollout.dtype` or `model.dtype`
     bfloat16). The sync's exact check compares the engine's fp8 weights and scales with our own
     quantization of the tensors sent, and the policy loss corrects for the rollout's log-probs
     with the truncated importance weight (capped at `async.behaviour_weight_cap`). `int8` is
