@@ -80,7 +80,7 @@ def _faulty(engine, monkeypatch, change):
     reload = engine.reload
 
     def faulty_reload(tensors):
-        reload([(n, change(t) if n == TARGET else t) for n, t in tensors])
+        return reload([(n, change(t) if n == TARGET else t) for n, t in tensors])
 
     monkeypatch.setattr(engine, "reload", faulty_reload)
 

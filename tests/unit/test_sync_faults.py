@@ -79,6 +79,34 @@ def test_the_functional_check_catches_a_layer_holding_other_weights(dtype):
             assert "held otherwise than sent" in counts["mismatched"][0]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_functional_check_sees_a_layer_one_optimizer_step_stale_at_a_real_width(dtype):
+    """Width 2048: the engine computes with the weights before one Adam step at lr 1e-5 (every
+    element moved 1e-5, as Adam's first step moves it), or with two output rows exchanged. The
+    random rows' bound alone passes the stale layer (its product moves ~5e-4, the bound is ~2e-2);
+    the columns read back through the kernel catch it, in bf16 too (where the step changes only
+    the elements whose bf16 value it crosses)."""
+    g = torch.Generator().manual_seed(0)
+    before = torch.randn(256, 2048, generator=g) * 0.02
+    sent = before - 1e-5 * torch.sign(torch.randn(256, 2048, generator=g))  # after the step
+    changed = float((before.to(dtype) != sent.to(dtype)).float().mean())
+    assert changed > 0.01, changed  # the step is visible in the engine's dtype
+    for what, weight in {"right": sent, "one step stale": before, "rows exchanged": sent[[1, 0, *range(2, 256)]]}.items():
+        check = HeldCheck()
+        packed = weight.to(dtype)
+        check.compare_product("mlp.down_proj.weight", lambda x: x @ packed.t(), 2048, sent, dtype)
+        counts = check.take()
+        if what == "right":
+            assert counts["functional"] == 1 and counts["mismatched"] == [], counts
+        else:
+            assert counts["functional"] == 0 and len(counts["mismatched"]) == 1, (what, counts)
+            assert "read back through its kernel differs from what was sent" in counts["mismatched"][0], counts
+    # the random rows' bound alone would have passed the stale layer
+    x = torch.randn(4, 2048, generator=g)
+    moved = float((x @ (sent - before).t()).abs().max())
+    assert moved < 2e-3, moved
+
+
 # -- through the real ends: the sender's pack, a transport's receiver, a rollout Workhorse's load and
 # report, and the driver's judgment (`check_exact`) ------------------------------------------------
 

@@ -15,8 +15,11 @@ Each engine tensor is checked one of two ways, and none may be left unchecked:
   applied to a seeded random input, against the same product computed in fp32 from the tensor
   received, within `product_bound`, a bound derived from the engine's dtype and the layer's width
   (the rounding of the output plus the accumulation error of two K-term dot products, the
-  engine's and ours). One pass over the weight, no copy of it in fp32: about as cheap as reading
-  it back.
+  engine's and ours), and in the same call a few seeded columns of the weight read back exactly
+  through the kernel (an input row that is a column's unit vector gives that column with no
+  rounding): the bound is too wide to see a weight one optimizer step stale at a real width
+  (~2e-2 against a ~5e-4 move at width 2048), the columns are not. One pass over the weight, no
+  copy of it in fp32: about as cheap as reading it back.
 
 A quantized engine (`rollout.quantization`) holds its linear layers as fp8 codes and scales:
 `compare_fp8` checks them against our own quantization of the tensors sent
@@ -34,6 +37,8 @@ from xray.backends.quantize import FP8, fp8_difference, fp8_per_channel
 
 PROBE_ROWS = 4
 """Rows of the seeded random input of a functional check."""
+BASIS_ROWS = 8
+"""Columns of a weight a functional check reads back exactly through the engine's own kernel."""
 ACCUMULATION_EPS = 2.0 ** -24
 """Unit roundoff of the accumulation of a matrix product (fp32 for fp32, bf16 and fp16 engines:
 oneDNN and cuBLAS accumulate bf16 products in fp32)."""
@@ -92,32 +97,53 @@ class HeldCheck:
     def compare_product(self, name: str, apply, width: int, expected: torch.Tensor | list[torch.Tensor],
                         dtype: torch.dtype, held_dtype: torch.dtype | None = None) -> None:
         """The functional check of layer `name`: `apply(x)` (the engine's own layer, no bias, on
-        an input of `width` columns) against x @ expected.T in fp32, `expected` being the
-        received weight laid out as the layer holds it `[N, width]` (or its row blocks in order, a
-        fused layer's parts: never concatenated), cast to the engine's `dtype` (`held_dtype`:
-        what the layer keeps its weight in, fp8 for a quantized layer)."""
+        an input of `width` columns) against x @ expected.T, `expected` being the received weight
+        laid out as the layer holds it `[N, width]` (or its row blocks in order, a fused layer's
+        parts: never concatenated), cast to the engine's `dtype` (`held_dtype`: what the layer
+        keeps its weight in, fp8 for a quantized layer). One call on two kinds of rows: seeded
+        random rows, within `product_bound` of our fp32 product (every column of the weight
+        counts), and `BASIS_ROWS` rows that are each one seeded column's unit vector, whose
+        product is that column of the weight exactly (a sum of one product and exact zeros: no
+        rounding), so those columns are read back bit for bit through the engine's own kernel: a
+        weight one optimizer step stale, or rows swapped, differs there where the random rows'
+        bound is too wide to see it (a fp8 layer holds its codes x scale: its basis rows are held
+        to the bound)."""
         blocks = expected if isinstance(expected, list) else [expected]
         if any(w.dim() != 2 or w.shape[1] != width for w in blocks):
             self.skip([name])
             return
         g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
-        x = torch.randn(PROBE_ROWS, width, generator=g).to(dtype)
-        got = apply(x)
-        x32 = x.float()
-        wants, norms = [], []
+        columns = torch.randperm(width, generator=g)[:min(BASIS_ROWS, width)]
+        x32 = torch.cat([torch.randn(PROBE_ROWS, width, generator=g),
+                         torch.nn.functional.one_hot(columns, width).float()])
+        got = apply(x32.to(dtype))
+        x32 = x32.to(dtype).float()
+        wants, norms, read = [], [], []
         for w in blocks:
             w = w.to(dtype).cpu()
+            read.append(w[:, columns].t())
             w = w if w.dtype == torch.float32 else w.float()
             wants.append(x32 @ w.t())
             norms.append(torch.linalg.vector_norm(w, dim=1))
         want = wants[0] if len(wants) == 1 else torch.cat(wants, dim=1)
-        # sum_k |x_k w_jk| <= |x| |w_j| (Cauchy-Schwarz): the row norms, no |w| copy
-        scale = torch.linalg.vector_norm(x32, dim=1)[:, None] * torch.cat(norms)[None, :]
-        bound = product_bound(want.double(), scale.double(), 2 * width, dtype, held_dtype or dtype)
-        err = (got.detach().double().cpu() - want.double()).abs()
-        if tuple(err.shape) != tuple(want.shape):
+        if tuple(got.shape) != tuple(want.shape):
             self.mismatch(f"{name} [its product has shape {tuple(got.shape)}, expected {tuple(want.shape)}]", [name])
-        elif bool((err <= bound).all()):
+            return
+        got = got.detach().cpu()
+        exact = held_dtype != FP8
+        if exact and not torch.equal(got[PROBE_ROWS:].float(), torch.cat(read, dim=1).float()):
+            differ = got[PROBE_ROWS:].float() != torch.cat(read, dim=1).float()
+            row, col = (int(i) for i in differ.nonzero()[0])
+            self.mismatch(f"{name} [column {int(columns[row])} read back through its kernel differs from what was "
+                          f"sent in {int(differ.sum())} of {differ.numel()} values (first: output row {col}): held "
+                          "otherwise than sent]", [name])
+            return
+        rows = slice(0, PROBE_ROWS) if exact else slice(None)
+        # sum_k |x_k w_jk| <= |x| |w_j| (Cauchy-Schwarz): the row norms, no |w| copy
+        scale = torch.linalg.vector_norm(x32[rows], dim=1)[:, None] * torch.cat(norms)[None, :]
+        bound = product_bound(want[rows].double(), scale.double(), 2 * width, dtype, held_dtype or dtype)
+        err = (got[rows].double() - want[rows].double()).abs()
+        if bool((err <= bound).all()):
             self.passed("functional", [name])
         else:
             worst = int((err - bound).argmax())
