@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from xray.config.sandbox import SandboxConfig
+
 
 @dataclass(frozen=True)
 class EnvConfig:
@@ -41,6 +43,10 @@ class EnvConfig:
     timeout_s: float = 30.0
     """Seconds each `reset` or `step` may take; beyond, or on an exception, the episode ends
     (counted in `episode/ends_timeout`, `episode/ends_error`) and is left out of the loss."""
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    """Where the `builtin:python` tool runs the model's programs (an environment taking a `sandbox`
+    argument, as `builtin:tools`, gets this section): locally in Linux namespaces, or on a remote
+    service (`url`); and the limits of one call."""
 
     @property
     def episodes(self) -> bool:
@@ -60,6 +66,7 @@ class EnvConfig:
                              "raise env.max_tokens or lower env.max_turn_tokens")
         if self.timeout_s <= 0:
             raise ValueError(f"env.timeout_s={self.timeout_s}; give a positive number of seconds")
+        self.sandbox.check()
 
 
 def response_tokens(cfg: Any) -> int:

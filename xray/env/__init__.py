@@ -6,5 +6,7 @@
                 built-in calculator and Python tools
     tasks.py    built-in tool-use tasks: `builtin:calculator` (seeded arithmetic prompts, the
                 environment, tool-use demonstrations for a warm start)
-    sandbox.py  the Python sandbox (namespaces and limits; how a call ended becomes the observation)
+    sandbox.py  the Python sandbox (runs and watches a call; how it ended becomes the observation)
+    isolation.py  how the kernel isolates a call: namespaces, a new root, an unprivileged uid, limits
+    remote_sandbox.py  the same tool on a remote execution service (SandboxFusion's HTTP API)
 """

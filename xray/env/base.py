@@ -84,7 +84,8 @@ class ToolEnv:
     (`builtin:calculator`, `builtin:python`, `path/to/tools.py:lookup`), `reward` a reward
     function's spec (`xray.rewards.builtin:exact_answer`: called as a run calls it, with the
     prompt, the final turn's text and the row's other columns; `async def` too), `format` a tool-call
-    style (`hermes`, `compact`) or a dict of `ToolFormat` fields, `tool_timeout_s` each call's bound."""
+    style (`hermes`, `compact`) or a dict of `ToolFormat` fields, `tool_timeout_s` each call's bound; the
+    run's `env.sandbox` section says where `builtin:python` runs."""
 
     tools: Any
     """A `ToolRegistry`, or a list of tool specs."""
@@ -94,6 +95,9 @@ class ToolEnv:
     """A `ToolFormat` (Hermes' by default), a style name, or a dict of its fields."""
     tool_timeout_s: float = 30.0
     """Each tool call's bound, when `tools` are specs."""
+    sandbox: Any = None
+    """Where `builtin:python` runs, when `tools` are specs: a `SandboxConfig` (a run passes its
+    `env.sandbox`); None: the local sandbox with its default limits."""
     row: dict = field(default_factory=dict)
     calls: int = 0
     """Tool calls made in this episode (the run's metrics count them)."""
@@ -102,7 +106,7 @@ class ToolEnv:
         from xray.env.tools import ToolFormat, ToolRegistry
 
         if isinstance(self.tools, (list, tuple)):
-            self.tools = ToolRegistry.from_specs(list(self.tools), self.tool_timeout_s)
+            self.tools = ToolRegistry.from_specs(list(self.tools), self.tool_timeout_s, self.sandbox)
         if isinstance(self.reward, str):
             self.reward = _final_turn_reward(self.reward)
         if isinstance(self.format, str):

@@ -1,18 +1,22 @@
 """The Python sandbox: a tool that runs a model's code in a process that cannot hurt the host.
 
-Each call writes the code to a fresh temporary directory and runs it with this Python (`-I`:
-isolated from the user's site and environment; an audit hook, `GUARD`, refuses new processes and
-`ctypes`) inside Linux namespaces made by `unshare`:
-- a user namespace (its root maps to the caller: no privilege outside it);
-- a network namespace with no interface up: any connection fails at once;
-- a mount namespace in which every mount is read-only except the call's own directory (its
-  working directory, `HOME` and `TMPDIR`);
-- a pid namespace whose first process is killed with the call: nothing it started outlives it.
-Limits (`SandboxLimits`): CPU seconds and address space, file size and process count (kernel
-rlimits, through `prlimit`), wall seconds (the whole namespace is killed), and output bytes (the
-process is killed once its stdout and stderr together pass the limit, and the observation says so).
-The directory is removed after the call. A machine without user namespaces gets a clear error at
-construction, never an unsandboxed run.
+Each call runs the code as `main.py` with this Python (`-I`: isolated from the user's site and
+environment) in namespaces of its own, built by the kernel for the call (`xray/env/isolation.py`:
+a new root with the system and the Python installation read-only, a private /proc, no network,
+an unprivileged uid, no capabilities, no way to make more namespaces). Nothing inside the
+program's interpreter guards it: the program may do anything a process may, inside its namespaces.
+Limits (`SandboxLimits`): CPU seconds, address space, file size, open files, processes and threads
+(kernel rlimits, through `prlimit`), its directory's size (a tmpfs), wall seconds (its pid namespace
+is killed, and every process in it with it), and output bytes (past them it is killed and the
+observation says so). Nothing of a call outlives it: its processes die with the namespace's
+first process, its directory with the mount namespace, and the host keeps only a temporary
+directory it never shows the program, removed after the call.
+
+A host that cannot build all of this gets `SandboxUnavailable` at construction, saying what to
+allow (user namespaces, a full /proc) or to use a remote sandbox (`xray/env/remote_sandbox.py`),
+never a weaker run; a call whose setup fails later raises it too. The host must be Linux with
+util-linux (`unshare`, `setpriv`, `prlimit`, `mount`, `pivot_root`); as a user other than root it
+must allow unprivileged user namespaces, and as root it must allow new namespaces.
 
 What a call returns (`SandboxResult`) becomes the observation the model reads
 (`SandboxResult.observation`): its output, or why it stopped. This file sits beside the tools
@@ -21,7 +25,9 @@ and environments that use it (`xray/env/`), below the algorithms that run episod
 from __future__ import annotations
 
 import asyncio
+import glob
 import os
+import random
 import shutil
 import signal
 import subprocess
@@ -29,60 +35,18 @@ import sys
 import tempfile
 from dataclasses import dataclass
 
-BOOT = r"""
-set -e
-awk '{print $5}' /proc/self/mountinfo | sort -r | while read -r m; do
-  mount -o remount,bind,ro "$m" 2>/dev/null || true
-done
-mount --bind "$1" "$1"
-mount -o remount,bind,rw "$1"
-cd "$1"
-shift
-"$@"
-exit $?
-"""
-"""Run inside the namespaces (as their first process): every mount read-only, then the call's
-directory writable again; the program runs as its child, and a death by signal comes back as the
-exit code 128 + signal (unshare cannot pass SIGXCPU on)."""
+from xray.config.sandbox import SandboxLimits
+from xray.env import isolation
+from xray.env.isolation import READY, SandboxUnavailable
 
-GUARD = r"""
-import sys
-_DENIED = {"os.fork", "os.forkpty", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "subprocess.Popen",
-           "ctypes.dlopen", "ctypes.dlsym", "ctypes.call_function", "pty.spawn"}
-_MODULES = {"_posixsubprocess", "_ctypes", "ctypes"}
-def _guard(event, args):
-    if event in _DENIED or (event == "import" and args[0] in _MODULES):
-        name = args[0] if event == "import" else event
-        raise PermissionError(f"{name} is not available in the sandbox (no new processes, no foreign calls)")
-sys.addaudithook(_guard)
-del _guard
-__name__ = "__main__"
-exec(compile(open("main.py").read(), "main.py", "exec"))
-"""
-"""The program's prelude: an audit hook (it cannot be removed) refuses new processes and foreign
-calls, so a fork bomb ends at its first fork; then main.py runs as `__main__`."""
+__all__ = ["PythonSandbox", "SandboxLimits", "SandboxResult", "SandboxUnavailable"]
 
-
-class SandboxUnavailable(RuntimeError):
-    """This machine cannot make the namespaces the sandbox needs."""
-
-
-@dataclass(frozen=True)
-class SandboxLimits:
-    """What one call may use."""
-
-    cpu_s: int = 5
-    """CPU seconds (RLIMIT_CPU): past them the process is killed (reason `cpu`)."""
-    wall_s: float = 10.0
-    """Wall seconds: past them the whole namespace is killed (reason `timeout`)."""
-    memory_mb: int = 1024
-    """Address space (RLIMIT_AS): an allocation past it fails (a Python MemoryError)."""
-    file_mb: int = 16
-    """Largest file it may write (RLIMIT_FSIZE)."""
-    processes: int = 32
-    """Processes and threads it may run at once (RLIMIT_NPROC, counted in its own user namespace)."""
-    output_bytes: int = 16 * 1024
-    """stdout and stderr together: past them the process is killed and the rest dropped (reason `output`)."""
+ALLOW = ("if it is user namespaces that this host refuses, allow them: on Debian and Ubuntu "
+         "`sysctl kernel.unprivileged_userns_clone=1` and `sysctl kernel.apparmor_restrict_unprivileged_userns=0`, "
+         "elsewhere `sysctl user.max_user_namespaces=10000`; in a container, run it with user namespaces allowed "
+         "(e.g. Docker's --security-opt seccomp=unconfined and an unmasked /proc); or set env.sandbox.url to a "
+         "remote sandbox (SandboxFusion)")
+"""What a host that cannot build the sandbox may do about it."""
 
 
 @dataclass(frozen=True)
@@ -104,84 +68,189 @@ class SandboxResult:
         return "\n".join(p for p in parts if p)
 
 
+SETUP_S = 60.0
+"""Seconds the namespaces' setup may take before the program starts (a loaded host's), beyond which
+the call raises."""
+_UIDS = random.SystemRandom()
+"""Draws a root host's program uids (apart from any seed a run sets)."""
+_CHECKED: dict[tuple[str, bool], isolation.Layout] = {}
+"""Hosts checked in this process, by (Python, whether the caller is root): their layouts."""
+
+
 class PythonSandbox:
     """Runs Python code under `limits` (see the module docstring)."""
 
     def __init__(self, limits: SandboxLimits = SandboxLimits(), python: str = sys.executable):
+        limits.check()
         self.limits, self.python = limits, python
-        for tool in ("unshare", "prlimit"):
-            if shutil.which(tool) is None:
-                raise SandboxUnavailable(f"the Python sandbox needs `{tool}` (util-linux); install it "
-                                         "(Debian: apt-get install util-linux)")
-        probe = subprocess.run(["unshare", "--user", "--map-root-user", "--net", "--mount", "--pid", "--fork",
-                                "true"], capture_output=True, text=True)
-        if probe.returncode != 0:
-            raise SandboxUnavailable("the Python sandbox needs Linux user namespaces, and `unshare --user` "
-                                     f"failed here ({probe.stderr.strip()}); allow them (sysctl "
-                                     "kernel.unprivileged_userns_clone=1, or the distribution's AppArmor setting)")
+        self.root_host = os.geteuid() == 0
+        key = (python, self.root_host)
+        lay = _CHECKED.get(key) or isolation.layout(python)
+        self.boot = isolation.boot_script(lay, limits, python, self.root_host)
+        if key not in _CHECKED:
+            self._probe()
+            _CHECKED[key] = lay
 
-    def command(self, directory: str) -> list[str]:
-        lim = self.limits
-        return ["unshare", "--user", "--map-root-user", "--net", "--mount", "--pid", "--fork", "--kill-child", "--",
-                "prlimit", f"--cpu={lim.cpu_s}:{lim.cpu_s + 1}", f"--as={lim.memory_mb << 20}", f"--fsize={lim.file_mb << 20}",
-                f"--nproc={lim.processes}", "--", "sh", "-c", BOOT, "sandbox", directory,
-                self.python, "-I", "-c", GUARD]
+    def _probe(self) -> None:
+        """One empty call, run to its end: every step of the isolation works on this host, or say what to allow."""
+        base = self._prepare("")
+        read, write = os.pipe()
+        try:
+            done = subprocess.run(self._command(base), capture_output=True, env=isolation.environment(), stdin=write,
+                                  timeout=SETUP_S)
+        except subprocess.TimeoutExpired:
+            raise SandboxUnavailable(f"the Python sandbox's setup took more than {SETUP_S} s on this host") from None
+        finally:
+            os.close(write)
+            os.close(read)
+            shutil.rmtree(base)
+        setup = done.stderr.decode(errors="replace")
+        if done.returncode != 0 or READY not in setup:
+            raise SandboxUnavailable(f"this host cannot build the Python sandbox (exit code {done.returncode}: "
+                                     f"{setup.replace(READY, '').strip()[-600:] or 'no message'}); {ALLOW}")
+
+    def _prepare(self, code: str) -> str:
+        """The host's directory for one call: `main.py` and an empty `root/` (the new root's mount point)."""
+        base = tempfile.mkdtemp(prefix="xray-sandbox-")
+        os.mkdir(os.path.join(base, "root"))
+        with open(os.path.join(base, "main.py"), "w") as f:
+            f.write(code)
+        return base
+
+    def _command(self, base: str) -> list[str]:
+        uid = _UIDS.randrange(*isolation.PROGRAM_UIDS) if self.root_host else 0
+        return isolation.command(self.boot, base, uid, self.root_host)
 
     async def run(self, code: str) -> SandboxResult:
-        """Run `code` (a Python program) and return how it ended."""
-        directory = tempfile.mkdtemp(prefix="xray-sandbox-")
+        """Run `code` (a Python program) and return how it ended. Cancelled (a caller's timeout),
+        it kills the sandbox before it lets the cancellation through."""
+        base = self._prepare(code)
+        read, write = os.pipe()  # the program's stderr: the chain's stdin until its shell moves it (isolation.py)
+        transport = None
         try:
-            with open(os.path.join(directory, "main.py"), "w") as f:
-                f.write(code)
-            env = {"PATH": "/usr/bin:/bin", "HOME": directory, "TMPDIR": directory, "LANG": "C.UTF-8"}
+            program_err = asyncio.StreamReader()
+            transport, _ = await asyncio.get_running_loop().connect_read_pipe(
+                lambda: asyncio.StreamReaderProtocol(program_err), os.fdopen(read, "rb", 0))
             proc = await asyncio.create_subprocess_exec(
-                *self.command(directory), stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE, env=env, start_new_session=True)
-            return await self._watch(proc)
+                *self._command(base), stdin=write, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+                env=isolation.environment(), start_new_session=True)
+            os.close(write)
+            write = -1
+            try:
+                return await self._watch(proc, program_err)
+            except BaseException:
+                await _kill(proc)  # the signal goes before the first wait: a second cancellation still kills
+                raise
         finally:
-            shutil.rmtree(directory, ignore_errors=True)
+            if write >= 0:
+                os.close(write)
+            if transport is not None:
+                transport.close()
+            shutil.rmtree(base)
 
     def run_sync(self, code: str) -> SandboxResult:
         """`run` from blocking code."""
         return asyncio.run(self.run(code))
 
-    async def _watch(self, proc: asyncio.subprocess.Process) -> SandboxResult:
-        """Collect the output under the output and wall limits; kill the session past either."""
-        budget = [self.limits.output_bytes]
-        chunks: dict[str, list[bytes]] = {"stdout": [], "stderr": []}
-        over = asyncio.Event()
-
-        async def pump(name: str, stream: asyncio.StreamReader) -> None:
-            while data := await stream.read(65536):  # to the end: a pipe left unread would keep wait() waiting
-                keep = data[:max(budget[0], 0)]
-                chunks[name].append(keep)
-                budget[0] -= len(data)
-                if budget[0] < 0:
-                    over.set()
-
-        pumps = asyncio.gather(pump("stdout", proc.stdout), pump("stderr", proc.stderr))
-        stopper = asyncio.ensure_future(over.wait())
-        done, _ = await asyncio.wait({asyncio.ensure_future(proc.wait()), stopper},
-                                     timeout=self.limits.wall_s, return_when=asyncio.FIRST_COMPLETED)
-        reason = "output" if over.is_set() else ("timeout" if not done else None)
-        if reason is not None:
-            _kill(proc)
-        stopper.cancel()
+    async def _watch(self, proc: asyncio.subprocess.Process, program_err: asyncio.StreamReader) -> SandboxResult:
+        """Collect the output under the output and wall limits (the wall clock starts with the
+        program, at `READY`: a slow host's setup is not the program's time); kill the sandbox past
+        either, or when its setup takes more than `SETUP_S`."""
+        out = _Output(self.limits.output_bytes)
+        pumps = asyncio.gather(out.pump("stdout", proc.stdout), out.pump("stderr", program_err),
+                               out.pump("setup", proc.stderr))
+        pumps.add_done_callback(lambda f: f.cancelled() or f.exception())  # a cancelled call leaves no warning
+        exited, ready = asyncio.ensure_future(proc.wait()), asyncio.ensure_future(out.ready.wait())
+        stopper = asyncio.ensure_future(out.over.wait())
+        try:
+            await asyncio.wait({exited, ready}, timeout=SETUP_S, return_when=asyncio.FIRST_COMPLETED)
+            reason = None if out.ready.is_set() or exited.done() else "setup"
+            if reason is None:
+                done, _ = await asyncio.wait({exited, stopper}, timeout=self.limits.wall_s,
+                                             return_when=asyncio.FIRST_COMPLETED)
+                reason = "output" if out.over.is_set() else ("timeout" if not done else None)
+            if reason is not None:
+                await _kill(proc)
+        finally:
+            ready.cancel()
+            stopper.cancel()
         code = await proc.wait()
-        try:  # the pipes close with the process: what is left in them comes in
+        try:  # the pipes close with the processes: what is left in them comes in
             await asyncio.wait_for(pumps, 5.0)
         except asyncio.TimeoutError:
             pumps.cancel()
-        out = b"".join(chunks["stdout"]).decode(errors="replace")
-        err = b"".join(chunks["stderr"]).decode(errors="replace")
+        if not out.ready.is_set():
+            setup = out.setup.decode(errors="replace").strip()[-600:] or "no message"
+            raise SandboxUnavailable(f"the Python sandbox could not be set up for this call "
+                                     f"({f'more than {SETUP_S} s' if reason == 'setup' else f'exit code {code}'}: "
+                                     f"{setup}); {ALLOW}")
         if reason is None:
             reason = "ok" if code == 0 else "cpu" if code == 128 + signal.SIGXCPU else "error"
-        return SandboxResult(out, err, None if reason in ("output", "timeout") else code, reason)
+        return SandboxResult(out.text("stdout"), out.text("stderr"), None if reason in ("output", "timeout") else code,
+                             reason)
 
 
-def _kill(proc: asyncio.subprocess.Process) -> None:
-    """SIGKILL the call's session (unshare and, through --kill-child, its whole pid namespace)."""
+class _Output:
+    """A call's stdout and stderr, cut to `budget` bytes together, and what the setup wrote (its
+    end: its errors, or `READY`, then what `unshare` says of a killed sandbox)."""
+
+    def __init__(self, budget: int):
+        self.budget, self.setup = budget, b""
+        self.chunks: dict[str, list[bytes]] = {"stdout": [], "stderr": []}
+        self.over, self.ready = asyncio.Event(), asyncio.Event()
+
+    async def pump(self, name: str, stream: asyncio.StreamReader) -> None:
+        while data := await stream.read(65536):  # to the end: a pipe left unread would keep wait() waiting
+            if name == "setup":
+                self.setup = (self.setup + data)[-65536:]
+                if READY.encode() in self.setup:
+                    self.ready.set()
+                continue
+            self.chunks[name].append(data[:max(self.budget, 0)])
+            self.budget -= len(data)
+            if self.budget < 0:
+                self.over.set()
+
+    def text(self, name: str) -> str:
+        return b"".join(self.chunks[name]).decode(errors="replace")
+
+
+async def _kill(proc: asyncio.subprocess.Process) -> None:
+    """SIGKILL the sandbox's pid 1 (`unshare`'s child): the kernel kills every process of its pid
+    namespace before it ends, and `unshare` ends once it has, so that nothing of the call is left
+    when this returns. Before `unshare` has forked, or if it does not end, its session is killed."""
+    init = _child(proc.pid)
+    if init is not None:
+        _signal(init, os.kill)
+        try:
+            await asyncio.wait_for(asyncio.shield(proc.wait()), 10.0)
+            return
+        except asyncio.TimeoutError:
+            pass
+    _signal(proc.pid, os.killpg)
+
+
+def _signal(pid: int, kill) -> None:
     try:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill(pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+
+
+def _child(pid: int) -> int | None:
+    """A child of `pid`, if it has one (from /proc: `children` where the kernel has it, else every `stat`)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            children = f.read().split()
+        return int(children[0]) if children else None
+    except OSError:
+        pass
+    for path in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            with open(path) as f:
+                fields = f.read().rpartition(")")[2].split()
+        except OSError:
+            continue
+        if fields and int(fields[1]) == pid:
+            return int(path.split("/")[2])
+    return None

@@ -16,7 +16,8 @@ tool's name, a colon and its one argument as text, and an answer has nothing aro
 `__call__`; keyword arguments from the call's `arguments`, or a compact call's text as the one
 positional argument; returning text), loaded from `path/to/file.py:function` or `module:function`
 as reward functions are, and the built-ins `builtin:calculator` (exact arithmetic on integers and
-fractions, no `eval`) and `builtin:python` (the sandbox, `xray/env/sandbox.py`). A call that fails,
+fractions, no `eval`) and `builtin:python` (the sandbox: local namespaces, `xray/env/sandbox.py`, or a
+remote service, `xray/env/remote_sandbox.py`, as `SandboxConfig` says). A call that fails,
 in any way (unknown tool, bad arguments, an exception, a timeout) answers with the error's text:
 the model sees it, the episode goes on.
 """
@@ -140,9 +141,9 @@ class ToolRegistry:
             self.register(fn, name)
 
     @classmethod
-    def from_specs(cls, specs: list[str], timeout_s: float = 30.0) -> "ToolRegistry":
+    def from_specs(cls, specs: list[str], timeout_s: float = 30.0, sandbox: Any = None) -> "ToolRegistry":
         """`builtin:NAME` or `module:function` / `path/to/file.py:function` for each tool (named by
-        the function's name)."""
+        the function's name); `sandbox` a `SandboxConfig` for `builtin:python` (None: the default)."""
         from xray.rewards.loader import load_callable
 
         registry = cls(timeout_s=timeout_s)
@@ -152,7 +153,7 @@ class ToolRegistry:
                 if name not in BUILTIN:
                     raise ToolError(f"unknown built-in tool {spec!r}; choose one of "
                                     f"{', '.join('builtin:' + n for n in sorted(BUILTIN))}")
-                registry.register(BUILTIN[name](), name)
+                registry.register(BUILTIN[name](sandbox), name)
             else:
                 registry.register(load_callable(spec, "tool", "path/to/tools.py:lookup"))
         return registry
@@ -226,22 +227,31 @@ def _evaluate(node: ast.AST) -> Fraction:
     raise ValueError(f"only numbers and + - * / // % ** ( ) are allowed, not {ast.dump(node)[:60]}")
 
 
-def _calculator() -> ToolFn:
+def _calculator(sandbox: Any = None) -> ToolFn:
     def calculator(expression: str) -> str:
         """Evaluate an arithmetic expression exactly."""
         return calculate(expression)
     return calculator
 
 
-def _python() -> ToolFn:
-    from xray.env.sandbox import PythonSandbox
+def _python(sandbox: Any = None) -> ToolFn:
+    """The sandbox tool: local (`xray/env/sandbox.py`) unless `sandbox.url` names a remote service."""
+    from xray.config.sandbox import SandboxConfig
 
-    sandbox = PythonSandbox()
+    config = sandbox or SandboxConfig()
+    if config.url:
+        from xray.env.remote_sandbox import RemoteSandbox
+
+        runner: Any = RemoteSandbox(config)
+    else:
+        from xray.env.sandbox import PythonSandbox
+
+        runner = PythonSandbox(config.limits)
 
     async def python(code: str) -> str:
         """Run a Python program in a sandbox; its output, or why it stopped."""
-        return (await sandbox.run(code)).observation()
+        return (await runner.run(code)).observation()
     return python
 
 
-BUILTIN: dict[str, Callable[[], ToolFn]] = {"calculator": _calculator, "python": _python}
+BUILTIN: dict[str, Callable[[Any], ToolFn]] = {"calculator": _calculator, "python": _python}

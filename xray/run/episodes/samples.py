@@ -17,6 +17,7 @@ model anything. Metrics, per step: `episode/turns`, `episode/tool_calls`, `episo
 from __future__ import annotations
 
 import collections
+import inspect
 import logging
 from typing import Any
 
@@ -35,8 +36,11 @@ FAILED = ("error", "timeout")
 
 def env_factory(cfg: Any):
     """A function making one environment of `cfg.env` (checked now: a class that cannot be built
-    from `env.kwargs` fails here, saying so, not at the first step)."""
+    from `env.kwargs` fails here, saying so, not at the first step). An environment that takes a
+    `sandbox` argument (`ToolEnv`) gets `env.sandbox` unless `env.kwargs` gives one."""
     cls, kwargs = load_env(cfg.env.name), dict(cfg.env.kwargs)
+    if "sandbox" in inspect.signature(cls).parameters:
+        kwargs.setdefault("sandbox", cfg.env.sandbox)
     try:
         cls(**kwargs)
     except TypeError as exc:
