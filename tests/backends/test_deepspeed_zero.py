@@ -81,6 +81,44 @@ def _side_roles(rank: int, model_dir: str, stage: int, part) -> dict:
     return out
 
 
+CORRUPTED = "model.layers.1.mlp.down_proj.weight"
+"""The tensor whose exported copy the faulty export changes (one element)."""
+DIVERGED = "model.layers.0.self_attn.q_proj.weight"
+"""The parameter rank 1 holds otherwise (one element; stages 1 and 2, where ranks are replicas)."""
+
+
+def _export_faults(engine, rank: int, stage: int) -> dict:
+    """The export's digest verdicts with one element of one gathered tensor changed before it is
+    yielded, and (stages 1 and 2) with one element of one parameter changed on rank 1 alone."""
+    from unittest import mock
+
+    from xray.backends.deepspeed import export
+
+    copy = export._tensor
+    names = {id(p): n for n, p in engine.engine.module.named_parameters()}
+
+    def faulty(params, scaling):
+        out = copy(params, scaling)
+        if names[id(params[0])] == CORRUPTED:
+            out.view(-1)[5] += 1.0
+        return out
+
+    with mock.patch.object(export, "_tensor", faulty):
+        _export(engine)
+    out = {"corrupted": engine.export_check()}
+    if stage == 3:
+        return out
+    param = dict(engine.engine.module.named_parameters())[DIVERGED]
+    kept = param.detach().view(-1)[7].clone()
+    with torch.no_grad():
+        if rank == 1:
+            param.view(-1)[7] += 1e-3
+        _export(engine)
+        out["diverged"] = engine.export_check()
+        param.view(-1)[7] = kept
+    return out
+
+
 def _train_and_save(rank, world, model_dir, ckpt_root, batches):
     """For each stage in turn: forward, one step, export, save at step 1, two more steps."""
     from xray.backends.deepspeed import build_engine
@@ -93,12 +131,14 @@ def _train_and_save(rank, world, model_dir, ckpt_root, batches):
         out = {"logprobs": fwd[C.LOGPROBS].numpy(), "entropy": fwd[C.ENTROPY].numpy(),
                "metrics": engine.train_step(part[0], policy_loss, MICRO), "buckets": []}
         out["weights1"] = _export(engine, out["buckets"])
+        out["export_check"] = engine.export_check()
         persist = engine.snapshot(f"{ckpt_root}/zero{stage}")  # a flash checkpoint, written late:
         out["losses_after"] = [engine.train_step(p, policy_loss, MICRO)["loss"] for p in part[1:]]
         persist()  # after two more steps, it must still hold step 1
         out["held"] = as_bytes(persist.held())
         out["weights_end"] = _export(engine)
         out["exports"] = engine.exports()
+        out.update(_export_faults(engine, rank, stage))
         del engine
         gc.collect()
         out.update(_side_roles(rank, model_dir, stage, part[0]))
@@ -173,6 +213,31 @@ def test_zero_stage_matches_reference(setup, trained, stage):
     weights = _torch(res[0]["weights1"])
     assert max_rel_diff(weights, ref["weights1"]) <= 1e-5
     assert max_rel_diff(ref["init"], ref["weights1"]) > 1e-4  # the step moved the weights
+    assert res[0]["export_check"] == {"checked": len(ref["weights1"]), "mismatched": [], "diverged": [],
+                                      "unchecked": [], "replicas": 1 if stage == 3 else DP}
+    assert res[1]["export_check"] is None  # the exporting rank's verdict only
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_export_check_catches_a_faulty_gather_and_a_diverged_replica(trained, stage):
+    """One element of one exported copy changed fails that tensor alone; on stages 1 and 2 one
+    element of one parameter changed on rank 1 names that rank (ZeRO-3 has no replicas: its
+    partitions' digests combine into the gathered tensor's instead)."""
+    from xray.sync.export_check import check_export
+    from xray.transport.errors import WeightSyncError
+
+    corrupted = trained[stage][0]["corrupted"]
+    assert corrupted["mismatched"] == [f"{CORRUPTED}: its digest's bit sum, row term, column term differ "
+                                       "from its shards'"] and not corrupted["diverged"]
+    with pytest.raises(WeightSyncError, match=f"built 1 tensor.*{CORRUPTED}"):
+        check_export(1, corrupted)
+    if stage == 3:
+        return
+    diverged = trained[stage][0]["diverged"]
+    assert diverged["diverged"] == [f"rank 1 (dp_rank 1) holds {DIVERGED} otherwise than data-parallel replica 0"]
+    assert not diverged["mismatched"] and diverged["checked"] == corrupted["checked"] > 10
+    with pytest.raises(WeightSyncError, match=f"replicas disagree.*rank 1 \\(dp_rank 1\\) holds {DIVERGED}"):
+        check_export(1, diverged)
 
 
 @pytest.mark.parametrize("stage", STAGES)

@@ -232,3 +232,34 @@ def test_llama3_frequencies_are_the_ones_transformers_computes():
     plain = 1.0 / (5e5 ** (torch.arange(0, 64, 2).float() / 64))
     kept, divided = (ours == plain).sum().item(), (ours == plain / 8).sum().item()
     assert kept >= 2 and divided >= 2 and kept + divided < 32  # some kept, some scaled, some blended
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("spec", [SPEC, QWEN3], ids=["qwen2", "qwen3"])
+def test_shard_digests_compose_to_the_hf_tensors(tp, spec):
+    """The export check's own map of shard pieces to HF coordinates (not `from_shards`): the
+    digests of every tp shard's pieces combine to each full HF tensor's digest, exactly; a
+    one-element change in one shard, or two shards exchanged, changes the combination."""
+    from xray.backends.export_digest import combine, digest
+    from xray.backends.megatron.export_check import pieces
+
+    g = torch.Generator().manual_seed(0)
+    for entry in stage_entries(spec, 0, 1):
+        full = [torch.randn(_full_shape(name), generator=g) for name in entry.hf_names]
+        shards = [to_shard(entry, full, spec, r, tp) for r in range(tp)]
+
+        def combined(shards):
+            parts = {i: [] for i in range(len(entry.hf_names))}
+            for r, shard in enumerate(shards[:1] if entry.kind is Kind.REPLICATED else shards):
+                for i, piece, row0, col0 in pieces(entry, shard, spec, r):
+                    parts[i].append(digest(piece, row0, col0))
+            return [combine(torch.stack(p)) for p in parts.values()]
+
+        assert all(torch.equal(c, digest(t)) for c, t in zip(combined(shards), full)), entry
+        if entry.kind is Kind.REPLICATED or tp == 1:
+            continue
+        bad = [s.clone() for s in shards]
+        bad[1].view(-1)[3] += 1.0
+        assert not all(torch.equal(c, digest(t)) for c, t in zip(combined(bad), full)), entry
+        swapped = [shards[1], shards[0], *shards[2:]]
+        assert not all(torch.equal(c, digest(t)) for c, t in zip(combined(swapped), full)), entry

@@ -61,14 +61,56 @@ def _torch(arrays):
     return {k: torch.from_numpy(v) for k, v in arrays.items()}
 
 
-def _worker(rank, world_size, layouts):
+def _worker(rank, world_size, layouts, faults_dir=None):
     from megatron.core import parallel_state
 
     results = []
     for model_dir, dims, recompute in layouts:
         results.append(_one_layout(model_dir, dims, recompute))
         parallel_state.destroy_model_parallel()
+    if faults_dir is not None:
+        results.append(_export_faults(faults_dir))
     return results
+
+
+CORRUPTED = ("decoder.layers.0.mlp.linear_fc2.weight", "model.layers.0.mlp.down_proj.weight")
+"""The entry whose tp shard 1 the faulty gather changes (one element), and its HF name."""
+DIVERGED = ("decoder.layers.1.self_attention.linear_proj.weight", "model.layers.1.self_attn.o_proj.weight")
+"""The parameter replica 1 holds otherwise (one element), and its HF name."""
+
+
+def _export_faults(model_dir):
+    """The export's digest check against a faulty gather (tp=2: one element of tp shard 1 of one
+    entry changed as it reaches the exporting rank) and a diverged replica (dp=2: one element of
+    one parameter changed on dp_rank 1); each export's verdict."""
+    from unittest import mock
+
+    from megatron.core import parallel_state
+
+    from xray.backends.megatron import build_engine, export
+
+    receive = export._receive_bucket
+
+    def faulty(bucket, *args, **kwargs):
+        shards = receive(bucket, *args, **kwargs)
+        for i, planned in enumerate(bucket):
+            if planned.entry.megatron_name == CORRUPTED[0]:
+                shards[i][1].view(-1)[5] += 1.0
+        return shards
+
+    engine = build_engine(model_dir, ParallelDims(tp=2), "actor", OPTIM, seed=0)
+    with mock.patch.object(export, "_receive_bucket", faulty):
+        exported = {n for b in engine.export_weights(bucket_bytes=1 << 16) for n, _ in b}
+    out = {"corrupted": engine.export_check(), "corrupted_tensors": len(exported)}
+    parallel_state.destroy_model_parallel()
+    engine = build_engine(model_dir, ParallelDims(dp=2), "actor", OPTIM, seed=0)
+    if engine.shard_info().dp_rank == 1:
+        with torch.no_grad():
+            dict(engine.model.named_parameters())[DIVERGED[0]].view(-1)[7] += 1e-3
+    exported = {n for b in engine.export_weights() for n, _ in b}
+    out.update(diverged=engine.export_check(), diverged_tensors=len(exported))
+    parallel_state.destroy_model_parallel()
+    return out
 
 
 def _one_layout(model_dir, dims, recompute=False):
@@ -78,6 +120,7 @@ def _one_layout(model_dir, dims, recompute=False):
     engine = build_engine(model_dir, parallel, "actor", OPTIM, seed=0, activation_checkpointing=recompute)
     before = {n: t for b in engine.export_weights(bucket_bytes=1 << 16) for n, t in b}
     batch = R.random_batch(BATCH, SEQ, SPECS["llama"].vocab_size, seed=1)
+    check_before = engine.export_check()
     out = engine.forward(batch, entropy=True)
     info = engine.shard_info()
     calls = [0]  # forwards of this stage's first decoder layer in the train step (recompute: 2 per micro-batch)
@@ -85,6 +128,7 @@ def _one_layout(model_dir, dims, recompute=False):
     metrics = engine.train_step(batch.split(parallel.dp)[info.dp_rank], R.policy_loss, MICRO)
     counting.remove()
     after = {n: t for b in engine.export_weights() for n, t in b}
+    checks = [check_before, engine.export_check()]
     plain, refused = None, False
     if parallel.world_size == 1:  # the same model with Megatron's own DotProductAttention
         reference_engine = build_engine(model_dir, parallel, "reference", attention="megatron")
@@ -94,7 +138,7 @@ def _one_layout(model_dir, dims, recompute=False):
         except EngineUsageError:
             refused = True
     return {"reference_refuses_training": refused, "exports": engine.exports(), "collects": info.collects,
-            "metrics": metrics, "layer_calls": calls[0],
+            "metrics": metrics, "layer_calls": calls[0], "export_checks": checks,
             "forward": None if out is None else _numpy(out),
             "forward_megatron_attention": None if plain is None else _numpy(plain),
             "before": _numpy(before), "after": _numpy(after)}
@@ -115,8 +159,11 @@ def model_dir(arch: str) -> str:
 def run_world(world_size: int) -> dict:
     """Results of every layout of LAYOUTS with this world size, from one spawn: {(arch, dims): per rank}."""
     mine = [(arch, dims) for arch, dims in LAYOUTS if ParallelDims(*dims).world_size == world_size]
-    per_rank = run_distributed(_worker, world_size, [(model_dir(_model_of(a)), d, a in RECOMPUTED) for a, d in mine])
-    return {key: [r[i] for r in per_rank] for i, key in enumerate(mine)}
+    faults = model_dir("llama") if world_size == 2 else None  # the export check's faults ride along
+    per_rank = run_distributed(_worker, world_size, [(model_dir(_model_of(a)), d, a in RECOMPUTED) for a, d in mine],
+                               faults)
+    out = {key: [r[i] for r in per_rank] for i, key in enumerate(mine)}
+    return out if faults is None else {**out, "faults": [r[-1] for r in per_rank]}
 
 
 def run_layout(arch: str, dims: tuple[int, ...]) -> list[dict]:
@@ -200,6 +247,32 @@ def test_parity(arch, dims):
     assert R.max_rel_diff(after, expected) <= 1e-5
     moved = R.max_rel_diff(after, _torch(exporter[0]["before"]))
     assert moved > 1e-4, "the step did not change the weights"
+    for check in exporter[0]["export_checks"]:  # every tensor exported was checked, and agreed
+        assert check == {"checked": len(after), "mismatched": [], "diverged": [], "unchecked": [],
+                         "replicas": dims[2]}
+    assert all(r["export_checks"] == [None, None] for r in results if not r["exports"])
+
+
+def test_export_check_catches_a_faulty_gather_and_a_diverged_replica():
+    """One element of one tp shard changed on its way to the exporting rank fails that tensor
+    alone (its bit sum); one element of one parameter changed on dp_rank 1 names that rank."""
+    from xray.sync.export_check import check_export
+    from xray.transport.errors import WeightSyncError
+
+    faults = run_world(2)["faults"]
+    corrupted, diverged = faults[0]["corrupted"], faults[0]["diverged"]
+    assert all(f["corrupted"] is None and f["diverged"] is None for f in faults[1:])  # the exporter's only
+    assert corrupted["checked"] == faults[0]["corrupted_tensors"] > 10 and not corrupted["diverged"]
+    assert corrupted["mismatched"] == [f"{CORRUPTED[1]}: its digest's bit sum, row term, column term differ "
+                                       "from its shards'"]
+    with pytest.raises(WeightSyncError, match=f"built 1 tensor.*{CORRUPTED[1]}"):
+        check_export(2, corrupted)
+    assert diverged["checked"] == faults[0]["diverged_tensors"] and not diverged["mismatched"]
+    assert diverged["replicas"] == 2
+    assert diverged["diverged"] == [f"rank 1 (dp_rank 1, tp_rank 0) holds {DIVERGED[1]} otherwise than "
+                                    "data-parallel replica 0"]
+    with pytest.raises(WeightSyncError, match=f"replicas disagree.*rank 1 \\(dp_rank 1.*{DIVERGED[1]}"):
+        check_export(2, diverged)
 
 
 @pytest.mark.parametrize("arch,dims", [("llama", (1, 1, 1)), ("llama", (2, 2, 1)), ("qwen3_moe", (1, 1, 1))],

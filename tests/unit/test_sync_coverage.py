@@ -86,3 +86,19 @@ def test_held_counts_are_absent_from_the_metrics_when_the_sync_was_not_verified(
         "sync/held_exact": 14.0, "sync/held_functional": 16.0, "sync/unchecked": 0.0}
     metrics = loaded(unverified)
     assert metrics["sync/replicas_loaded"] == 2.0 and not {"sync/held_exact", "sync/unchecked"} & metrics.keys()
+
+
+def test_the_export_check_fails_the_sync_naming_the_tensor_or_the_rank():
+    """The actor's export digest verdict (`xray/sync/export_check.py`): counted when clean; a
+    gathered tensor unlike its shards, or a diverged replica, fails the sync with its name."""
+    from xray.sync.export_check import check_export
+
+    clean = {"checked": 12, "mismatched": [], "diverged": [], "unchecked": [], "replicas": 2}
+    assert check_export(4, clean) == 12 and check_export(4, None) is None
+    with pytest.raises(WeightSyncError, match=r"version 4.*1 tensor\(s\).*model.layers.0.mlp.up_proj.weight"):
+        check_export(4, {**clean, "mismatched": ["model.layers.0.mlp.up_proj.weight (bit sum differ)"]})
+    with pytest.raises(WeightSyncError, match=r"replicas disagree.*rank 3 \(dp_rank 1"):
+        check_export(4, {**clean, "diverged": ["rank 3 (dp_rank 1, tp_rank 1) holds lm_head.weight otherwise"]})
+    report = SyncReport(3, 10, 0.1, 0.01, float("nan"), **measured({"exact": 1, "functional": 0, "unchecked": 0,
+                                                                      "holds": 1}, 12))
+    assert report.export_checked == 12 and report.counts()["sync/export_checked"] == 12.0

@@ -21,6 +21,7 @@ from xray.config.parallel import ParallelDims
 from xray.data.batch import Batch
 
 if TYPE_CHECKING:
+    from xray.backends.export_digest import ExportCheck
     from xray.backends.snapshot import Snapshot
     from xray.config.lora import LoraConfig
 
@@ -87,11 +88,22 @@ class TrainEngine(ABC):
         micro-batches and replicas (loss, grad_norm, lr, and the loss function's metrics)."""
 
     @abstractmethod
-    def export_weights(self, bucket_bytes: int = 64 << 20, replica: int = 0) -> Iterator[WeightBucket]:
+    def export_weights(self, bucket_bytes: int = 64 << 20, replica: int = 0,
+                       check: bool = True) -> Iterator[WeightBucket]:
         """Yield the full weights with Hugging Face names, in buckets of at most `bucket_bytes`
         (a single larger tensor is its own bucket), from data-parallel replica `replica`. Every
         shard must iterate (gathers are collective); only the shard where `exports(replica)` is
-        true yields tensors."""
+        true yields tensors.
+        `check`: digest the shards and judge the export (`export_check`); off, no digest is made
+        (a sync that is not verified, a checkpoint or `state_dict` export)."""
+
+    _export_check: "ExportCheck | None" = None
+
+    def export_check(self) -> dict | None:
+        """On the exporting shard, the digest check of the last `export_weights` run to its end
+        (`xray/backends/export_digest.py`: tensors checked, mismatched, diverged replicas); None
+        elsewhere, and on an engine that does not check its export."""
+        return None if self._export_check is None else self._export_check.as_dict()
 
     def export_adapter(self, replica: int = 0) -> dict[str, torch.Tensor] | None:
         """With LoRA: the full adapter tensors of data-parallel replica `replica` with `peft` names

@@ -19,7 +19,9 @@ copied in band on both sides, several times slower). By CUDA IPC and over the gr
 its flat form, one buffer on the sender's device (`xray.transport.wire.pack_into`): on a GPU the
 bytes never pass through host memory.
 
-Verification, unless the config turns it off (`sync.verify`), has three parts:
+Verification, unless the config turns it off (`sync.verify`), has three parts, after the actor's
+own check of its export (`xray/sync/export_check.py`: each tensor it gathered against the digests
+of the shards it was made from, and its data-parallel replicas against each other):
 - complete (`xray/sync/manifest.py`): the sender's manifest of every tensor against what each
   replica loaded, what its engine needs and takes, and what it never reloaded; and each tensor's
   dtype, shape and byte count as it arrived against the manifest's;
@@ -62,6 +64,7 @@ from xray.config.schema import SyncConfig
 from xray.data import columns as C
 from xray.data.batch import Batch
 from xray.sync.coverage import check_coverage
+from xray.sync.export_check import check_export
 from xray.sync.manifest import check_complete, check_received
 from xray.transport.errors import WeightSyncError
 
@@ -138,22 +141,30 @@ class SyncReport:
     enforced per replica (`xray/sync/coverage.py`)."""
     transport: str = "objstore"
     """How the bytes travelled: "objstore", "shm", "ipc" or "pg" (`sync.transport`)."""
+    export_checked: int | None = None
+    """Tensors the actor's export checked against its shards' digests before sending
+    (`xray/sync/export_check.py`; a mismatch or a diverged replica fails the sync); None when not
+    measured (verification off, an adapter-only sync)."""
 
     def counts(self) -> dict[str, float]:
         """The held counts as step metrics (`sync/held_exact`, `sync/held_functional`,
-        `sync/unchecked`); empty when they were not measured (verification off): absent, not 0."""
+        `sync/unchecked`, and `sync/export_checked` where measured); empty when they were not
+        measured (verification off): absent, not 0."""
         if self.unchecked is None:
             return {}
-        return {"sync/held_exact": float(self.held_exact), "sync/held_functional": float(self.held_functional),
-                "sync/unchecked": float(self.unchecked)}
+        out = {"sync/held_exact": float(self.held_exact), "sync/held_functional": float(self.held_functional),
+               "sync/unchecked": float(self.unchecked)}
+        return out if self.export_checked is None else {**out, "sync/export_checked": float(self.export_checked)}
 
 
-def measured(exact: dict | None) -> dict:
-    """The SyncReport fields of `check_exact`'s totals (none when the sync was not verified)."""
+def measured(exact: dict | None, export_checked: int | None = None) -> dict:
+    """The SyncReport fields of `check_exact`'s totals and `check_export`'s count (none when the
+    sync was not verified)."""
     if exact is None:
         return {}
-    return {"held_exact": exact["exact"], "held_functional": exact["functional"], "unchecked": exact["unchecked"],
-            "held_tensors": exact["holds"]}
+    out = {"held_exact": exact["exact"], "held_functional": exact["functional"], "unchecked": exact["unchecked"],
+           "held_tensors": exact["holds"]}
+    return out if export_checked is None else {**out, "export_checked": export_checked}
 
 
 def random_probe(model_dir: str | None, actor_dp: int, rollout_dp: int, seed: int, length: int = 16,
@@ -274,8 +285,9 @@ async def sync_weights(actor, rollout, version: int, cfg: SyncConfig, probe: lis
         engine_call = rollout.call("logprobs", probe, prompt_lens, after=tuple(pushed["finishes"]))
     reports = await landed(pushed, version)
     sync_s = time.perf_counter() - t0 - first_s
-    diff, verify_s, exact = float("nan"), 0.0, None
+    diff, verify_s, exact, exported = float("nan"), 0.0, None, None
     if cfg.verify:
+        exported = check_export(version, pushed.get("export"))
         exact = check_exact(version, reports, pushed.get("manifest"), pushed.get("adapter", False))
     if probing:
         if overlap:
@@ -288,7 +300,7 @@ async def sync_weights(actor, rollout, version: int, cfg: SyncConfig, probe: lis
     log.debug("weight sync v%d: %.1f MB in %.2f s, verify %.2f s (max diff %.2e)", version,
               pushed["bytes"] / 1e6, sync_s, verify_s, diff)
     return SyncReport(version, pushed["bytes"], sync_s, verify_s, diff, transport=pushed["transport"],
-                      **measured(exact))
+                      **measured(exact, exported))
 
 
 def sync_to(actor, rollout, verify: bool = True, tolerance: float = 1e-3, bucket_mb: int = 64) -> dict:
@@ -365,8 +377,9 @@ async def deliver(staged: Staged, rollout, cfg: SyncConfig) -> SyncReport:
     replicas = await on_every_shard(rollout.role, "finish_sync",
                                     [t.finish_sync.remote(staged.version) for t in targets])
     sync_s = time.perf_counter() - t0
-    diff, verify_s, exact = float("nan"), 0.0, None
+    diff, verify_s, exact, exported = float("nan"), 0.0, None, None
     if cfg.verify:
+        exported = check_export(staged.version, export.get("export"))
         exact = check_exact(staged.version, list(replicas), export.get("manifest"))
     if cfg.verify and staged.actor_probe is not None:
         engine_logp = await rollout.call("logprobs", staged.probe, staged.prompt_lens)
@@ -377,4 +390,4 @@ async def deliver(staged: Staged, rollout, cfg: SyncConfig) -> SyncReport:
         verify_s = time.perf_counter() - t0 - sync_s
     log.debug("weight sync v%d (staged): %.1f MB in %.2f s, verify %.2f s (max diff %.2e)", staged.version,
               export["bytes"] / 1e6, sync_s, verify_s, diff)
-    return SyncReport(staged.version, export["bytes"], sync_s, verify_s, diff, **measured(exact))
+    return SyncReport(staged.version, export["bytes"], sync_s, verify_s, diff, **measured(exact, exported))

@@ -135,7 +135,7 @@ class TrainWorkhorse(Workhorse):
     def state_dict(self) -> dict | None:
         """The full weights with Hugging Face names, gathered to the exporting shard."""
         full: dict = {}
-        for bucket in self.engine.export_weights():
+        for bucket in self.engine.export_weights(check=False):
             full.update(bucket)
         return full if self.engine.exports() else None
 
@@ -146,7 +146,7 @@ class TrainWorkhorse(Workhorse):
         from xray.backends.hf_dir import save_hf_model
 
         full: dict = {}
-        for bucket in self.engine.export_weights():
+        for bucket in self.engine.export_weights(check=False):
             full.update(bucket)
         if not self.engine.exports():
             return None
@@ -168,11 +168,11 @@ class TrainWorkhorse(Workhorse):
             return None
         return str(save_adapter(directory, tensors, self.engine.lora, self.config["model_dir"]))
 
-    def _buckets(self, bucket_bytes: int, replica: int, adapter: bool):
+    def _buckets(self, bucket_bytes: int, replica: int, adapter: bool, check: bool = True):
         """What a sync sends: the full weights (merged, with LoRA) in buckets, or with `adapter`
         the LoRA tensors alone, in one bucket (they are small)."""
         if not adapter:
-            yield from self.engine.export_weights(bucket_bytes, replica)
+            yield from self.engine.export_weights(bucket_bytes, replica, check)
             return
         tensors = self.engine.export_adapter(replica)
         if tensors:
@@ -214,7 +214,8 @@ class TrainWorkhorse(Workhorse):
         the push fails), and the answer comes once the last bucket is sent, with the references of
         the targets' last loads and of their `finish_sync` reports (`loads`, `finishes`): the
         caller awaits those while this shard is free for its next call (the actor's side of the
-        probe runs while the rollout still loads). `corrupt` breaks the sync on purpose
+        probe runs while the rollout still loads), and the engine's digest check of its export
+        (`export`: `TrainEngine.export_check`, judged by `xray/sync/export_check.py`). `corrupt` breaks the sync on purpose
         (`xray/transport/faults.py`): a fault-injection knob for testing the verification, never set in a run.
         """
         import ray
@@ -231,7 +232,7 @@ class TrainWorkhorse(Workhorse):
                 t.abort_sync.remote()  # unfinished sync left is forgotten
         adapter = self._takes_adapter(targets)
         try:
-            for bucket in self.timed(self._buckets(bucket_bytes, replica, adapter)):
+            for bucket in self.timed(self._buckets(bucket_bytes, replica, adapter, verify)):
                 if not exports or not bucket:
                     continue
                 bucket = faults.on_export(bucket, corrupt)
@@ -254,7 +255,7 @@ class TrainWorkhorse(Workhorse):
         finishes = [t.finish_sync.remote(version) for t in targets]
         return {"version": version, "bytes": sent, "tensors": count, "replicas": len(targets),
                 "push_s": time.perf_counter() - t0, "dtype": dtype, "transport": transport, "adapter": adapter,
-                "manifest": manifest, "loads": [ref for loads in in_flight for ref in loads], "finishes": finishes}
+                "export": None if adapter else self.engine.export_check(), "manifest": manifest, "loads": [ref for loads in in_flight for ref in loads], "finishes": finishes}
 
     def _transport(self, targets: list, transport: str, bucket_bytes: int) -> str:
         """The transport a push to `targets` takes (see `push_weights`, `choose_transport`)."""
@@ -357,7 +358,8 @@ class TrainWorkhorse(Workhorse):
                 manifest += manifest_of(bucket)
                 sent += sum(t.numel() * t.element_size() for _, t in bucket)
                 dtype = dtype or str(bucket[0][1].dtype).removeprefix("torch.")
-        return {"buckets": refs, "bytes": sent, "dtype": dtype, "manifest": manifest} if exports else None
+        return {"buckets": refs, "bytes": sent, "dtype": dtype, "manifest": manifest,
+                "export": self.engine.export_check()} if exports else None
 
     @fanout(dispatch="all", collect=lambda layout, results: max(results))
     def snapshot(self, directory: str) -> float:

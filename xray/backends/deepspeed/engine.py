@@ -31,6 +31,7 @@ from xray.backends.deepspeed.export import adapter_tensors, iter_weight_buckets
 from xray.backends.deepspeed.lora import adapters_off
 from xray.backends.deepspeed.model import ROUTER_AUX, load_model, role_outputs, router_aux_coef
 from xray.backends.deepspeed.reshard import ensure_universal, load_universal, saved_dp
+from xray.backends.export_digest import ExportCheck
 from xray.backends.optim import (ABORT, SKIPPED, build_optimizer, build_scheduler, follow_configured_lr, frozen_lr,
                                  skips_update)
 from xray.backends.optim import state_bytes as optim_state_bytes
@@ -151,14 +152,17 @@ class DeepSpeedEngine(TrainEngine):
                         update_skipped=float(skipped))
         return averaged
 
-    def export_weights(self, bucket_bytes: int = 64 << 20, replica: int = 0) -> Iterator[WeightBucket]:
+    def export_weights(self, bucket_bytes: int = 64 << 20, replica: int = 0,
+                       check: bool = True) -> Iterator[WeightBucket]:
         if self.zero_stage == 3:
             # A forward-only pass leaves ZeRO-3's prefetched parameters in flight; gathering them
             # again then fails ("Cannot partition a param in flight"). Release them first.
             self.engine.empty_partition_cache()
         scaling = self.lora.scaling if self.lora is not None else None
+        verdict = ExportCheck() if check else None
+        self._export_check = verdict if self.exports(replica) else None
         return iter_weight_buckets(self.engine.module, bucket_bytes, self.zero_stage == 3, self.exports(replica),
-                                   scaling)
+                                   scaling, replica, verdict)
 
     def state_bytes(self) -> dict[str, int]:
         return optim_state_bytes(self.engine.module.parameters(), self.optimizer)

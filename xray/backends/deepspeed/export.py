@@ -6,7 +6,9 @@ on every rank (only optimizer state and gradients are sharded), so their buckets
 stage 3 each bucket's parameters are all-gathered with `deepspeed.zero.GatheredParameters`,
 copied out on the exporting rank, and re-partitioned before the next bucket is gathered: at most
 one bucket of full parameters exists beside the shards at any time. With LoRA the export yields
-each adapted weight merged (W + alpha/r B A), and `adapter_tensors` the adapters alone.
+each adapted weight merged (W + alpha/r B A), and `adapter_tensors` the adapters alone. Before
+the first bucket every rank digests what it holds, and each gathered tensor is judged against
+that (`export_check.py`).
 """
 from __future__ import annotations
 
@@ -16,8 +18,10 @@ from typing import Iterator
 import torch
 
 from xray.backends.base import WeightBucket
+from xray.backends.deepspeed.export_check import shard_digests
 from xray.backends.deepspeed.lora import hf_units, is_adapter, peft_name
 from xray.backends.expert_names import bucketed
+from xray.backends.export_digest import ExportCheck, judge
 from xray.backends.lora import merge
 
 
@@ -44,20 +48,32 @@ def _tensor(params: list[torch.nn.Parameter], scaling: float | None) -> torch.Te
     return merge(weight, a, b, scaling)
 
 
-def iter_weight_buckets(module: torch.nn.Module, bucket_bytes: int, zero3: bool,
-                        exports: bool, scaling: float | None = None) -> Iterator[WeightBucket]:
+def iter_weight_buckets(module: torch.nn.Module, bucket_bytes: int, zero3: bool, exports: bool,
+                        scaling: float | None = None, replica: int = 0,
+                        verdict: ExportCheck | None = None) -> Iterator[WeightBucket]:
     """Yield (name, full tensor) buckets on the exporting rank; other ranks only join the gathers.
-    With LoRA adapters (`scaling` = alpha / r) each adapted weight is yielded merged.
+    With LoRA adapters (`scaling` = alpha / r) each adapted weight is yielded merged. With
+    `verdict`, every rank first digests what it holds (`export_check.py`: replicas compared on
+    stages 1 and 2), and the exporting rank judges the copy of each gathered tensor it yields.
 
     Every rank must run this generator to the end on stage 3 (each bucket's gather is a collective)."""
     import deepspeed
 
-    for bucket in plan_buckets(hf_units(list(module.named_parameters())), bucket_bytes):
+    units = hf_units(list(module.named_parameters()))
+    expected = {}
+    if verdict is not None:
+        expected = dict(zip((name for name, _ in units), shard_digests(units, zero3, replica, verdict)))
+    for bucket in plan_buckets(units, bucket_bytes):
         params = [p for _, unit in bucket for p in unit]
         gather = (deepspeed.zero.GatheredParameters(params, modifier_rank=None) if zero3
                   else contextlib.nullcontext())
         with gather:
             out = [(name, _tensor(unit, scaling)) for name, unit in bucket] if exports else []
+        for name, tensor in out if verdict is not None else []:  # the copies about to be yielded
+            if expected[name] is None:
+                verdict.unchecked.append(name)
+            else:
+                judge(name, tensor.reshape(-1), expected[name], verdict)
         if exports:
             yield out
 

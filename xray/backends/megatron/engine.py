@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from xray.backends import cpu_compat
 from xray.backends.base import LossFn, OptimConfig, ShardInfo, TrainEngine, WeightBucket, apply_loss, layout_of
+from xray.backends.export_digest import ExportCheck
 from xray.backends.megatron import checkpoint, experts, grads, reshard
 from xray.backends.megatron.attention import attention_mask, packed_params
 from xray.backends.megatron.convert import Entry, Kind, to_shard
@@ -236,11 +237,14 @@ class MegatronEngine(TrainEngine):
             dist.broadcast_object_list(metrics, src=last, group=ps.get_pipeline_model_parallel_group())
         return metrics[0]
 
-    def export_weights(self, bucket_bytes: int = 64 << 20, replica: int = 0) -> Iterator[WeightBucket]:
+    def export_weights(self, bucket_bytes: int = 64 << 20, replica: int = 0,
+                       check: bool = True) -> Iterator[WeightBucket]:
+        verdict = ExportCheck() if check else None
+        self._export_check = verdict if self.exports(replica) else None
         with torch.no_grad():
             merged = MergedParameters(self.model) if self.lora is not None else None
             yield from export_full(self.model, self.spec, self.parallel, self.role == "critic",
-                                   bucket_bytes, replica, merged)
+                                   bucket_bytes, replica, merged, verdict)
 
     def export_adapter(self, replica: int = 0) -> dict[str, torch.Tensor] | None:
         if self.lora is None:

@@ -9,7 +9,9 @@ of a bucket stay idle; with expert parallelism the replica's expert-parallel pee
 experts they hold), which unpacks the buffers, rebuilds the HF tensors with
 `convert.from_shards` and yields them. With LoRA the adapted weights are exported merged (the
 engine passes their merged shards), and `gather_entries` brings the adapter tensors themselves
-(`lora.py`'s entries, `peft` names) to the same rank in one piece.
+(`lora.py`'s entries, `peft` names) to the same rank in one piece. Before the first bucket, every
+rank digests its shards (`export_check.py`): the replicas are compared, and each tensor the
+exporting rank rebuilds is judged against its shards' digest before it is yielded.
 """
 from __future__ import annotations
 
@@ -22,7 +24,9 @@ import torch
 import torch.distributed as dist
 
 from xray.backends.expert_names import bucketed
+from xray.backends.export_digest import ExportCheck, judge
 from xray.backends.megatron.convert import Entry, Kind, from_shards, shard_shape, stage_entries
+from xray.backends.megatron.export_check import shard_digests
 from xray.backends.megatron.spec import ModelSpec
 from xray.config.parallel import ParallelDims
 
@@ -60,6 +64,11 @@ def _source(planned: Planned, spec: ModelSpec, parallel: ParallelDims, replica: 
     expert = planned.entry.expert
     dp = replica if expert is None else parallel.expert_owner(replica, expert, spec.num_experts)
     return planned.stage, dp
+
+
+def _source_of(planned: Planned, replica: int, spec: ModelSpec, parallel: ParallelDims) -> tuple[int, int]:
+    """`_source` with the replica second: the form `export_check.shard_digests` calls."""
+    return _source(planned, spec, parallel, replica)
 
 
 def _send_bucket(bucket: list[Planned], params: Mapping[str, torch.Tensor], mine: tuple[int, int], dst: int,
@@ -102,25 +111,36 @@ def _sends_for(coords, parallel: ParallelDims, replica: int) -> bool:
 
 
 def export_full(model: torch.nn.Module, spec: ModelSpec, parallel: ParallelDims, critic: bool,
-                bucket_bytes: int, replica: int = 0,
-                tensors: Mapping[str, torch.Tensor] | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
+                bucket_bytes: int, replica: int = 0, tensors: Mapping[str, torch.Tensor] | None = None,
+                verdict: ExportCheck | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Collective over all ranks: the first shard of data-parallel replica `replica` (global rank
     0 for replica 0) yields buckets of (HF name, full CPU tensor); that replica's other shards
     (and its expert-parallel peers, for their experts) send it their pieces, and every other rank
     yields nothing. `tensors` (Megatron name -> this rank's shard; default: the model's
-    parameters) is what is read (LoRA: merged weights)."""
+    parameters) is what is read (LoRA: merged weights). With `verdict`, every rank first digests
+    its shards and the replicas are compared (`export_check.py`), and the exporting rank judges
+    each tensor it gathered against its shards' digest before yielding it."""
     rank = dist.get_rank()
     coords = parallel.coords(rank)
     exporter = parallel.rank_of(0, 0, replica)
     params = dict(model.named_parameters()) if tensors is None else tensors
     element_size = next(model.parameters()).element_size()
     shape = partial(shard_shape, spec=spec, tp=parallel.tp)
-    for bucket in plan_buckets(spec, parallel, critic, bucket_bytes, element_size):
+    buckets = plan_buckets(spec, parallel, critic, bucket_bytes, element_size)
+    expected = iter(())
+    if verdict is not None:
+        source = partial(_source_of, spec=spec, parallel=parallel)
+        expected = iter(shard_digests([p for b in buckets for p in b], params, spec, parallel, replica, source,
+                                      verdict))
+    for bucket in buckets:
         if rank == exporter:
             shards = _receive_bucket(bucket, params, shape, spec, parallel, replica)
             out: list[tuple[str, torch.Tensor]] = []
             for i, planned in enumerate(bucket):
                 full = from_shards(planned.entry, shards[i], spec)
+                if verdict is not None:
+                    for n, t in zip(planned.entry.hf_names, full):
+                        judge(n, t, next(expected), verdict)
                 out += [(n, t.cpu()) for n, t in zip(planned.entry.hf_names, full)]
             yield out
         elif _sends_for(coords, parallel, replica):
