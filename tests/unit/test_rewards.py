@@ -24,6 +24,12 @@ def test_resolves_module_function_and_file(tmp_path):
     f.write_text("def length(prompts, completions, **kw):\n    return [float(len(c)) for c in completions]\n")
     fn = load_reward_function(f"{f}:length")
     assert fn(prompts=["a"], completions=["abc"]) == [3.0]
+    # a dataclass under postponed annotations looks its module up in sys.modules while it is defined
+    g = tmp_path / "graded.py"
+    g.write_text("from __future__ import annotations\nfrom dataclasses import dataclass\n\n@dataclass\nclass Grade:\n"
+                 "    weight: float = 0.5\n\ndef score(prompts, completions, **kw):\n"
+                 "    return [Grade().weight * len(c) for c in completions]\n")
+    assert load_reward_function(f"{g}:score")(prompts=["a"], completions=["ab"]) == [1.0]
 
 
 @pytest.mark.parametrize("spec, message", [

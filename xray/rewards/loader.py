@@ -21,6 +21,7 @@ import importlib
 import importlib.util
 import inspect
 import math
+import sys
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,7 +86,14 @@ def _module_from_file(path: Path, spec: str, kind: str = "reward function"):
         raise RewardSpecError(f"{kind} {spec!r}: no file {path}")
     module_spec = importlib.util.spec_from_file_location(f"xray_reward_{path.stem}", path)
     module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
+    # registered before it runs, as an import registers it: a dataclass in the file looks its
+    # module up in sys.modules (with postponed annotations it fails otherwise)
+    sys.modules[module_spec.name] = module
+    try:
+        module_spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(module_spec.name, None)
+        raise
     return module
 
 
