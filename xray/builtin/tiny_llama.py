@@ -33,6 +33,9 @@ class TinySpec:
     """Attention heads."""
     num_kv_heads: int = 2
     """Key/value heads (grouped-query attention when fewer than num_heads)."""
+    head_dim: int | None = None
+    """Width of one attention head; None: hidden_size / num_heads. Qwen3 sets it apart (Qwen3-0.6B:
+    128 with hidden 1024 and 16 heads). Not for `qwen2` and `qwen2_moe`, whose configs derive it."""
     max_position_embeddings: int = 512
     """Longest sequence."""
     rope_theta: float = 10000.0
@@ -73,11 +76,15 @@ def hf_config(spec: TinySpec):
                   max_position_embeddings=spec.max_position_embeddings, rope_theta=spec.rope_theta,
                   tie_word_embeddings=spec.tie_word_embeddings, rms_norm_eps=1e-6,
                   bos_token_id=1, eos_token_id=2, pad_token_id=0, dtype="float32")
+    head_dim = spec.head_dim or spec.hidden_size // spec.num_heads
     if spec.arch == "llama":
-        return LlamaConfig(**common)
+        return LlamaConfig(**common, head_dim=head_dim)
+    if spec.head_dim is not None and spec.arch in ("qwen2", "qwen2_moe") \
+            and spec.head_dim != spec.hidden_size // spec.num_heads:
+        raise ValueError(f"head_dim={spec.head_dim}: {spec.arch} derives it from hidden_size / num_heads; "
+                         "leave head_dim unset or use arch qwen3, llama or mistral")
     if spec.arch == "qwen2":
         return Qwen2Config(**common, use_sliding_window=False)
-    head_dim = spec.hidden_size // spec.num_heads
     if spec.arch == "qwen3":
         return Qwen3Config(**common, head_dim=head_dim, use_sliding_window=False, attention_bias=False)
     if spec.arch == "mistral":
