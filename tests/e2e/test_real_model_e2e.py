@@ -7,9 +7,9 @@ for evaluation, megatron-vllm, every sync verified.
 
 Checked: the run ends 0; every step's sync verified (exact and functional verdicts, nothing
 unchecked, the probe within the fp32 bound) with both rewards' metrics in [0, 1]; the evaluation
-files hold the test file's prompts rendered by the chat template; `final/actor` reloads in
-transformers and in vLLM's tokenizer with the source's chat template (the same prompt renders to
-the same ids), and its weights differ from the start's.
+files hold the test file's prompts, and the rollouts' prompts are as the chat template renders
+them; `final/actor` reloads in transformers and in vLLM's tokenizer with the source's chat
+template (the same prompt renders to the same ids), and its weights differ from the start's.
 """
 import json
 import subprocess
@@ -46,8 +46,11 @@ def test_quickstart_grpo_recipe_on_the_real_model(tmp_path, smollm2):
     evals = sorted((run / "evals").glob("step-*.jsonl"))
     assert [e.name for e in evals] == ["step-000000.jsonl", f"step-{STEPS:06d}.jsonl"]
     samples = [json.loads(line) for line in evals[-1].read_text().splitlines()]
-    assert len(samples) == 8 and all(s["source"] == "arith_chat" for s in samples)
-    assert all("You are a helpful AI assistant named SmolLM" in s["prompt"] for s in samples)  # the template's
+    test_prompts = [json.loads(line)["prompt"] for line in (ROOT / "examples/arith_chat/test.jsonl").open()]
+    assert len(samples) == 8 and all(s["source"] == "arith_chat" and s["prompt"] in test_prompts for s in samples)
+    rollouts = [json.loads(line) for line in (run / "rollouts.jsonl").read_text().splitlines()]
+    assert rollouts and all(r["prompt"].startswith("system\nYou are a helpful AI assistant named SmolLM")
+                            for r in rollouts)  # rendered by the model's chat template
     _final_actor_renders_and_differs(run / "final" / "actor", smollm2)
 
 
