@@ -19,11 +19,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.e2e.test_ppo_e2e import FP32_PROBE
-
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 2
+FP32_PROBE = 1e-4
+"""The probe's worst |actor - engine| log-prob after an fp32 sync of the real model, as this test
+expects it (30 layers, a 49k vocabulary: seen 3.0e-5 here, 2.4e-5 by `xray.check sync`, 5e-5 in
+the backend tier's reload test; the tiny model's bound is 2e-5); the runtime's bound is 1e-3."""
 CHAT = [{"role": "user", "content": "8 + 6 = ?"}]
 
 
