@@ -26,6 +26,7 @@ import collections
 import time
 from typing import Any, Callable
 
+from xray.data.stops import stop_string_end
 from xray.data.trajectory import Trajectory, TrajectoryLimits
 from xray.env.base import EpisodeEnd, Guarded
 
@@ -103,21 +104,10 @@ class EpisodeRunner:
 
     def cut(self, ids: list[int], stops) -> int:
         """How many of a turn's tokens it keeps: up to the token that completes the first of the
-        `stops` strings in its text; all of them when none occurs."""
-        if not stops:
-            return len(ids)
-        text = self.tokenizer.decode(ids, skip_special_tokens=True)
-        ends = [text.find(s) + len(s) for s in stops if s and s in text]
-        if not ends:
-            return len(ids)
-        lo, hi = 1, len(ids)  # the fewest tokens whose text reaches the stop's end
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if len(self.tokenizer.decode(ids[:mid], skip_special_tokens=True)) >= min(ends):
-                hi = mid
-            else:
-                lo = mid + 1
-        return lo
+        `stops` strings in its text (`xray.data.stops.stop_string_end`, the rollout engines' rule);
+        all of them when none occurs."""
+        end = stop_string_end(lambda part: self.tokenizer.decode(part, skip_special_tokens=True), ids, stops or ())
+        return len(ids) if end is None else end
 
     def _observe(self, t: Trajectory, result: Any) -> bool:
         """The environment's answer to the last turn; whether the episode goes on."""
