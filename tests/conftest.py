@@ -1,9 +1,23 @@
 """Shared fixtures: the tiny model every short run (e2e and Ray tiers) starts from, and a larger
 one that teaches it (on-policy distillation), the real pretrained model (SmolLM2-135M-Instruct),
-each built once per test session; the per-test timeout plugin (`tests/timeouts.py`)."""
+each built once per test session; the per-test timeout plugin (`tests/timeouts.py`); the count of
+collected tests that `.ci/run` checks against the tests that ran (`XRAY_COLLECTED_FILE`)."""
+import os
+
 import pytest
 
 pytest_plugins = ["tests.timeouts"]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items):
+    """Write how many tests were collected, before any `-m`/`-k` deselection, to the file
+    `XRAY_COLLECTED_FILE` names: `.ci/run` checks that the run reported every one of them, without
+    collecting the suite a second time (a `--collect-only` pass costs about 10 s)."""
+    path = os.environ.get("XRAY_COLLECTED_FILE")
+    if path:
+        with open(path, "w") as f:
+            f.write(str(len(items)))
 
 
 def _char_model(tmp_path_factory, name: str, hidden: int, heads: int, kv_heads: int, seed: int):

@@ -1,4 +1,5 @@
-"""`python -m xray.check parity|sync`: the user-facing checks run end to end through the runtime."""
+"""`python -m xray.check parity|sync`: the user-facing checks run end to end through the runtime (each
+command joins the tier's shared Ray head, `tests/ray/conftest.py`)."""
 import re
 import subprocess
 import sys
@@ -6,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("subprocess_head")]
 ROOT = Path(__file__).resolve().parents[2]
 
 

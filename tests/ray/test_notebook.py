@@ -1,10 +1,11 @@
-"""The example notebooks run to the end in a fresh kernel, with the results they show."""
+"""The example notebooks run to the end in a fresh kernel, with the results they show (each kernel joins
+the tier's shared Ray head, `tests/ray/conftest.py`, as a notebook joins a cluster through `RAY_ADDRESS`)."""
 import ast
 from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("subprocess_head")]
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -1,9 +1,10 @@
 """Joining or starting the Ray cluster that WholeModels run on.
 
-`--ray-address` (or `RAY_ADDRESS`) joins an existing cluster; otherwise a local one is started,
-bound to 127.0.0.1, with the dashboard off unless asked for. On a CPU machine a "device" is one
-Workhorse process with a fixed number of torch threads, so the local cluster offers at least
-`MIN_LOCAL_CPU_SLOTS` CPU slots: Ray counts slots, the OS shares the cores.
+`--ray-address` (or `RAY_ADDRESS`) joins an existing cluster; otherwise a local one is started (a
+new one, even where another cluster runs on this machine), bound to 127.0.0.1, with the dashboard
+off unless asked for. On a CPU machine a "device" is one Workhorse process with a fixed number of
+torch threads, so the local cluster offers at least `MIN_LOCAL_CPU_SLOTS` CPU slots: Ray counts
+slots, the OS shares the cores.
 """
 from __future__ import annotations
 
@@ -32,7 +33,9 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None, dashboar
     bind_loopback()
     slots = max(num_cpus or 0, os.cpu_count() or 1, MIN_LOCAL_CPU_SLOTS)
     log.info("starting a local Ray cluster on 127.0.0.1 with %d CPU slots", slots)
-    ray.init(num_cpus=slots, include_dashboard=dashboard, runtime_env=env, log_to_driver=True,
+    # address="local": a new cluster, as documented, even where another runs on this machine (without
+    # an address, Ray joins any cluster whose GCS it finds running here)
+    ray.init(address="local", num_cpus=slots, include_dashboard=dashboard, runtime_env=env, log_to_driver=True,
              configure_logging=False)
 
 
