@@ -4,8 +4,10 @@ Two Ray nodes on this machine (`ray.cluster_utils.Cluster`), each offering one d
 group (the custom resource `xray_trainer`; the rollout sits on the head through `xray_head`), but
 the run starts with the head alone. A 10-step deepspeed-dsinfer run configured for actor, critic
 and reference at ZeRO-3 dp=2 with elasticity {max_train_batch_size: 6, micro_batch_sizes: [2],
-lr_scaling: linear} starts at dp=1 (mini-batch 2 x 3 x 1 = 6, lr x 6/4); the second node joins as
-step 3 begins and the run grows to dp=2 at a step boundary (2 x 1 x 2 = 4, the configured lr),
+num_gpus_per_node: 2, version: 0.2, lr_scaling: linear} takes DeepSpeed's v0.2 batches: a whole
+node of 2 devices is the block's one valid size (2 x 1 x 2 = 4, the configured lr), and one device,
+outside that list, gets a batch of its own (2 x 3 x 1 = 6, lr x 6/4). It starts at dp=1; the
+second node joins as step 3 begins and the run grows to dp=2 at a step boundary,
 from that step's snapshot in memory; the node is removed as step 6 begins and the run shrinks to
 dp=1 from the newest snapshot in memory (each shard's files, or their copy on the other node,
 resharded through DeepSpeed's universal checkpoint), redoing at most the step in flight; it joins
@@ -59,7 +61,7 @@ def elastic_config(tmp_path, model_dir, backend="deepspeed-dsinfer", steps=10):
         "rollout_group": {"device": "CPU", "ranks": [2], "workers": ["rollout"], "resources": {"xray_head": 1}},
     }
     block = {"max_train_batch_size": 6, "micro_batch_sizes": [2], "min_gpus": 1, "max_gpus": 2,
-             "lr_scaling": "linear"}
+             "num_gpus_per_node": 2, "version": 0.2, "lr_scaling": "linear"}
     for role in ("actor", "critic"):
         cfg[role]["elasticity"] = block
     for role in ("actor", "critic", "reference"):  # data-parallel over the group's devices
@@ -111,7 +113,7 @@ def test_a_run_starts_small_grows_shrinks_and_grows_again(tmp_path, tiny_model, 
     rows = [json.loads(line) for line in (run.path / "metrics.jsonl").read_text().splitlines()]
     seen = [(r["step"], r["elastic/train_group_devices"], r["elastic/mini_batch_size"], r["actor/lr"]) for r in rows]
     assert seen[0][1:3] == (1.0, 6.0) and seen[-1][:3] == (10, 2.0, 4.0), seen
-    for step, devices, mini, step_lr in seen:  # DeepSpeed's batch rule and lr_scaling: linear at every size
+    for step, devices, mini, step_lr in seen:  # DeepSpeed's v0.2 batches and lr_scaling: linear at every size
         assert (mini, step_lr) == ((6.0, pytest.approx(lr * 1.5, rel=1e-9)) if devices == 1 else
                                    (4.0, pytest.approx(lr, rel=1e-9))), seen
     assert [d for d, _ in itertools.groupby(d for _, d, _, _ in seen)] == [1.0, 2.0, 1.0, 2.0], seen

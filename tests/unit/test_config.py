@@ -122,16 +122,19 @@ def test_sampling_and_lengths_the_engines_refuse(tmp_path):
 
 
 def test_elasticity_block_is_accepted_and_checked():
-    block = {"max_train_batch_size": 32, "micro_batch_sizes": [2, 4], "min_gpus": 1, "max_gpus": 4,
+    block = {"max_train_batch_size": 16, "micro_batch_sizes": [2, 4], "min_gpus": 1, "max_gpus": 4,
              "ignore_non_elastic_batch_info": True}
     cfg = load_config(DEFAULT, [("actor.elasticity", block)])
     assert cfg.actor.elasticity.micro_batch_sizes == (2, 4)
     plan_run(cfg, "deepspeed-dsinfer", command_spec("ppo"))
-    # ignore_non_elastic_batch_info false: the run's own batch keys must be the elastic batch (4 x 8 x 1 = 32)
+    # ignore_non_elastic_batch_info false: the run's own batch keys must be the elastic batch (DeepSpeed's
+    # 16, valid at 1, 2 and 4 replicas, beats 12's 1, 2 and 3: 4 x 4 x 1 = 16)
     strict = dict(block, ignore_non_elastic_batch_info=False)
-    with pytest.raises(ConfigError, match=r"actor.micro_batch_size=4 \(the config has 16\); write those values"):
+    with pytest.raises(ConfigError, match=r"actor.micro_batch_size=4 \(the config has 16\), ppo.mini_batch_size=16 "
+                                          r"\(the config has 32\); write those values"):
         plan_run(load_config(DEFAULT, [("actor.elasticity", strict)]), "deepspeed-dsinfer", command_spec("ppo"))
-    plan_run(load_config(DEFAULT, [("actor.elasticity", strict), ("actor.micro_batch_size", 4)]), "deepspeed-dsinfer", command_spec("ppo"))
+    plan_run(load_config(DEFAULT, [("actor.elasticity", strict), ("actor.micro_batch_size", 4),
+                                   ("ppo.mini_batch_size", 16)]), "deepspeed-dsinfer", command_spec("ppo"))
     bad = dict(block, min_gpus=2)  # the actor has 1 device: below min_gpus
     with pytest.raises(ConfigError, match="actor.elasticity"):
         plan_run(load_config(DEFAULT, [("actor.elasticity", bad)]), "deepspeed-dsinfer", command_spec("ppo"))

@@ -1,5 +1,8 @@
-"""Elastic batch arithmetic (xray.config.elasticity) and its DeepSpeed keys (xray.backends.elastic),
-checked against hand-computed batches."""
+"""Elastic batches (xray.config.elasticity: DeepSpeed's rule) and their DeepSpeed keys
+(xray.backends.elastic), checked against hand-computed batches (and against DeepSpeed's own function
+in tests/unit/test_deepspeed_elastic_rule.py)."""
+from dataclasses import replace
+
 import pytest
 
 from xray.backends.elastic import apply_elasticity
@@ -7,41 +10,43 @@ from xray.config.elasticity import ElasticBatch, ElasticityConfig, ElasticityErr
 
 pytestmark = pytest.mark.unit
 
-CFG = ElasticityConfig(max_train_batch_size=100, micro_batch_sizes=(2, 4, 6), min_gpus=1, max_gpus=64)
+CFG = ElasticityConfig(max_train_batch_size=100, micro_batch_sizes=(2, 4, 6), min_gpus=1, max_gpus=64, version=0.1)
+"""DeepSpeed's rule (xray/config/elastic_rule.py): candidates 2x48 = 4x24 = 96 and 6x12 = 12x6 = 72;
+96 allows 10 world sizes (the divisors of 48, 24 and 16), 72 only 9, so the global batch is 96 at
+every valid size."""
 
 
-@pytest.mark.parametrize("world, micro, accumulation, total", [
-    # 1 replica: 2*50=100, 4*25=100, 6*16=96 -> 100, larger micro wins the tie
-    (1, 4, 25, 100),
-    # 3 replicas: 2*16*3=96, 4*8*3=96, 6*5*3=90 -> 96 with micro 4
-    (3, 4, 8, 96),
-    # 8 replicas: 2*6*8=96, 4*3*8=96, 6*2*8=96 -> all 96, micro 6
-    (8, 6, 2, 96),
-    # 20 replicas: 2*2*20=80, 4*1*20=80, 6 does not fit -> 80 with micro 4
-    (20, 4, 1, 80),
-    # 7 replicas: 2*7*7=98, 4*3*7=84, 6*2*7=84 -> 98 with micro 2
-    (7, 2, 7, 98),
-    # 50 replicas: only micro 2 fits once -> 100
-    (50, 2, 1, 100),
+@pytest.mark.parametrize("world, micro, accumulation", [
+    (1, 6, 16),  # 96 per replica: 6 is the largest micro-batch dividing it
+    (3, 4, 8),  # 32 per replica: 6 does not divide it, 4 does
+    (8, 6, 2),  # 12 per replica
+    (16, 6, 1),
+    (48, 2, 1),  # 2 per replica: only micro 2
 ])
-def test_largest_batch_for_world_size(world, micro, accumulation, total):
+def test_one_global_batch_at_every_valid_size(world, micro, accumulation):
     got = elastic_batch(CFG, world)
     assert got == ElasticBatch(world, micro, accumulation)
-    assert got.train_batch_size == total
+    assert got.train_batch_size == 96
+
+
+@pytest.mark.parametrize("world", [5, 7, 20, 64])
+def test_a_size_the_rule_refuses_lists_the_valid_ones(world):
+    with pytest.raises(ElasticityError, match=r"valid sizes \[1, 2, 3, 4, 6, 8, 12, 16, 24, 48\]"):
+        elastic_batch(CFG, world)
 
 
 def test_no_valid_batch_says_the_fix():
+    """v0.2 gives a size outside its list a batch of its own: none fits 51 replicas of micro 2 in 100."""
     with pytest.raises(ElasticityError, match=r"at least 102.*at most 50 replicas"):
-        elastic_batch(CFG, 51)
+        elastic_batch(replace(CFG, version=0.2), 51)
 
 
 def test_world_size_outside_range():
-    cfg = ElasticityConfig(max_train_batch_size=64, micro_batch_sizes=(1,), min_gpus=2, max_gpus=4)
-    with pytest.raises(ElasticityError, match="outside"):
-        elastic_batch(cfg, 1)
-    with pytest.raises(ElasticityError, match="outside"):
-        elastic_batch(cfg, 5)
-    assert elastic_batch(cfg, 4).train_batch_size == 64
+    cfg = ElasticityConfig(max_train_batch_size=64, micro_batch_sizes=(1,), min_gpus=2, max_gpus=4, version=0.1)
+    for world in (1, 5):  # the batch is 1 x 60 (60: the largest highly composite number <= 64)
+        with pytest.raises(ElasticityError, match=r"valid sizes \[2, 3, 4\]"):
+            elastic_batch(cfg, world)
+    assert elastic_batch(cfg, 4).train_batch_size == 60
 
 
 def test_invalid_blocks():
@@ -70,9 +75,9 @@ def test_apply_elasticity_conflicting_batch_keys():
         apply_elasticity({"elasticity": block, "train_batch_size": 32}, 2)
     out = apply_elasticity({"elasticity": {**block, "ignore_non_elastic_batch_info": True},
                             "train_batch_size": 32}, 2)
-    # 2 replicas: 2*25*2=100, 4*12*2=96, 6*8*2=96 -> 100 with micro 2
+    # v0.2 (the default) at 2 replicas in the block's list: 96, 48 per replica, micro 6
     assert (out["train_batch_size"], out["train_micro_batch_size_per_gpu"], out["gradient_accumulation_steps"]) \
-        == (100, 2, 25)
+        == (96, 6, 8)
 
 
 def test_disabled_block_keeps_plain_keys():

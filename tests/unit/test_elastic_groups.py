@@ -2,6 +2,7 @@
 and the plan's checks over all of them, against hand-computed values."""
 import pytest
 
+from tests.unit.test_deepspeed_elastic_rule import SEED_BLOCK
 from xray.config.elasticity import ElasticityConfig, ElasticityError, device_batch
 from xray.config import ConfigError, load_config
 from xray.config.batches import elastic_ranges, train_batches
@@ -23,32 +24,36 @@ def elastic_cfg(block=BLOCK, groups=GROUPS, extra=()):
 
 
 def test_device_batch_counts_whole_replicas():
-    cfg = ElasticityConfig(max_train_batch_size=12, micro_batch_sizes=(2, 4), min_gpus=2, max_gpus=8)
-    b = device_batch(cfg, 4, model_parallel=2)  # dp 2: 2*3*2 = 12 beats 4*1*2 = 8
+    cfg = ElasticityConfig(max_train_batch_size=12, micro_batch_sizes=(2, 4), min_gpus=2, max_gpus=8, version=0.1)
+    # DeepSpeed's batch: 12 (valid at dp 2, 3, 6) beats 8 (dp 2, 4); dp 2 takes 6 each: micro 2 x 3
+    b = device_batch(cfg, 4, model_parallel=2)
     assert (b.world_size, b.micro_batch_size, b.gradient_accumulation_steps, b.train_batch_size) == (2, 2, 3, 12)
     with pytest.raises(ElasticityError, match="use a multiple of 2"):
         device_batch(cfg, 3, model_parallel=2)
-    with pytest.raises(ElasticityError, match=r"outside elasticity's \[min_gpus=2"):
+    with pytest.raises(ElasticityError, match=r"world size 1 .* valid sizes \[2, 3, 6\]"):
         device_batch(cfg, 1)
 
 
 def test_the_actor_block_sets_the_mini_batch_at_each_size():
     cfg = elastic_cfg(block=dict(BLOCK, max_train_batch_size=48), extra=[("ppo.rollout_batch_size", 192)])
     assert plan_run(cfg, "megatron-vllm", command_spec("ppo")).role("actor").resources == (("trainer_node", 1.0),)
-    # dp 2: 16 x 1 x 2 = 32; dp 1: 16 x 3 x 1 = 48; the reference keeps its own micro-batch
+    # DeepSpeed's one batch for the block: 16 x 2 = 32 (48 // 16 = 3, the largest highly composite
+    # number <= 3 is 2), valid at dp 1 and 2: 16 x 2 x 1 and 16 x 1 x 2; the reference keeps its own
     two = train_batches(cfg, {"actor": 2, "critic": 2, "reference": 2})
     one = train_batches(cfg, {"actor": 1, "critic": 1, "reference": 1})
     assert (two.mini_batch_size, two.micro_of("actor"), two.micro_of("reference")) == (32, 16, 32)
-    assert (one.mini_batch_size, one.micro_of("critic")) == (48, 16)
+    assert (one.mini_batch_size, one.micro_of("critic")) == (32, 16)
     [er] = elastic_ranges(cfg, cfg.device_groups)
     assert (er.group, er.roles, er.sizes, er.fit(5), er.fit(0)) == ("train_group", ("actor", "critic", "reference"),
                                                                    (1, 2), 2, None)
 
 
 def test_the_plan_checks_every_size_and_placement():
-    # 48 divides the 128 samples of a step? no: the dp=1 size fails, naming the elastic mini-batch
-    with pytest.raises(ConfigError, match=r"mini_batch_size=48 \(the elastic mini-batch on 1 actor devices\)"):
-        plan_run(elastic_cfg(block=dict(BLOCK, max_train_batch_size=56)), "megatron-vllm", command_spec("ppo"))
+    # 24 x 2 = 48 divides the 128 samples of a step? no: the plan fails, naming the elastic mini-batch
+    with pytest.raises(ConfigError, match=r"mini_batch_size=48 \(the elastic mini-batch on \d actor devices\)"):
+        plan_run(elastic_cfg(block=dict(BLOCK, max_train_batch_size=48, micro_batch_sizes=[24]),
+                             extra=[("actor.micro_batch_size", 24), ("critic.micro_batch_size", 24)]),
+                 "megatron-vllm", command_spec("ppo"))
     with pytest.raises(ConfigError, match="give actor and critic the same elasticity block"):
         plan_run(elastic_cfg(extra=[("critic.elasticity", dict(BLOCK, max_train_batch_size=16, micro_batch_sizes=[8]))]), "megatron-vllm", command_spec("ppo"))
     mixed = dict(GROUPS, train_group=dict(GROUPS["train_group"], workers=["actor", "critic", "reference", "rollout"]),
@@ -65,10 +70,9 @@ def test_the_plan_checks_every_size_and_placement():
         elastic_cfg(groups=bad)
 
 
-SEED_BLOCK = {"ignore_non_elastic_batch_info": True, "enabled": True, "max_train_batch_size": 32,
-              "micro_batch_sizes": [16], "min_gpus": 1, "max_gpus": 2, "min_time": 20, "version": 0.1}
-"""The seed's DeepSpeed `elasticity` block as its users write it (every key of its example; the
-batch numbers fitted to this tiny job)."""
+THREE = dict(GROUPS, nproc_per_node=4, train_group=dict(GROUPS["train_group"], ranks=[0, 1, 2]),
+             rollout_group=dict(GROUPS["rollout_group"], ranks=[3]))
+"""A train group of three devices."""
 
 
 def test_the_seeds_elasticity_block_runs_as_written_and_each_key_means_something():
@@ -80,14 +84,20 @@ def test_the_seeds_elasticity_block_runs_as_written_and_each_key_means_something
     assert cfg.actor.elasticity.min_time == 20 and cfg.actor.elasticity.version == 0.1
     er, = elastic_ranges(cfg, cfg.device_groups)
     assert er.sizes == (1, 2) and er.min_time == 20
-    plan_run(cfg, "megatron-vllm", command_spec("ppo"))
+    plan = plan_run(cfg, "megatron-vllm", command_spec("ppo"))
+    assert "1: 1 x 4 x 2 = 8" in plan.describe() and "2: 2 x 4 x 1 = 8" in plan.describe()  # one batch: 8
+    # DeepSpeed refuses 3 replicas for this block (valid: 1, 2, 4): so does the plan, with the list
+    with pytest.raises(ConfigError, match=r"has 3 ranks.*the sizes it allows here are \[1, 2\]"):
+        plan_run(elastic_cfg(SEED_BLOCK, groups=THREE, extra=[("actor.dp", 3), ("critic.dp", 3), ("reference.dp", 3)]),
+                 "megatron-vllm", command_spec("ppo"))
     # enabled: false keeps the roles fixed, as if the block were absent
     off = elastic_cfg(dict(SEED_BLOCK, enabled=False))
     assert off.actor.elasticity is None and elastic_ranges(off, off.device_groups) == []
-    # prefer_larger_batch: the batch closest to max_train_batch_size, or the smallest
-    larger = ElasticityConfig(max_train_batch_size=10, micro_batch_sizes=(2, 4), max_gpus=4)
-    smaller = ElasticityConfig(max_train_batch_size=10, micro_batch_sizes=(2, 4), max_gpus=4, prefer_larger_batch=False)
-    assert device_batch(larger, 1).train_batch_size == 10 and device_batch(smaller, 1).train_batch_size == 8
+    # prefer_larger_batch: between candidates valid at as many sizes (72: 2, 3, 4, 6, 8; 60: 2, 3, 4,
+    # 5, 6), the larger or the smaller
+    block = dict(max_train_batch_size=100, micro_batch_sizes=(3, 5), min_gpus=2, max_gpus=8, version=0.1)
+    larger, smaller = ElasticityConfig(**block), ElasticityConfig(**block, prefer_larger_batch=False)
+    assert device_batch(larger, 2).train_batch_size == 72 and device_batch(smaller, 2).train_batch_size == 60
     with pytest.raises(ConfigError, match="elasticity.version=0.3"):
         elastic_cfg(dict(SEED_BLOCK, version=0.3))
     # min_time: a group grows only once it has kept its size that long (a lost device shrinks it at once)
@@ -101,21 +111,26 @@ def test_the_seeds_elasticity_block_runs_as_written_and_each_key_means_something
 
 
 def test_lr_scaling_follows_the_global_batch():
-    """`elasticity.lr_scaling`: `optim.lr` is written for the batch at the group's full size (2 devices:
-    16 x 1 x 2 = 32); at 1 device the batch is 16 x 3 x 1 = 48, so linear gives x1.5, sqrt x1.5**0.5."""
+    """`elasticity.lr_scaling`: `optim.lr` is written for the batch at the group's full size. With
+    DeepSpeed's v0.2 rule over three devices the block's batch is 16 x 2 = 32, valid at 1 and 2
+    replicas; 3 replicas, outside that list, get a batch of their own, 16 x 3 = 48 (the full size's):
+    at 1 and 2 devices linear gives x 32/48, sqrt its square root."""
     from xray.config.batches import role_lr
 
-    def lr_at(scaling: str, devices: int) -> float:
-        block = dict(SEED_BLOCK, max_train_batch_size=48, lr_scaling=scaling)
-        cfg = elastic_cfg(block, extra=[("ppo.rollout_batch_size", 192), ("actor.optim.lr", 1e-4)])
-        return role_lr(cfg, "actor", devices)
+    block = {"max_train_batch_size": 48, "micro_batch_sizes": [16], "min_gpus": 1, "max_gpus": 3, "version": 0.2,
+             "ignore_non_elastic_batch_info": True}
+    three = [("ppo.rollout_batch_size", 192), ("actor.optim.lr", 1e-4), ("actor.dp", 3), ("critic.dp", 3),
+             ("reference.dp", 3)]
 
-    assert lr_at("none", 1) == lr_at("linear", 2) == lr_at("sqrt", 2) == 1e-4
-    assert lr_at("linear", 1) == pytest.approx(1.5e-4, rel=1e-12)
-    assert lr_at("sqrt", 1) == pytest.approx(1e-4 * 1.5 ** 0.5, rel=1e-12)
-    cfg = elastic_cfg(dict(SEED_BLOCK, max_train_batch_size=48, lr_scaling="linear"),
-                      extra=[("ppo.rollout_batch_size", 192), ("actor.optim.lr", 1e-4)])
+    def lr_at(scaling: str, devices: int) -> float:
+        return role_lr(elastic_cfg(dict(block, lr_scaling=scaling), groups=THREE, extra=three), "actor", devices)
+
+    assert lr_at("none", 1) == lr_at("linear", 3) == lr_at("sqrt", 3) == 1e-4
+    assert lr_at("linear", 1) == lr_at("linear", 2) == pytest.approx(1e-4 * 32 / 48, rel=1e-12)
+    assert lr_at("sqrt", 1) == pytest.approx(1e-4 * (32 / 48) ** 0.5, rel=1e-12)
+    cfg = elastic_cfg(dict(block, lr_scaling="linear"), groups=THREE, extra=three)
     text = "\n".join(plan_run(cfg, "megatron-vllm", command_spec("ppo")).describe().splitlines())
-    assert "1: 1 x 16 x 3 = 48, lr 0.00015 | 2: 2 x 16 x 1 = 32, lr 0.0001" in text, text
+    assert "1: 1 x 16 x 2 = 32, lr 6.67e-05 | 2: 2 x 16 x 1 = 32, lr 6.67e-05 | 3: 3 x 16 x 1 = 48, lr 0.0001" \
+        in text, text
     with pytest.raises(ConfigError, match="lr_scaling='cubic'; choose one of none, linear, sqrt"):
-        elastic_cfg(dict(SEED_BLOCK, lr_scaling="cubic"))
+        elastic_cfg(dict(block, lr_scaling="cubic"))

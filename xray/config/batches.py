@@ -3,7 +3,7 @@
 Sits between the config and the runtime. Without `elasticity`, the mini-batch (sequences per
 optimizer step, all replicas) is `ppo.mini_batch_size` and each role's micro-batch its
 `micro_batch_size`. A trained role with an `elasticity` block takes both from DeepSpeed's
-arithmetic (`xray/config/elasticity.py`) for its current device count: micro-batch x accumulation
+rule (`xray/config/elasticity.py`) for its current device count: micro-batch x accumulation
 x data-parallel size, the actor's product being the mini-batch. A device group holding such a
 role is elastic: its size may move within [min_gpus, max_gpus] (and at most its ranks) while the
 run goes on (`xray/run/recovery/elastic.py`), and the plan checks every size it may take.
@@ -106,14 +106,26 @@ def elastic_ranges(cfg: RunConfig, groups) -> list[ElasticRange]:
         hi = min([g.size] + [getattr(cfg, r).elasticity.max_gpus for r in elastic])
         trained = [r for r in g.workers if r in TRAINED]
         sizes = tuple(n for n in range(lo, hi + 1)
-                      if all(n % (getattr(cfg, r).tp * getattr(cfg, r).pp) == 0 for r in trained))
+                      if all(n % (getattr(cfg, r).tp * getattr(cfg, r).pp) == 0 for r in trained)
+                      and all(_allowed(cfg, r, n) for r in elastic))
         if g.size not in sizes:
             raise ConfigError(f"{elastic[0]}.elasticity: device group {g.name!r} has {g.size} ranks, not a size its "
-                              f"elasticity allows (min_gpus {lo}, max_gpus {hi}, whole tp x pp replicas); change "
-                              "the ranks or the bounds")
+                              f"elasticity allows (min_gpus {lo}, max_gpus {hi}, whole tp x pp replicas, and "
+                              f"DeepSpeed's rule for the block: the sizes it allows here are {list(sizes)}); change "
+                              "the ranks or the block")
         out.append(ElasticRange(g.name, tuple(trained), sizes,
                                 max(getattr(cfg, r).elasticity.min_time for r in elastic)))
     return out
+
+
+def _allowed(cfg: RunConfig, role: str, devices: int) -> bool:
+    """Whether DeepSpeed's elasticity rule gives `role` a batch on `devices` devices."""
+    rc = getattr(cfg, role)
+    try:
+        device_batch(rc.elasticity, devices, rc.tp * rc.pp)
+    except ElasticityError:
+        return False
+    return True
 
 
 def role_lr(cfg: RunConfig, role: str, devices: int) -> float:

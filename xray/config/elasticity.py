@@ -1,21 +1,25 @@
-"""Elastic batch arithmetic: the train batch as micro-batch x accumulation x world size.
+"""An `elasticity` block (DeepSpeed's fields) and the batch it gives a world size.
 
-Sits in the config layer. A role's `elasticity` block (DeepSpeed's fields, so a DeepSpeed-style
-config keeps its meaning) is typed here; when the data-parallel size of a model changes (a lost
+Sits in the config layer. A role's `elasticity` block is typed here (DeepSpeed's keys, so a
+DeepSpeed config keeps its meaning); when the data-parallel size of a model changes (a lost
 Workhorse replaced by none, or new devices joining between `min_gpus` and `max_gpus`), the plan
-(`xray/config/batches.py`) and the runtime recompute the batch here for the new world size.
-DeepSpeed's own config keys for a batch are written by `xray/backends/elastic.py`. Pure Python:
-no torch, no DeepSpeed.
+(`xray/config/batches.py`) and the runtime take the batch for the new size from DeepSpeed's own
+rule (`xray/config/elastic_rule.py`): one global batch for the block, and the world sizes it
+allows; a size the rule refuses (v0.1) is an error that lists the valid ones. DeepSpeed's own
+config keys for a batch are written by `xray/backends/elastic.py`. Pure Python: no torch, no
+DeepSpeed.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from typing import Any, Mapping
+
+from xray.config.elastic_rule import ElasticRuleError, elastic_choice, micro_for
 
 LR_SCALINGS = ("none", "linear", "sqrt")
 
 
-class ElasticityError(ValueError):
+class ElasticityError(ElasticRuleError):
     """An elasticity block or world size that gives no valid batch; the message says the fix."""
 
 
@@ -38,13 +42,19 @@ class ElasticityConfig:
     """False leaves a config's plain batch keys untouched (in a run config: the role is not
     elastic, as if the block were absent)."""
     prefer_larger_batch: bool = True
-    """Among the batches a world size allows, take the one closest to `max_train_batch_size`
-    (True), or the smallest (False: fewer sequences per optimizer step)."""
+    """Between candidate batches allowing as many world sizes, take the larger (True) or the smaller
+    (DeepSpeed's rule, `xray/config/elastic_rule.py`)."""
     min_time: float = 0
     """Minutes an elastic group keeps a size before it grows again (DeepSpeed's hint to the
     scheduler; 0: grow as soon as devices appear). A lost device shrinks the group at once."""
-    version: float = 0.1
-    """The block's format (DeepSpeed's 0.1 or 0.2: the keys read here are the same)."""
+    version: float = 0.2
+    """DeepSpeed's rule: 0.1 (world sizes outside the block's valid list are refused) or 0.2 (per node
+    of `num_gpus_per_node`; a world size outside the list gets a batch of its own); DeepSpeed's
+    default is 0.2."""
+    model_parallel_size: int = 1
+    """Devices per model replica in DeepSpeed's v0.2 rule (v0.1 takes only 1)."""
+    num_gpus_per_node: int = 1
+    """Devices per node in DeepSpeed's v0.2 rule: it sizes jobs by whole nodes."""
     lr_scaling: str = "none"
     """How the learning rate follows the global batch when the world size changes (xray's key, not
     DeepSpeed's): `none` keeps `optim.lr`; `linear` multiplies it by batch / reference batch,
@@ -58,7 +68,7 @@ class ElasticityConfig:
         for m in self.micro_batch_sizes:
             if not isinstance(m, int) or isinstance(m, bool) or m < 1:
                 raise ElasticityError(f"elasticity.micro_batch_sizes holds {m!r}; use positive integers")
-        for name in ("max_train_batch_size", "min_gpus", "max_gpus"):
+        for name in ("max_train_batch_size", "min_gpus", "max_gpus", "model_parallel_size", "num_gpus_per_node"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ElasticityError(f"elasticity.{name} must be a positive integer, got {value!r}")
@@ -76,9 +86,7 @@ class ElasticityConfig:
     def from_dict(cls, block: Mapping[str, Any]) -> "ElasticityConfig":
         """Build from a config block; an unknown key is an error that names it."""
         known = {f.name for f in fields(cls)}
-        # DeepSpeed's block also carried these; they have no meaning for the arithmetic here.
-        passive = {"model_parallel_size", "num_gpus_per_node"}
-        unknown = sorted(set(block) - known - passive)
+        unknown = sorted(set(block) - known)
         if unknown:
             raise ElasticityError(f"unknown elasticity keys {unknown}; valid keys are {sorted(known)}")
         return cls(**{k: v for k, v in block.items() if k in known})
@@ -101,38 +109,42 @@ class ElasticBatch:
 
 
 def elastic_batch(cfg: ElasticityConfig, world_size: int) -> ElasticBatch:
-    """The largest train batch <= cfg.max_train_batch_size that is micro x accumulation x world_size.
-
-    Among micro-batch sizes reaching that largest batch, the largest micro-batch wins (fewer
-    accumulation steps, same arithmetic). With `prefer_larger_batch` false, the smallest of the
-    micro-batch sizes' largest batches instead. Raises ElasticityError when the world size is
-    outside [min_gpus, max_gpus] or when no micro-batch size fits even once per replica.
-    """
-    if not cfg.min_gpus <= world_size <= cfg.max_gpus:
+    """The batch DeepSpeed's rule gives `world_size` data-parallel replicas (`elastic_choice`): its
+    one global batch, split by the largest micro-batch size that divides each replica's share.
+    ElasticityError, listing the valid sizes, at a size the rule refuses."""
+    try:
+        choice = elastic_choice(cfg, world_size)
+    except ElasticRuleError as exc:
+        raise ElasticityError(str(exc)) from None
+    if world_size not in choice.valid_sizes:
         raise ElasticityError(
-            f"world size {world_size} is outside elasticity's [min_gpus={cfg.min_gpus}, "
-            f"max_gpus={cfg.max_gpus}]; run with a world size in that range or widen the range")
-    best: ElasticBatch | None = None
-    for micro in sorted(set(cfg.micro_batch_sizes)):
-        accumulation = cfg.max_train_batch_size // (micro * world_size)
-        if accumulation < 1:
-            continue
-        candidate = ElasticBatch(world_size, micro, accumulation)
-        if cfg.prefer_larger_batch:
-            better = best is None or candidate.train_batch_size >= best.train_batch_size
-        else:
-            better = best is None or candidate.train_batch_size < best.train_batch_size
-        if better:
-            best = candidate
-    if best is None:
+            f"world size {world_size} is not one DeepSpeed's elasticity allows for this block (a global batch "
+            f"of {choice.train_batch_size}; valid sizes {list(choice.valid_sizes)}); run with one of those "
+            "sizes, or change max_train_batch_size, micro_batch_sizes or the min_gpus/max_gpus bounds")
+    micro = micro_for(cfg.micro_batch_sizes, choice.train_batch_size, world_size)
+    if micro is None or choice.train_batch_size < micro * world_size:
         smallest = min(cfg.micro_batch_sizes)
+        if smallest * world_size <= cfg.max_train_batch_size:
+            raise ElasticityError(
+                f"DeepSpeed's rule gives world size {world_size} a global batch of {choice.train_batch_size}, "
+                f"not whole micro-batches of {list(cfg.micro_batch_sizes)} per replica (without "
+                "prefer_larger_batch it takes the smallest fit, 0 when a micro-batch size fits no replica); "
+                "set prefer_larger_batch: true or drop the micro-batch sizes that do not fit")
         raise ElasticityError(
-            f"no valid batch for world size {world_size}: the smallest micro-batch {smallest} x "
-            f"{world_size} replicas = {smallest * world_size} exceeds max_train_batch_size="
-            f"{cfg.max_train_batch_size}; raise max_train_batch_size to at least "
-            f"{smallest * world_size}, add a smaller micro-batch size, or use at most "
-            f"{cfg.max_train_batch_size // smallest} replicas")
-    return best
+            f"no valid batch for world size {world_size}: the smallest micro-batch {smallest} x {world_size} "
+            f"replicas = {smallest * world_size} exceeds max_train_batch_size={cfg.max_train_batch_size}; "
+            f"raise max_train_batch_size to at least {smallest * world_size}, add a smaller micro-batch size, "
+            f"or use at most {cfg.max_train_batch_size // smallest} replicas")
+    return ElasticBatch(world_size, micro, choice.train_batch_size // (micro * world_size))
+
+
+def valid_world_sizes(cfg: ElasticityConfig, world_size: int) -> tuple[int, ...]:
+    """The data-parallel sizes DeepSpeed's rule allows for `cfg` (asked at `world_size`: v0.2 adds
+    that size's own batch when it is not in the block's list)."""
+    try:
+        return elastic_choice(cfg, world_size).valid_sizes
+    except ElasticRuleError as exc:
+        raise ElasticityError(str(exc)) from None
 
 
 def scaled_lr(cfg: ElasticityConfig, lr: float, batch: int, reference_batch: int) -> float:
@@ -143,14 +155,9 @@ def scaled_lr(cfg: ElasticityConfig, lr: float, batch: int, reference_batch: int
 
 def device_batch(cfg: ElasticityConfig, devices: int, model_parallel: int = 1) -> ElasticBatch:
     """The batch for `devices` devices of a model split `model_parallel` ways (tp x pp): the
-    devices must lie in [min_gpus, max_gpus] and be a multiple of `model_parallel`; the batch is
-    that of `devices / model_parallel` data-parallel replicas."""
-    if not cfg.min_gpus <= devices <= cfg.max_gpus:
-        raise ElasticityError(
-            f"{devices} devices are outside elasticity's [min_gpus={cfg.min_gpus}, max_gpus={cfg.max_gpus}]; "
-            "run with a device count in that range or widen the range")
+    devices must be a multiple of `model_parallel`; the batch is DeepSpeed's for `devices /
+    model_parallel` data-parallel replicas (`elastic_batch`)."""
     if devices % model_parallel:
         raise ElasticityError(f"{devices} devices do not hold whole replicas of a model split {model_parallel} "
                               f"ways (tp x pp); use a multiple of {model_parallel}")
-    dp = devices // model_parallel
-    return elastic_batch(replace(cfg, min_gpus=1, max_gpus=max(dp, 1)), dp)
+    return elastic_batch(cfg, devices // model_parallel)
