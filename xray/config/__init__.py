@@ -11,6 +11,7 @@ from typing import Any
 
 import yaml
 
+from xray.config.deepspeed_json import merge_deepspeed_json
 from xray.config.overrides import apply_overrides, parse_overrides
 from xray.config.parallel import LayoutError, ParallelDims
 from xray.config.schema import RunConfig
@@ -39,7 +40,7 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
 def load_config(path: str | Path, overrides: list[str] | list[tuple[str, Any]] = ()) -> RunConfig:
     """Read `path`, apply overrides (`["--a.b=1"]` or `[("a.b", 1)]`), return the typed config."""
     pairs = parse_overrides(list(overrides)) if overrides and isinstance(overrides[0], str) else list(overrides)
-    tree = apply_overrides(read_yaml(path), pairs)
+    tree = merge_deepspeed_json(apply_overrides(read_yaml(path), pairs))
     return build(RunConfig, tree, "")
 
 

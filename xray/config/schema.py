@@ -82,10 +82,18 @@ class RoleConfig:
     elasticity: Optional[ElasticityConfig] = None
     """DeepSpeed's `elasticity` block (either training backend): the role's device group becomes
     elastic (its size follows the cluster within [min_gpus, max_gpus], synchronous runs), and the
-    role's batch is micro-batch x gradient accumulation x dp for its current size; the actor's is
-    the PPO mini-batch (it replaces `ppo.mini_batch_size` and the role's `micro_batch_size`).
+    role's batch is DeepSpeed's for its current size (`xray/config/elastic_rule.py`: one global batch
+    for the block, micro-batch x gradient accumulation x dp); the actor's is the PPO mini-batch (it
+    replaces `ppo.mini_batch_size` and the role's `micro_batch_size`).
     DeepSpeed's block is read as written (`version`, `min_time`, `prefer_larger_batch` included);
     `enabled: false` leaves the role fixed, as if the block were absent."""
+
+    deepspeed_config: Optional[str] = None
+    """A DeepSpeed JSON config as DeepSpeed and ms-swift users write it (ms-swift's `zero1.json`, say),
+    read into this role's keys when the config loads (`xray/config/deepspeed_json.py`): its ZeRO
+    stage, `gradient_clipping`, `train_micro_batch_size_per_gpu` and `elasticity` block; `"auto"`
+    takes xray's value, `bf16`/`fp16` must agree with `model.dtype`; a key xray does not read, CPU
+    offload, or an optimizer with values of its own is an error that says the fix."""
 
     def __post_init__(self) -> None:
         if self.elasticity is not None and not self.elasticity.enabled:
