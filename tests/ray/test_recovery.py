@@ -161,3 +161,41 @@ def test_async_run_recovers(tmp_path, tiny_model, caplog, local_ray):
                      r"buffer went on", log)
     assert back and int(back.group(1)) in (3, 4), log[-3000:]
     assert "async run back at the checkpoint" not in log  # no rollback to the disk, no new buffer
+
+
+def test_a_fatal_failure_saves_its_newest_snapshot_and_the_resume_is_exact(tmp_path, tiny_model, caplog, local_ray):
+    """Save at breakpoint (xray/run/breakpoint.py): a 3-step megatron-vllm run with no checkpoint on
+    disk (`save_every: 0`) and no restart budget loses its actor Workhorse as step 3 begins and
+    fails; its newest snapshot in memory (step 2's, or step 1's when the kill cut step 2's copy)
+    is then on disk as a complete checkpoint, and `--resume` from it gives the steps after it with
+    the same metrics as an uninterrupted run of the same seed."""
+    import ray
+
+    from algorithms.rl import rl_trainer
+    from tests.e2e.test_ppo_e2e import metrics, stable
+    from xray.run.loop import train
+    from xray.run.outputs import RunDir
+    from xray.train import resolve
+
+    path = config(tmp_path, tiny_model, "megatron-vllm")
+    args = ["ppo", "--backend", "megatron-vllm", "--config", str(path), "--trainer.save_every=0",
+            "--trainer.max_restarts=0"]
+    _, cfg, plan, _, _ = resolve(args)
+    whole = RunDir(tmp_path / "whole")
+    with rl_trainer(cfg, plan, whole) as (trainer, data):
+        asyncio.run(train(trainer, whole, data, None))
+    run = RunDir(tmp_path / "run")
+    caplog.set_level(logging.WARNING)
+    with rl_trainer(cfg, plan, run) as (trainer, data):
+        kills = [(3, "actor", ray.get(trainer.models.actor.shard_handles()[0].pid.remote()), 0.0)]
+        with pytest.raises(Exception, match="actor"):
+            train_with_kills(trainer, run, data, kills)
+    saved = run.latest_checkpoint()
+    assert saved is not None and saved.name in ("step-000001", "step-000002"), sorted(run.checkpoints.iterdir())
+    assert f"save at breakpoint: the run failed; its newest snapshot in memory (step {int(saved.name[5:])})" in caplog.text
+    with rl_trainer(cfg, plan, run) as (trainer, data):
+        asyncio.run(train(trainer, run, data, str(run.path)))
+    resumed, uninterrupted = metrics(run.path), metrics(whole.path)
+    assert sorted(resumed) == [1, 2, 3] and trainer.state.step == 3
+    for step in range(int(saved.name[5:]) + 1, 4):
+        assert stable(resumed[step]) == stable(uninterrupted[step]), step

@@ -26,6 +26,7 @@ from xray.config.schema import RunConfig
 from xray.config.typed import to_dict
 from xray.rewards.model import ModelScorer
 from xray.run.algorithm import Algorithm
+from xray.run.breakpoint import save_at_breakpoint
 from xray.run.checkpoints import FlashCheckpoints
 from xray.run.evaluate import Evaluations
 from xray.run.final import export_actor
@@ -130,6 +131,8 @@ async def train(trainer: RLTrainer, run: RunDir, data: RunData, resume: str | No
             await stopped(checkpoints, run)
     except Exception:
         await checkpoints.settle()  # a checkpoint taken before the failure is whole: complete it
+        if detached is None:  # the newest snapshot in memory, if newer, becomes a checkpoint
+            await save_at_breakpoint(checkpoints, run)
         raise
     finally:
         stop.uninstall()

@@ -1,0 +1,62 @@
+"""Save at breakpoint: a run that fails for good writes its newest snapshot in memory to the disk.
+
+Sits beside the flash checkpoints (`xray/run/checkpoints.py`). A synchronous run keeps a snapshot
+of every step in memory (`trainer.memory_snapshots`) but writes one to the disk only every
+`trainer.save_every` steps; when the run then fails beyond recovery (its restart budget spent, or
+an error no recovery handles), the steps since the last checkpoint on disk would be lost with the
+process. `save_at_breakpoint` writes that newest complete snapshot as the checkpoint of its step,
+from the copies the object store keeps (each shard's `hand_snapshot` answer outlives its
+Workhorse): a Ray task per shard writes its files where its Workhorse would have, then the
+trainer's state of the same instant marks the checkpoint complete, so `--resume` goes on from it.
+DLRover's `--save_at_breakpoint` does this for a torch job's flash checkpoint.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from xray.run.checkpoints import FlashCheckpoints
+from xray.run.outputs import RunDir
+
+log = logging.getLogger(__name__)
+
+
+def write_held(held: dict[str, Any]) -> int:
+    """Write one shard's snapshot files (`file_key` path -> object: a marker as text, the rest as
+    `torch.save` writes them, atomically) where they belong; returns how many."""
+    from xray.backends.snapshot import from_wire, write_atomically
+
+    for path, value in held.items():
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        if isinstance(value, str):
+            with open(path, "w") as f:
+                f.write(value)
+        else:
+            write_atomically(from_wire(value), path)
+    return len(held)
+
+
+async def save_at_breakpoint(checkpoints: FlashCheckpoints, run: RunDir) -> Path | None:
+    """Write the newest complete snapshot in memory as a checkpoint if it is newer than the latest
+    on disk; its directory, or None when there is nothing newer (or it cannot be written: logged)."""
+    import ray
+
+    held = checkpoints.restorable()
+    latest = run.latest_checkpoint()
+    if held is None or (latest is not None and int(latest.name.split("-")[1]) >= held.step):
+        return None
+    try:
+        task = ray.remote(num_cpus=0)(write_held)
+        refs = [ref for _, shard_refs in held.roles.values() for ref in shard_refs]
+        await asyncio.gather(*[task.remote(ref) for ref in refs])
+        run.write_trainer_state(held.directory, held.trainer_state)
+    except Exception as exc:  # noqa: BLE001 - the run's own error is the one to report
+        log.warning("save at breakpoint: the snapshot of step %d could not be written (%s); the latest "
+                    "checkpoint on disk stays %s", held.step, str(exc).splitlines()[0] if str(exc) else exc, latest)
+        return None
+    log.warning("save at breakpoint: the run failed; its newest snapshot in memory (step %d) is now the "
+                "checkpoint %s (resume with --resume)", held.step, held.directory)
+    return held.directory
