@@ -25,6 +25,7 @@ from xray.config.env import EnvConfig
 from xray.config.plan import Plan, plan_run
 from xray.config.schema import RunConfig
 from xray.config.typed import to_dict
+from xray.data.chat import ChatFormat
 from xray.run.inputs import load_tokenizer, model_directory
 from xray.run.outputs import RunDir
 
@@ -45,6 +46,8 @@ def warm_start_key(cfg: RunConfig, train_backend: str, spec: TinySpec | None = N
     task = get_task(cfg.data.path) if is_builtin(cfg.data.path) else None
     if hasattr(task, "demonstrations"):  # what its demonstrations are made of shapes it too
         shaping["task"] = repr(task)
+        if ChatFormat.of(cfg.data) != ChatFormat():  # and the chat format they are written in
+            shaping["chat"] = repr(ChatFormat.of(cfg.data))
     return hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -89,7 +92,7 @@ def build_builtin_model(cfg: RunConfig, plan: Plan, run: RunDir, ray_address: st
     train, _ = load_prompt_splits(cfg.data, tokenizer, run.path / "data")
     task = get_task(cfg.data.path) if is_builtin(cfg.data.path) else None
     if hasattr(task, "demonstrations"):  # a tool-use task: whole episodes, the model's turns trained
-        pairs = task.demonstrations(train.prompts, train.extras, tokenizer)
+        pairs = task.demonstrations(train.prompts, train.extras, tokenizer, ChatFormat.of(cfg.data))
     else:
         pairs = answer_pairs(train.prompt_ids, train.extras[cfg.data.answer_field], tokenizer)
     log.info("warm start: %d supervised steps on %d prompts", cfg.sft.steps, len(pairs))

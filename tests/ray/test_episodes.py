@@ -49,9 +49,10 @@ class Recording:
     """The rollout model, with every generate call's start and end times, prompts and answers kept."""
 
     def __init__(self, model):
-        self.model, self.calls = model, []
+        self.model, self.calls, self.stops = model, [], []
 
     async def generate(self, prompts, sampling):
+        self.stops.append(sampling.get("stop"))
         started = time.perf_counter()
         out = await self.model.generate(prompts, sampling)
         self.calls.append((started, time.perf_counter(), [list(p) for p in prompts],
@@ -101,7 +102,7 @@ def engines(tiny_model, local_ray, tmp_path_factory):
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     model_dir = teach_the_call_shape(tiny_model, tokenizer, tmp_path_factory.mktemp("taught"))
-    rollout = WholeModel.from_pretrained(str(model_dir), backend="vllm")
+    rollout = WholeModel.from_pretrained(str(model_dir), backend="vllm", stop_strings=True)  # the tools' stops
     actor = WholeModel.from_pretrained(str(model_dir), backend="hf")
     try:
         yield tokenizer, rollout, actor
@@ -162,7 +163,7 @@ def test_episodes_are_token_exact_concurrent_and_survive_a_broken_environment(en
     waits_from = recording.calls[0][1]  # the slow game's first answer: 1.5 s from the first turn's end
     during = [c for c in recording.calls if waits_from < c[0] < waits_from + 1.4]
     assert len(during) >= 2, [round(c[0] - waits_from, 2) for c in recording.calls]  # the others' turns went on
-    assert wall < 1.5 * len(slow.turns) + 10
+    assert wall < 1.5 * len(slow.turns) + 10, (wall, [(round(a - t0, 2), round(b - a, 2)) for a, b, *_ in recording.calls])
 
 
 async def openai_agent(base_url: str, turns: int) -> list[str]:
@@ -224,7 +225,8 @@ def test_calculator_episodes_are_token_exact_with_the_tools_answers(engines):
     """The built-in calculator task (`xray/env/tasks.py`): each model turn is the engine's own ids
     and log-probs (mask 1), each observation exactly the `CalculatorEnv`'s answer to that turn's
     text, tokenized alone (mask 0, log-prob 0); all episodes but one at most called the tool
-    (greedy turns: deterministic); the actor's log-probs equal the engine's."""
+    (greedy turns: deterministic); the engine is given the call's closing tag and stops at it; the
+    actor's log-probs equal the engine's."""
     from xray.run.episodes.runner import EpisodeRunner
 
     tokenizer, rollout, actor = engines
@@ -257,4 +259,9 @@ def test_calculator_episodes_are_token_exact_with_the_tools_answers(engines):
                 assert set(t.logprobs[e:after]) == {0.0}
                 observations += 1
     assert observations >= len(rows) - 1, [tokenizer.decode(t.tokens) for t in trajectories]
+    assert recording.stops and set(map(tuple, recording.stops)) == {("</tool_call>",)}  # the engine is given the stop
+    for _, _, _, answers, _ in recording.calls:  # and stops there, not at max_turn_tokens
+        for r in answers:
+            text = tokenizer.decode(r, skip_special_tokens=True)
+            assert "</tool_call>" not in text or text.endswith("</tool_call>"), text
     assert_token_exact(trajectories, recording, [], tokenizer, actor, observations_checked=True)

@@ -76,6 +76,23 @@ def test_the_calculator_refuses_what_is_not_small_arithmetic(expression, error):
         calculate(expression)
 
 
+@pytest.mark.parametrize("expression", ["9**9**9", "(9**999)**9999", "(10**999)**10000", "2**-10000",
+                                        "(1/7)**2000", "(10**999)*(10**999)"])
+def test_the_calculator_refuses_huge_numbers_before_computing_them(expression):
+    """Sized before computing: each answers with an error in milliseconds (before the bound,
+    `(9**999)**9999` held the interpreter, and every episode's event loop, for ~9 s)."""
+    import time
+
+    started = time.perf_counter()
+    with pytest.raises(ValueError, match="exponent|digits"):
+        calculate(expression)
+    assert time.perf_counter() - started < 0.05
+    from xray.env.tasks import calculator_tools
+
+    answer = asyncio.run(calculator_tools().call(ToolCall("calculator", text=expression)))
+    assert answer.startswith("error: calculator: ValueError")
+
+
 def test_every_failure_of_a_call_is_an_answer(tmp_path):
     async def slow(seconds: float) -> str:
         await asyncio.sleep(seconds)
@@ -108,6 +125,32 @@ def test_every_failure_of_a_call_is_an_answer(tmp_path):
         registry.register(slow)
     with pytest.raises(ToolError, match="unknown built-in tool 'builtin:abacus'.*builtin:calculator, builtin:python"):
         ToolRegistry.from_specs(["builtin:abacus"])
+
+
+def test_tools_give_openai_function_schemas_for_the_prompt(tmp_path):
+    """`ToolRegistry.schemas` (what `apply_chat_template(tools=...)` takes): each tool's name, its
+    docstring's first paragraph, its parameters typed from their annotations (required: those
+    without a default); a tool's own `schema` wins."""
+    async def lookup(city: str, days: int = 3, metric: bool = True):
+        """Look the weather up
+        for a city.
+
+        Not this paragraph."""
+
+    def shout(text):
+        return text.upper()
+    shout.schema = {"type": "function", "function": {"name": "shout", "parameters": {"type": "object"}}}
+    registry = ToolRegistry.from_specs(["builtin:calculator"])
+    registry.register(lookup)
+    registry.register(shout)
+    calculator, looked, own = registry.schemas()
+    assert calculator == {"type": "function", "function": {
+        "name": "calculator", "description": "Evaluate an arithmetic expression exactly.",
+        "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}
+    assert looked["function"]["description"] == "Look the weather up for a city."
+    assert looked["function"]["parameters"] == {"type": "object", "required": ["city"], "properties": {
+        "city": {"type": "string"}, "days": {"type": "integer"}, "metric": {"type": "boolean"}}}
+    assert own is shout.schema
 
 
 def test_the_python_tool_answers_through_the_sandbox():

@@ -40,17 +40,19 @@ class CalculatorDataTask:
     def write(self, directory: Path, eval_size: int) -> TaskFiles:
         return write_splits(directory, self.name, self.rows(), eval_size)
 
-    def demonstrations(self, prompts: list, extras: dict[str, list], tokenizer: Any) -> list[tuple]:
+    def demonstrations(self, prompts: list, extras: dict[str, list], tokenizer: Any, chat: Any = None) -> list[tuple]:
         """(prompt ids, the rest's ids, its loss mask) of each row: solved with one calculator call
-        (a seeded `tool_demonstrations` share of them), or answered at once."""
+        (a seeded `tool_demonstrations` share of them), or answered at once; in the chat format of
+        `chat` (a `ChatFormat`, the run's `data` settings; None: the tokenizer's own template, if any)."""
         import random
 
+        from xray.data.chat import ChatFormat
         from xray.env.tasks import demonstration_ids
 
         rng, out = random.Random(self.seed + 1), []
         for i, prompt in enumerate(prompts):
             row = {"prompt": prompt, "answer": extras["answer"][i], "expression": extras["expression"][i]}
-            ids, mask = demonstration_ids(row, tokenizer)
+            ids, mask = demonstration_ids(row, tokenizer, chat=chat or ChatFormat())
             start = mask.index(1)
             if rng.random() >= self.tool_demonstrations:  # the prompt, then the answer and end-of-sequence
                 answer = list(tokenizer(str(row["answer"]), add_special_tokens=False).input_ids)

@@ -29,6 +29,11 @@ class EnvConfig:
     `run(row, base_url) -> reward` (or `async def`) that talks to the run's OpenAI-compatible
     endpoint (`trainer.agent_endpoint`) at `base_url` with the `openai` client, once per sample;
     its session's tokens are the sample, its return the reward."""
+    tool_parser: str = "hermes"
+    """How the agent endpoint finds tool calls in the model's answers to return them as OpenAI
+    `tool_calls` (`env.agent` only): `hermes` (or `qwen`: `<tool_call>{json}</tool_call>`, the format
+    of Hermes, Qwen2.5 and Qwen3 templates), or a name registered with
+    `xray.run.episodes.tool_calls.register_tool_parser`."""
     kwargs: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments the environment class is built with (one instance per episode);
     `builtin:tools` takes `tools` (tool specs), `reward` (a reward function's spec), `format`

@@ -341,8 +341,10 @@ class AsyncConfig:
     """Partial rollouts: a maker generates its samples this many tokens at a time, and between two
     segments loads a newer weight version if one was published; the samples then go on from the
     tokens they have, with the new weights (each token records the version that sampled it). A
-    push thus waits at most one segment of each maker's generations, never their end. 0: whole
-    responses in one call."""
+    push thus waits at most one segment of each maker's generations, never their end. With
+    `env.name` (episodes) it bounds each call of a model turn the same way: a turn of up to
+    `env.max_turn_tokens` is generated this many tokens at a time, a load may come between two of
+    its segments (`xray/run/detached/episode_maker.py`). 0: whole responses (turns) in one call."""
     max_in_flight: int = 0
     """Prompts a maker has in flight at most (being generated or scored; its engine batches all
     those generating); 0: one trainer's share of a step (`ppo.rollout_batch_size / trainers`)."""

@@ -2,7 +2,9 @@
 
 A trajectory starts from its prompt's token ids. Each model turn appends exactly the token ids the
 engine produced, with the engine's log-prob of each (the behaviour log-probs); each observation
-appends the environment's tokens (its text tokenized once, alone, or the ids it gave). The history
+appends the environment's tokens (its text tokenized once, alone, or the ids it gave; in a chat
+format, what the template writes after the model's turn: its end of turn, the observation's
+messages, the generation prompt, rendered alone by `xray/data/chat_delta.py`). The history
 is never decoded and tokenized again: applying a chat template to the whole conversation again can
 give other ids than the engine saw (veRL found PPO then fails to converge), and costs time at
 every turn. `mask` is 1 on the model's tokens and 0 on observations: the loss trains the model's
@@ -66,15 +68,19 @@ class Trajectory:
     info: dict = field(default_factory=dict)
     """The environment's info after its last step (tool calls made, guesses...)."""
 
-    def add_turn(self, ids: Sequence[int], logprobs: Sequence[float], version: int = 0) -> None:
-        """A model turn: the engine's token ids and their log-probs, as produced (by weight `version`)."""
+    def add_turn(self, ids: Sequence[int], logprobs: Sequence[float], version: int | Sequence[int] = 0) -> None:
+        """A model turn: the engine's token ids and their log-probs, as produced (by weight `version`,
+        or per token: a turn generated in segments may span a weight load)."""
         if len(ids) != len(logprobs):
             raise ValueError(f"a model turn of {len(ids)} tokens came with {len(logprobs)} log-probs")
+        versions = [int(version)] * len(ids) if isinstance(version, int) else [int(v) for v in version][:len(ids)]
+        if len(versions) != len(ids):
+            raise ValueError(f"a model turn of {len(ids)} tokens came with {len(versions)} versions")
         start = len(self.tokens)
         self.tokens += list(ids)
         self.mask += [1] * len(ids)
         self.logprobs += [float(x) for x in logprobs]
-        self.versions += [int(version)] * len(ids)
+        self.versions += versions
         self.turns.append((start, len(self.tokens)))
 
     def add_observation(self, ids: Sequence[int]) -> None:

@@ -7,9 +7,14 @@ An environment is a class with two async methods (gymnasium's shape, with text f
 
 `reset` starts an episode from a data row (its prompt and columns) and returns the first
 observation; `step` takes the model's turn (its decoded text) and returns the next observation,
-the turn's reward, whether the episode is done, and an info dict. An observation is text (the
-rollout tokenizes it once, appending it to the trajectory's tokens) or token ids (appended as they
-are). One instance serves one episode at a time; the rollout makes one per episode.
+the turn's reward, whether the episode is done, and an info dict. An observation is text, token ids
+(appended as they are: the environment writes any markup) or a `ChatObservation` (text that is also
+chat messages: a tool's answers as `role: tool` messages). Where the run uses a chat template
+(`data.chat_template`), the runner closes the model's turn and renders the observation as the
+template renders those messages (text: one user message), then the generation prompt
+(`xray/data/chat_delta.py`); without one it appends the text tokenized alone. An environment with
+tools gives their schemas (`tool_schemas`): the prompt is rendered with them. One instance serves
+one episode at a time; the rollout makes one per episode.
 
 `Guarded` runs each call under a timeout: an exception or a timeout ends that episode (never the
 run) with a recorded reason (`EpisodeEnd`: `error` or `timeout`, with the error's text), counted
@@ -31,7 +36,23 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Union
 
-Observation = Union[str, list[int]]
+
+class ChatObservation(str):
+    """An observation that is text (what a run without a chat template appends) and chat messages
+    (`messages`, rendered by the template where the run has one)."""
+
+    messages: tuple[dict, ...]
+
+    def __new__(cls, text: str, messages) -> "ChatObservation":
+        self = super().__new__(cls, text)
+        self.messages = tuple(dict(m) for m in messages)
+        return self
+
+    def __reduce__(self):
+        return ChatObservation, (str(self), self.messages)
+
+
+Observation = Union[str, list[int], ChatObservation]
 
 
 class EnvError(ValueError):
@@ -77,8 +98,9 @@ class Guarded:
 
 @dataclass
 class ToolEnv:
-    """Tool use: the prompt is the first observation; each turn's calls are answered (`ToolFormat`),
-    and the first turn without one ends the episode, scored by `reward(row, final_text)`.
+    """Tool use: the prompt is the first observation; each turn's calls are answered (`ToolFormat`:
+    its response tags without a chat template, `role: tool` messages with one), and the first turn
+    without one ends the episode, scored by `reward(row, final_text)`.
 
     From a config (`env.name: builtin:tools`, these in `env.kwargs`): `tools` a list of tool specs
     (`builtin:calculator`, `builtin:python`, `path/to/tools.py:lookup`), `reward` a reward
@@ -115,6 +137,12 @@ class ToolEnv:
             self.format = ToolFormat(**self.format)
 
     @property
+    def tool_schemas(self) -> list[dict]:
+        """The tools' OpenAI function schemas, for the prompt (`ToolRegistry.schemas`)."""
+        schemas = getattr(self.tools, "schemas", None)
+        return schemas() if callable(schemas) else []
+
+    @property
     def stop(self) -> tuple[str, ...]:
         """Where a model turn ends (`xray/run/episodes/runner.py`): a call's closing tag, so that the tool
         answers before the model writes on."""
@@ -138,7 +166,10 @@ class ToolEnv:
             return "", float(score), True, {"tool_calls": self.calls}
         answers = await asyncio.gather(*[self.tools.call(c) for c in calls])
         self.calls += len(calls)
-        return "".join(self.format.response(a) for a in answers), 0.0, False, {"tool_calls": self.calls}
+        messages = [dict({"role": "tool", "content": a}, **({"name": c.name} if not isinstance(c, str) else {}))
+                    for c, a in zip(calls, answers)]
+        text = "".join(self.format.response(a) for a in answers)
+        return ChatObservation(text, messages), 0.0, False, {"tool_calls": self.calls}
 
 
 @dataclass

@@ -13,7 +13,10 @@ calculator tool and the compact call format (`xray/env/tools.py`), scored by `ca
 `demonstration` / `demonstration_ids` give the episode above as text segments or as token ids with
 a loss mask on the model's tokens only: what a supervised warm start trains on, laid out exactly as
 `xray/run/episodes/runner.py` lays out a trajectory (prompt, each turn ending with end-of-sequence, each
-answer tokenized alone).
+answer tokenized alone). With a chat template (a tokenizer's own, or `data.chat_template`), the same
+episode in the model's chat format (`chat_demonstration_ids`): the prompt rendered with the
+calculator's schema, the call and the answer as the template writes an assistant's turns, the tool's
+answer as its tool turn, token for token what the runner's trajectory of that episode holds.
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from xray.data.chat import ChatFormat
 from xray.env.base import ToolEnv
 from xray.env.tools import ToolCall, ToolFormat, ToolRegistry, calculate
 
@@ -84,17 +88,29 @@ class CalculatorEnv(ToolEnv):
     format: Any = COMPACT
 
 
+def _call(row: dict, fmt: ToolFormat) -> ToolCall:
+    """The calculator call that solves `row`, in `fmt`'s style."""
+    if fmt.style == "compact":
+        return ToolCall("calculator", text=row["expression"])
+    return ToolCall("calculator", {"expression": row["expression"]})
+
+
 def demonstration(row: dict, fmt: ToolFormat = COMPACT) -> list[tuple[str, bool]]:
     """The row's episode solved with one calculator call, as `(text, written_by_the_model)` segments:
     the prompt, the call, the tool's answer, the final answer (each model segment is one turn)."""
-    return [(row["prompt"], False), (fmt.write(ToolCall("calculator", text=row["expression"])), True),
+    return [(row["prompt"], False), (fmt.write(_call(row, fmt)), True),
             (fmt.response(calculate(row["expression"])), False), (str(row["answer"]), True)]
 
 
-def demonstration_ids(row: dict, tokenizer: Any, fmt: ToolFormat = COMPACT) -> tuple[list[int], list[int]]:
+def demonstration_ids(row: dict, tokenizer: Any, fmt: ToolFormat = COMPACT,
+                      chat: ChatFormat = ChatFormat()) -> tuple[list[int], list[int]]:
     """`demonstration(row)` as token ids and a loss mask (1 on model tokens): the prompt with the
     tokenizer's special tokens (its begin-of-sequence), every other segment tokenized alone, each
-    model turn closed by the tokenizer's end-of-sequence."""
+    model turn closed by the tokenizer's end-of-sequence. With a chat template (`chat`: the run's
+    settings), the episode in its chat format instead (`chat_demonstration_ids`)."""
+    template = chat.template_text(tokenizer)
+    if template is not None:
+        return chat_demonstration_ids(row, tokenizer, fmt, chat, template)
     ids: list[int] = []
     mask: list[int] = []
     for k, (text, trained) in enumerate(demonstration(row, fmt)):
@@ -103,4 +119,43 @@ def demonstration_ids(row: dict, tokenizer: Any, fmt: ToolFormat = COMPACT) -> t
             part.append(int(tokenizer.eos_token_id))
         ids += part
         mask += [int(trained)] * len(part)
+    return ids, mask
+
+
+def chat_demonstration_ids(row: dict, tokenizer: Any, fmt: ToolFormat, chat: ChatFormat,
+                           template: str) -> tuple[list[int], list[int]]:
+    """The row's episode in `template`'s chat format, as ids and a loss mask, laid out as the episode
+    runner lays out its trajectory (`xray/data/chat_delta.py`): the prompt rendered with the
+    calculator's schema; the call's turn and the answer's, as the template writes an assistant's
+    message (a Hermes call as its `tool_calls`, a compact one as its text), trained, each closed by
+    the tokenizer's end-of-sequence where that is the template's end of turn (what a model stopped
+    on it produced); between them, not trained, the rest of the call turn's markup, the tool's
+    answer as the template's tool turn and the generation prompt."""
+    from xray.data.chat import PromptRenderer
+    from xray.data.chat_delta import ChatRenderer, Conversation
+
+    renderer, tools = ChatRenderer(tokenizer, template, chat.kwargs), calculator_tools().schemas()
+    if not renderer.renders_tools:
+        raise CalculatorTaskError("the chat template does not render `tools`, so the calculator's schema would not "
+                                  "reach the prompt; give data.chat_template a template that renders them (e.g. "
+                                  "configs/chat_templates/chatml_tools.jinja for a ChatML model), or none")
+    conversation = Conversation(renderer, PromptRenderer(tokenizer, chat).messages(row["prompt"]), tools)
+    ids = conversation.prompt_ids()
+    mask = [0] * len(ids)
+    call = _call(row, fmt)
+    asks = {"role": "assistant", "content": fmt.write(call)} if call.text is not None else {
+        "role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
+            "name": call.name, "arguments": call.arguments}}]}
+    tool_turn = [{"role": "tool", "content": calculate(row["expression"]), "name": "calculator"}]
+    eos = tokenizer.eos_token or ""
+    for message, observation in ((asks, tool_turn), ({"role": "assistant", "content": str(row["answer"])}, [])):
+        text = renderer.answer_text(conversation.messages, message, tools)
+        part = renderer.ids((message["content"] or fmt.write(call)) if text is None else text)
+        closing = renderer.after_answer(conversation.messages + [message], [], tools, generation_prompt=False)
+        end = eos if eos and closing.startswith(eos) else ""
+        part += [int(tokenizer.eos_token_id)] if end else []
+        conversation.answered(message, end)
+        seen = conversation.observe(observation) if observation else []
+        ids += part + seen
+        mask += [1] * len(part) + [0] * len(seen)
     return ids, mask

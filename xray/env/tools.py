@@ -15,7 +15,8 @@ tool's name, a colon and its one argument as text, and an answer has nothing aro
 `ToolRegistry` holds the tools by name: user functions (sync or async, or objects with an async
 `__call__`; keyword arguments from the call's `arguments`, or a compact call's text as the one
 positional argument; returning text), loaded from `path/to/file.py:function` or `module:function`
-as reward functions are, and the built-ins `builtin:calculator` (exact arithmetic on integers and
+as reward functions are, and gives their OpenAI function schemas (`schemas`: what a chat template's
+`tools` takes, so that the prompt shows them; `xray/run/episodes/runner.py`), and the built-ins `builtin:calculator` (exact arithmetic on integers and
 fractions, no `eval`) and `builtin:python` (the sandbox: local namespaces, `xray/env/sandbox.py`, or a
 remote service, `xray/env/remote_sandbox.py`, as `SandboxConfig` says). A call that fails,
 in any way (unknown tool, bad arguments, an exception, a timeout) answers with the error's text:
@@ -166,6 +167,10 @@ class ToolRegistry:
             raise ToolError(f"two tools are named {name!r}; rename one")
         self.tools[name] = fn
 
+    def schemas(self) -> list[dict]:
+        """Each tool as an OpenAI function schema (`tool_schema`), in registration order."""
+        return [tool_schema(name, fn) for name, fn in self.tools.items()]
+
     async def call(self, call: ToolCall | str) -> str:
         """The answer to `call` (a parse error's text answers itself)."""
         if isinstance(call, str):
@@ -190,11 +195,40 @@ class ToolRegistry:
             return f"error: {call.name}: {type(exc).__name__}: {exc}"
 
 
+_JSON_TYPES = {"str": "string", "int": "integer", "float": "number", "bool": "boolean", "list": "array",
+               "dict": "object"}
+
+
+def tool_schema(name: str, fn: ToolFn) -> dict:
+    """`fn` as an OpenAI function schema: its `schema` attribute when it has one (a dict, as given),
+    else its name, its docstring's first paragraph and an object of its parameters (JSON types from
+    their annotations, `string` when none; those without a default required)."""
+    own = getattr(fn, "schema", None)
+    if isinstance(own, dict):
+        return own
+    properties, required = {}, []
+    for p in inspect.signature(fn).parameters.values():
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        hint = p.annotation if isinstance(p.annotation, str) else getattr(p.annotation, "__name__", "")
+        properties[p.name] = {"type": _JSON_TYPES.get(hint, "string")}
+        if p.default is p.empty:
+            required.append(p.name)
+    description = " ".join((inspect.getdoc(fn) or "").split("\n\n")[0].split())
+    return {"type": "function", "function": {"name": name, "description": description, "parameters": {
+        "type": "object", "properties": properties, "required": required}}}
+
+
 # -- built-in tools ----------------------------------------------------------------------------
 _OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
               ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
 MAX_DIGITS = 1000
-"""The calculator refuses results longer than this (and powers whose exponent passes 10,000)."""
+"""The calculator refuses numbers (numerator or denominator) longer than this, and powers whose
+exponent passes 10,000 or whose result would: it sizes a power before computing it, so a call
+such as `(9**999)**9999` answers with an error at once instead of holding the interpreter (and
+with it every episode's event loop) for seconds."""
+_MAX_BITS = int(MAX_DIGITS * 3.3219280948873626) + 1
+"""`MAX_DIGITS` decimal digits in bits (log2(10) per digit), rounded up."""
 
 
 def calculate(expression: str) -> str:
@@ -210,21 +244,38 @@ def calculate(expression: str) -> str:
 
 def _evaluate(node: ast.AST) -> Fraction:
     if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
-        return Fraction(str(node.value))
+        return _bounded(Fraction(node.value) if isinstance(node.value, int) else Fraction(str(node.value)))
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
         value = _evaluate(node.operand)
         return -value if isinstance(node.op, ast.USub) else value
     if isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS:
         left, right = _evaluate(node.left), _evaluate(node.right)
-        if isinstance(node.op, ast.Pow) and (right.denominator != 1 or abs(right) > 10_000):
-            raise ValueError("powers take a whole exponent of at most 10000")
+        if isinstance(node.op, ast.Pow):
+            _check_power(left, right)
         if isinstance(node.op, (ast.Div, ast.FloorDiv, ast.Mod)) and right == 0:
             raise ZeroDivisionError("division by zero")
-        value = Fraction(_OPERATORS[type(node.op)](left, right))
-        if len(str(value.numerator)) > MAX_DIGITS:
-            raise ValueError(f"the result has more than {MAX_DIGITS} digits")
-        return value
+        return _bounded(Fraction(_OPERATORS[type(node.op)](left, right)))
     raise ValueError(f"only numbers and + - * / // % ** ( ) are allowed, not {ast.dump(node)[:60]}")
+
+
+def _check_power(base: Fraction, exponent: Fraction) -> None:
+    """Refuse a power before computing it when its exponent is not whole or passes 10,000, or its
+    result would pass `MAX_DIGITS` (sized from the base's bit lengths: a few operations whatever
+    the numbers)."""
+    if exponent.denominator != 1 or abs(exponent) > 10_000:
+        raise ValueError("powers take a whole exponent of at most 10000")
+    bits = max(abs(base.numerator).bit_length() - 1, base.denominator.bit_length() - 1)
+    if bits * abs(int(exponent)) > _MAX_BITS:
+        raise ValueError(f"the result has more than {MAX_DIGITS} digits")
+
+
+def _bounded(value: Fraction) -> Fraction:
+    """`value`, or an error when its numerator or denominator passes `MAX_DIGITS` digits."""
+    for part in (abs(value.numerator), value.denominator):
+        bits = part.bit_length()
+        if bits > _MAX_BITS or (bits > _MAX_BITS - 4 and len(str(part)) > MAX_DIGITS):
+            raise ValueError(f"the result has more than {MAX_DIGITS} digits")
+    return value
 
 
 def _calculator(sandbox: Any = None) -> ToolFn:

@@ -211,8 +211,8 @@ def role_init_kwargs(cfg: RunConfig, role: str, backend: str, model_dir: str) ->
         r = cfg.rollout
         kwargs = dict(backend=backend, model_dir=model_dir, dtype=r.dtype or cfg.model.dtype,
                       max_model_len=cfg.data.max_prompt_tokens + response_tokens(cfg) + 8)
-        if r.stop:  # both engines match stop strings on text: they load the model's tokenizer
-            kwargs["stop_strings"] = True
+        if r.stop or cfg.env.name:  # both engines match stop strings on text: they load the model's tokenizer
+            kwargs["stop_strings"] = True  # (an environment's, a tool call's closing tag: xray/run/episodes/runner.py)
         e = engine(backend)
         if e.memory_share:
             kwargs.update(kv_cache_gib=r.kv_cache_gib, gpu_memory_utilization=r.gpu_memory_utilization)

@@ -20,8 +20,9 @@ The experience stays between the engine, this actor, the object store and the tr
 of it passes through the run's driver.
 
 With `env.name` the loop plays each leased prompt's samples as multi-turn episodes instead
-(`xray.run.detached.episode_maker`: many in flight, their turns batched on the engine, weight loads
-between two turns).
+(`xray.run.detached.episode_maker`: many in flight, their turns batched on the engine and generated
+`async.segment_tokens` at a time, weight loads between two segments, each prompt's group put as soon
+as its episodes end).
 
 Test hook: `slowdown` (`XRAY_MAKER_SLOWDOWN="<maker>:<factor>"` in the driver's environment,
 `xray.run.detached.supervisor`) holds the engine `factor` times as long as each segment took: a slow

@@ -6,7 +6,9 @@ step's samples is one call of that function, `agent(row, base_url) -> reward`, s
 `async def`, which talks to the run's endpoint (`trainer.agent_endpoint`, `xray/run/episodes/endpoint.py`)
 with the `openai` client at `base_url`, a session of its own, and returns the episode's reward.
 The session's token-exact trajectory, with that reward, is the sample; from there the step is the
-single-turn one. An agent that raises or overruns `env.timeout_s` ends its episode as `error` or
+single-turn one. A synchronous agent runs in threads of the play's own, as many as its episodes
+(`xray/run/episodes/agent_threads.py`), its `env.timeout_s` counted from when it starts running.
+An agent that raises or overruns `env.timeout_s` ends its episode as `error` or
 `timeout`, left out of the loss; the run goes on. One that raises after the endpoint refused a
 request at a limit (`env.max_turns`, `env.max_tokens`) ends it there: reward 0, trained on, as an
 environment's episode cut at a limit.
@@ -19,6 +21,7 @@ import inspect
 import logging
 from typing import Any
 
+from xray.run.episodes.agent_threads import AgentThreads
 from xray.run.episodes.samples import FAILED, EpisodeSamples
 from xray.data.batch import Batch
 from xray.data.chat import ChatFormat
@@ -47,7 +50,8 @@ class AgentSamples(EpisodeSamples):
         self.timeout_s, self.pad_id = e.timeout_s, pad_id
         host, port = endpoint_address(cfg.trainer.agent_endpoint)
         limits = TrajectoryLimits(max_turns=e.max_turns, max_turn_tokens=e.max_turn_tokens, max_tokens=e.max_tokens)
-        self.endpoint = AgentEndpoint(rollout, tokenizer, limits, {}, host, port, chat=ChatFormat.of(cfg.data))
+        self.endpoint = AgentEndpoint(rollout, tokenizer, limits, {}, host, port, chat=ChatFormat.of(cfg.data),
+                                      tool_parser_name=e.tool_parser)
         self.keep, self.last, self.metrics = None, [], {}
 
     async def play(self, rows: list[dict], sampling: dict) -> Batch:
@@ -57,7 +61,12 @@ class AgentSamples(EpisodeSamples):
         n = int(sampling.get("n", 1))
         self.endpoint.sampling = dict(sampling, n=1)
         calls = self.endpoint.calls
-        trajectories = await asyncio.gather(*[self._episode(row) for row in rows for _ in range(n)])
+        threads = None if inspect.iscoroutinefunction(self.agent) else AgentThreads(len(rows) * n)
+        try:
+            trajectories = await asyncio.gather(*[self._episode(row, threads) for row in rows for _ in range(n)])
+        finally:
+            if threads is not None:
+                threads.close()
         exp = pack_trajectories(trajectories, self.pad_id)
         self._keep(trajectories)
         stats = collections.Counter({"generate_calls": self.endpoint.calls - calls})
@@ -75,13 +84,15 @@ class AgentSamples(EpisodeSamples):
                         int(failed.sum()), len(trajectories), f"; the first: {first.detail}" if first else "")
         self.last = trajectories
 
-    async def _episode(self, row: dict) -> Trajectory:
+    async def _episode(self, row: dict, threads: AgentThreads | None) -> Trajectory:
+        """One agent call (`threads`: where a synchronous agent runs; None: an `async def` one)."""
         sid, base_url = self.endpoint.open()
         end, detail, reward = "done", "", 0.0
         try:
-            call = self.agent(row, base_url) if inspect.iscoroutinefunction(self.agent) else \
-                asyncio.to_thread(self.agent, row, base_url)
-            reward = float(await asyncio.wait_for(call, self.timeout_s))
+            if threads is None:
+                reward = float(await asyncio.wait_for(self.agent(row, base_url), self.timeout_s))
+            else:
+                reward = float(await threads.call(self.agent, self.timeout_s, row, base_url))
         except asyncio.TimeoutError:
             end, detail = "timeout", f"the agent took more than {self.timeout_s:g} s"
         except Exception as exc:  # noqa: BLE001 - this episode ends, the run goes on

@@ -25,6 +25,7 @@ import torch
 
 from xray.data import columns as C
 from xray.data.batch import Batch
+from xray.data.chat import ChatFormat
 from xray.data.trajectory import Trajectory, TrajectoryLimits, pack_trajectories
 from xray.env.base import EnvError, load_env
 from xray.run.episodes.runner import EpisodeRunner
@@ -55,7 +56,8 @@ class EpisodeSamples:
     def __init__(self, cfg: Any, rollout: Any, tokenizer: Any, pad_id: int):
         e = cfg.env
         limits = TrajectoryLimits(max_turns=e.max_turns, max_turn_tokens=e.max_turn_tokens, max_tokens=e.max_tokens)
-        self.runner = EpisodeRunner(rollout, tokenizer, env_factory(cfg), limits, {}, e.timeout_s)
+        self.runner = EpisodeRunner(rollout, tokenizer, env_factory(cfg), limits, {}, e.timeout_s,
+                                    chat=ChatFormat.of(cfg.data))
         self.pad_id = pad_id
         self.keep: torch.Tensor | None = None
         """Per sample of the last `play`: whether it enters the loss (None: all)."""
