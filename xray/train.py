@@ -18,6 +18,7 @@ mistakes end with a one-line message on stderr and exit code 2, no traceback. `-
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import sys
 import time
@@ -99,15 +100,19 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.write(yaml.safe_dump(to_dict(cfg), sort_keys=False))
             sys.stdout.write(plan.describe() + "\n")
             return 0
+        out = sys.stdout  # the result line's; anything else printed meanwhile goes to stderr (Ray prints
+        # a dead worker's error, and the workers' own stdout lines, to the driver's sys.stdout)
         try:
-            result = spec.command(cfg, plan, output_dir, args)
+            with contextlib.redirect_stdout(sys.stderr):
+                result = spec.command(cfg, plan, output_dir, args)
         except RunInterrupted as stop:
-            shutdown_ray()
-            sys.stdout.write(f"stopped: the latest checkpoint is step {stop.step}; continue with:\n"
-                             f"  {stop.resume}\n")
+            with contextlib.redirect_stdout(sys.stderr):
+                shutdown_ray()
+            out.write(f"stopped: the latest checkpoint is step {stop.step}; continue with:\n  {stop.resume}\n")
             return 0
-        shutdown_ray()  # no Workhorse log line may land after the result
-        sys.stdout.write(result + "\n")
+        with contextlib.redirect_stdout(sys.stderr):
+            shutdown_ray()  # no Workhorse log line may land after the result
+        out.write(result + "\n")
         return 0
     except user_errors() as exc:
         sys.stderr.write(f"error: {exc}\n")

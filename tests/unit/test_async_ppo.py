@@ -1,6 +1,8 @@
 """Asynchronous PPO's pure parts: the decoupled loss, the experience buffer's admission control,
 staleness policy, arrival-order takes and routing, per-token staleness, the maker/trainer graph,
 and each trainer's share of the mini-batches."""
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -108,6 +110,21 @@ def test_a_lost_makers_prompts_are_queued_again_once():
     assert [r["n"] for _, r in again] == [1, 2]  # the same prompts, new leases
     assert buf.put([group(k, r, 0, maker=1) for k, r in [*other, *again]]) == 3
     assert sorted(g.row["n"] for g in buf.queues[0]) == [0, 1, 2, 3]
+
+
+def test_a_take_with_a_lost_group_is_given_back_and_its_prompt_made_again():
+    buf = ExperienceBuffer(share=2, feeds=[[0], [0]], draw=prompts(), max_staleness=2, capacity=4)
+    leased = buf.lease(0, 3, 0)
+    assert buf.put([group(k, r, 0) for k, r in leased]) == 3
+    taken = buf.take(0)
+    assert [g.row["n"] for g in taken[0]] == [0, 1] and buf.accepted == [3]
+    assert buf.give_back(taken, {(0, 1)}) == 1  # group n=1's experience was gone
+    assert [g.row["n"] for g in buf.queues[0]] == [0, 2]  # the fetched one first in line, in order
+    assert [r["n"] for r in buf.rows] == [1] and buf.accepted == [2] and buf.requeued_lost == 1
+    assert buf.take(0) is not None and buf.queues[0] == []
+    again = buf.lease(1, 1, 0)  # any maker makes it again, first in line
+    assert [r["n"] for _, r in again] == [1]
+    assert buf.stats()["async/requeued_lost"] == 1.0
 
 
 def test_a_rollback_makes_again_what_discarded_versions_sampled():
@@ -232,3 +249,15 @@ def test_each_replica_trains_on_its_own_part():
         assert all(r < 8 for r in mb[:4].tolist()) and all(r >= 8 for r in mb[4:].tolist())
     order = torch.randperm(16, generator=torch.Generator().manual_seed(3))
     assert [r.tolist() for r in mini_batch_rows(16, 8, 1, 3)] == [order[:8].tolist(), order[8:].tolist()]
+
+
+def test_a_maker_failing_on_a_scorer_already_replaced_is_not_a_second_fault():
+    from xray.run.detached.supervisor import Detached
+
+    d = object.__new__(Detached)  # the rule alone (`Detached._same_fault`), no Ray
+    d.handed = {"reference": {0, 2}}  # makers 0 and 2 went on when the reference was replaced
+    died = SimpleNamespace(role="reference")
+    assert d._same_fault(0, died) and not d._same_fault(0, died)  # once: a later failure is a new fault
+    assert not d._same_fault(1, died)  # maker 1 was itself replaced with the reference: it had the new one
+    assert not d._same_fault(2, SimpleNamespace(role="teacher")) and not d._same_fault(2, RuntimeError("x"))
+    assert d._same_fault(2, died) and d.handed == {"reference": set()}

@@ -3,7 +3,11 @@ of scored groups between the experience makers (`xray.run.detached.maker`) and t
 (`xray.run.detached.trainer`).
 
 It holds object references, never the experiences themselves (they stay in Ray's object store
-where a maker put them). One place owns everything that must be read at one instant for a
+where a maker made them). The buffer owns them: a maker's `put` names the batch it holds, and the
+buffer calls for it (`ExperienceMaker.hand_over`), so the object is the result of the buffer's own
+call, made in the maker's object store and owned by the buffer (Ray 2.56 removed `ray.put`'s
+`_owner`). A group queued here outlives the maker that made it (a replaced maker takes nothing
+queued with it). One place owns everything that must be read at one instant for a
 lossless checkpoint: the prompt sampler, the prompts queued again, the prompts each maker is
 making (leased, not yet put) and the scored groups waiting to be trained on.
 
@@ -24,6 +28,9 @@ making (leased, not yet put) and the scored groups waiting to be trained on.
   A group older than `max_staleness` when taken is queued again as a prompt (`on_stale: wait`:
   nothing lost, made again with newer weights) or dropped and counted (`drop`: its prompt lost).
 - A lost maker's leases are queued again (`requeue`): nothing lost, nothing trained twice.
+- A taken group whose experience is gone from the object store (its node lost) is queued again
+  as a prompt and the trainer takes another in its place (`give_back`, `take_experience`): the
+  groups fetched go back first in line, in their order.
 - A trainer that lost its Workhorses goes back to a snapshot (`rewind`): the versions after it
   are discarded, and a group with tokens they sampled (queued, or put by a maker that had not
   yet loaded the restored weights) is queued again as a prompt.
@@ -34,9 +41,12 @@ asynchronous Ray actor (its `lease` and `take` may wait).
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -108,6 +118,8 @@ class ExperienceBuffer:
     """Rollback epoch -> the version the trainer went back to: a group sampled before that
     rollback by a newer version was sampled by weights the trainer discarded."""
     requeued_rollback: int = 0
+    requeued_lost: int = 0
+    """Taken groups whose experience was gone from the object store, queued again as prompts."""
 
     def __post_init__(self) -> None:
         if self.share < 1 or self.max_staleness < 0 or self.capacity < 1:
@@ -187,6 +199,21 @@ class ExperienceBuffer:
             del queue[:self.share]
         return taken
 
+    def give_back(self, taken: list[list[Group]], lost: set[tuple[int, int]]) -> int:
+        """Undo a `take` whose groups at `lost` ((trainer, index) in `taken`) could not be fetched: the
+        others go back to the front of their queues, in their order; the lost ones' prompts are queued
+        again, first in line, and no longer count as accepted (the makers make them again). How many."""
+        gone = 0
+        for d, groups in enumerate(taken):
+            kept = [g for i, g in enumerate(groups) if (d, i) not in lost]
+            self.queues[d][:0] = kept
+            missing = [g for i, g in enumerate(groups) if (d, i) in lost]
+            self.rows.extendleft(reversed([g.row for g in missing]))
+            self.accepted[d] -= len(missing)
+            gone += len(missing)
+        self.requeued_lost += gone
+        return gone
+
     def rewind(self, version: int, steps: int, epoch: int) -> None:
         """The trainer went back to `version` (its rollback number `epoch`) after taking `steps`
         steps' groups it never trained on (its loss): admission counts them as never accepted, so
@@ -219,7 +246,8 @@ class ExperienceBuffer:
         return {"async/buffer_fill": ready / (self.capacity * self.share * self.trainers),
                 "async/prompts_in_flight": float(sum(self.running)),
                 "async/dropped": float(self.dropped), "async/requeued_stale": float(self.requeued_stale),
-                "async/requeued_rollback": float(self.requeued_rollback)}
+                "async/requeued_rollback": float(self.requeued_rollback),
+                "async/requeued_lost": float(self.requeued_lost)}
 
 
 class BufferActor:
@@ -260,7 +288,13 @@ class BufferActor:
             self.maker_versions[maker] = version
             changed.notify_all()
 
-    async def put(self, groups: list[Group]) -> int:
+    async def put(self, groups: list[Group], maker=None, serial: int = 0) -> int:
+        """Scored groups into their queues; with `maker` (its actor handle), their Batch is its put
+        number `serial`, called for here so that this actor owns it (the module docstring)."""
+        if maker is not None:
+            ref = maker.hand_over.remote(serial)
+            for g in groups:
+                g.item[0] = ref
         changed = self._condition()
         async with changed:
             accepted = self.buffer.put(groups)
@@ -277,6 +311,13 @@ class BufferActor:
                 if found is not None:
                     return found
                 await changed.wait()
+
+    async def give_back(self, taken: list[list[Group]], lost: list[tuple[int, int]]) -> int:
+        changed = self._condition()
+        async with changed:
+            gone = self.buffer.give_back(taken, {tuple(x) for x in lost})
+            changed.notify_all()
+            return gone
 
     async def rewind(self, version: int, steps: int, epoch: int) -> None:
         changed = self._condition()
@@ -303,9 +344,16 @@ class BufferActor:
         groups = [(d, g) for d, queue in enumerate(b.queues) for g in queue]
         state = {"sampler": self.sampler.state_dict(),
                  "rows": [b.leases[k].row for k in sorted(b.leases)] + list(b.rows) + list(b.drawn)}
-        batches = await fetch([g for _, g in groups])
-        state["entries"] = [{"trainer": d, "version": g.version, "maker": g.maker, "tokens": g.tokens,
-                             "row": g.row, "batch": batch} for (d, g), batch in zip(groups, batches)]
+        refs = list({id(g.item[0]): g.item[0] for _, g in groups}.values())
+        fetched = dict(zip(map(id, refs), await asyncio.gather(*refs, return_exceptions=True)))
+        for r in fetched.values():
+            if isinstance(r, BaseException) and not isinstance(r, _lost()):
+                raise r
+        lost = [g for _, g in groups if isinstance(fetched[id(g.item[0])], BaseException)]
+        state["rows"] += [g.row for g in lost]  # made again on a resume (the trainer gives them back meanwhile)
+        state["entries"] = [{"trainer": d, "version": g.version, "maker": g.maker, "tokens": g.tokens, "row": g.row,
+                             "batch": fetched[id(g.item[0])].index(slice(g.item[1], g.item[2]))}
+                            for d, g in groups if not isinstance(fetched[id(g.item[0])], BaseException)]
         return state
 
     def restore(self, state: dict, version: int) -> None:
@@ -323,8 +371,34 @@ class BufferActor:
             b.accepted[e["trainer"]] += 1
 
 
-async def fetch(groups: list[Group]) -> list:
-    """Each group's Batch: every Batch the groups' rows live in fetched once, then cut."""
-    refs = list({id(g.item[0]): g.item[0] for g in groups}.values())
-    fetched = dict(zip(map(id, refs), await asyncio.gather(*refs))) if refs else {}
-    return [fetched[id(g.item[0])].index(slice(g.item[1], g.item[2])) for g in groups]
+def _lost() -> tuple[type[BaseException], ...]:
+    import ray
+
+    return ray.exceptions.ObjectLostError, ray.exceptions.RayActorError
+
+
+async def take_experience(buffer, version: int) -> tuple[list[list[Group]], list[list]]:
+    """The trainer's take from the `BufferActor` `buffer` at weight `version`: per trainer, the groups
+    taken and the Batch of each. A group whose experience is gone (`ObjectLostError`: its node lost;
+    `RayActorError`: its maker died before handing it over) is given back with the rest of that take
+    (`ExperienceBuffer.give_back`: its prompt made again) and the take is tried again, until every
+    group taken arrives."""
+    LOST = _lost()  # noqa: N806 - gone from the store, or its maker died before handing it over
+    while True:
+        taken = await buffer.take.remote(version)
+        refs = list({id(g.item[0]): g.item[0] for groups in taken for g in groups}.values())
+        results = await asyncio.gather(*refs, return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException) and not isinstance(r, LOST):
+                raise r
+        fetched = dict(zip(map(id, refs), results))
+        lost = [(d, i) for d, groups in enumerate(taken) for i, g in enumerate(groups)
+                if isinstance(fetched[id(g.item[0])], BaseException)]
+        if not lost:
+            return taken, [[fetched[id(g.item[0])].index(slice(g.item[1], g.item[2])) for g in groups]
+                           for groups in taken]
+        why = next(r for r in results if isinstance(r, BaseException))
+        gone = await buffer.give_back.remote(taken, lost)
+        log.warning("%d experience group%s lost from the object store (%s); %s prompt%s queued to be made again",
+                    gone, "s" if gone > 1 else "", type(why).__name__, "their" if gone > 1 else "its",
+                    "s" if gone > 1 else "")

@@ -76,6 +76,9 @@ class ExperienceMaker:
         self.busy: list[tuple[float, float]] = []
         """(start, end) wall-clock seconds of the engine's work: each segment's generation, each
         weight load (a judge's wait is not the maker's work)."""
+        self.outbox: dict[int, object] = {}
+        """Put number -> a Batch put into the buffer and not yet handed over (`hand_over`)."""
+        self.serial_out = 0
         self.making: dict[int, float] = {}
         """Work under way (a serial) -> when it began."""
         self.works = 0
@@ -110,6 +113,17 @@ class ExperienceMaker:
     def stop(self) -> None:
         if self.task is not None:
             self.task.cancel()
+
+    def use_models(self, reference=None, teacher=None, reward=None) -> None:
+        """Score with these replacements from now on (a reference, teacher or reward model lost a
+        Workhorse and was started anew while this maker went on): a call under way on the old one
+        still fails, and the supervisor then replaces this maker without counting a second fault."""
+        if reference is not None:
+            self.reference = reference
+        if teacher is not None:
+            self.teacher = teacher
+        if reward is not None and hasattr(self.score_fn, "reward"):
+            self.score_fn.reward = reward
 
     async def _loop(self) -> None:
         if self.cfg.env.name:
@@ -306,7 +320,16 @@ class ExperienceMaker:
                        **({C.REF_LOGPROBS: ref[C.LOGPROBS]} if C.LOGPROBS in ref else {}),
                        **({C.TEACHER_LOGPROBS: ref[C.TEACHER_LOGPROBS]} if C.TEACHER_LOGPROBS in ref else {})},
                       {C.PROMPT_IDS: batch[C.PROMPT_IDS], C.RESPONSE_IDS: batch[C.RESPONSE_IDS]})
-        ref, entries, first = ray.put(_trimmed(whole)), [], 0  # one object for the groups scored together
+        # one object for the groups scored together; in an actor, handed over to the buffer, which owns
+        # it (`hand_over`): queued, it outlives this maker (a maker in a benchmark's process puts it)
+        me = _own_handle()
+        if me is None:
+            ref, serial = ray.put(_trimmed(whole)), 0
+        else:
+            self.serial_out += 1
+            ref, serial = None, self.serial_out
+            self.outbox[serial] = _trimmed(whole)
+        entries, first = [], 0
         for i in which:
             group = groups[i]
             rows = (first, first + len(group))
@@ -320,7 +343,12 @@ class ExperienceMaker:
         self.samples += first
         self.in_flight -= len(entries)
         self._freed().set()
-        await self.buffer.put.remote(entries)
+        await (self.buffer.put.remote(entries) if me is None else self.buffer.put.remote(entries, me, serial))
+
+    def hand_over(self, serial: int):
+        """The Batch of put number `serial` (`_put`), called by the buffer: the object this returns is
+        the buffer's (Ray's caller owns a call's result), made here in the object store, no copy."""
+        return self.outbox.pop(serial)
 
     async def load(self, staged, epoch: int = 0, floor: int = -1) -> tuple | None:
         """Load a published weight version into the engine between two segments, verified
@@ -400,6 +428,16 @@ class ExperienceMaker:
 
     def pid(self) -> int:
         return os.getpid()
+
+
+def _own_handle():
+    """This actor's handle, or None outside an actor (a benchmark runs a maker in its own process)."""
+    import ray
+
+    try:
+        return ray.get_runtime_context().current_actor
+    except RuntimeError:
+        return None
 
 
 def _trimmed(batch):

@@ -70,6 +70,9 @@ class Detached:
         """Calls of the trainer's `run` so far."""
         self.run_path = run_path
         """The run's directory: the trainer's snapshots in memory are named under it (None: none taken)."""
+        self.handed: dict[str, set[int]] = {}
+        """Role -> the makers that went on when it was replaced (given the new one: `use_models`); one of
+        them failing on the old one is the same fault, not counted again."""
 
     # -- the parts -------------------------------------------------------------------------------
     def _maker(self, i: int, version: int):
@@ -198,9 +201,9 @@ class Detached:
     async def replace_failed(self, failed: list[int]) -> None:
         """Replace the makers whose loops ended with an error, while the trainer and the other
         makers go on: their prompts are queued again; a dead rollout Workhorse's replica is
-        restarted alone on its devices, a dead reference, teacher or reward model anew (every maker then
-        gets the new one), and each new maker loads the trainer's latest published version
-        before it samples."""
+        restarted alone on its devices, a dead reference, teacher or reward model anew (handed to the
+        makers that go on: `_replace_scorers`; their queued groups are the buffer's and stay), and
+        each new maker loads the trainer's latest published version before it samples."""
         from xray.run.recovery.dead import dead_models
 
         errors = {}
@@ -212,28 +215,49 @@ class Detached:
                 errors[i] = _cause(exc)
             log.warning("experience maker %d failed: %s", i, errors[i])
         first = next(iter(errors.values()))
-        self.trainer.restarts.spend(f"experience maker{'s' if len(failed) > 1 else ''} {', '.join(map(str, failed))} "
-                                    "failed", first, len(failed), MakerLost)
+        counted = [i for i in failed if not self._same_fault(i, errors[i])]
+        if counted:
+            self.trainer.restarts.spend(f"experience maker{'s' if len(counted) > 1 else ''} "
+                                        f"{', '.join(map(str, counted))} failed", first, len(counted), MakerLost)
         t0 = time.perf_counter()
         dead = await asyncio.to_thread(dead_models, self.trainer.models)
         if set(dead) & {"actor", "critic"}:
             raise first  # the trainer's loss: the run's recovery
         models = self.trainer.models
         replicas = sorted({models.rollout.layout[r].dp_rank for r in dead.get("rollout", [])})
-        again = sorted(set(failed) | set(replicas) | (set(range(len(self.makers))) if set(dead) - {"rollout"} else set()))
+        again = sorted(set(failed) | set(replicas))
         await self._stop_makers(again)
         for replica in replicas:
             await asyncio.to_thread(models.rollout.restart_replica, replica)
-        for role in sorted(set(dead) - {"rollout"}):
-            new = await asyncio.to_thread(models.replace, role)
-            if role == "reward" and hasattr(self.trainer.score_fn, "reward"):
-                self.trainer.score_fn.reward = new
+        await self._replace_scorers(sorted(set(dead) - {"rollout"}), [i for i in range(len(self.makers)) if i not in again])
         latest = await self._start_makers(again)
         log.warning("experience maker%s %s replaced in %.1f s at weight version %d (%s; dead Workhorses: %s; "
                     "rollout replicas restarted: %s); the trainer and the other makers went on",
                     "s" if len(again) > 1 else "", ", ".join(map(str, again)), time.perf_counter() - t0,
                     latest[again[0]].version, "; ".join(f"maker {i}: {type(e).__name__}" for i, e in errors.items()),
                     dead or "none", replicas or "none")
+
+    def _same_fault(self, maker: int, error: BaseException) -> bool:
+        """Whether `maker` failed on a scoring model already replaced while it went on (its call was
+        under way on the old one): the fault was counted when that model was replaced."""
+        role = getattr(error, "role", None)
+        if maker in self.handed.get(role, set()):
+            self.handed[role].discard(maker)
+            return True
+        return False
+
+    async def _replace_scorers(self, roles: list[str], others: list[int]) -> None:
+        """Start the dead scoring models `roles` (reference, teacher, reward) anew and hand them to the
+        makers `others`, which go on with their queued and in-flight work (nothing of theirs lost)."""
+        new = {}
+        for role in roles:
+            new[role] = await asyncio.to_thread(self.trainer.models.replace, role)
+            if role == "reward" and hasattr(self.trainer.score_fn, "reward"):
+                self.trainer.score_fn.reward = new[role]
+            self.handed[role] = set(others)
+        given = {k: v for k, v in new.items() if k in ("reference", "teacher", "reward")}
+        if given and others:
+            await asyncio.gather(*[_unwrapped(self.makers[i].use_models.remote(**given)) for i in others])
 
     async def recover_trainer(self, exc: WholeModelError) -> None:
         """The trainer's step failed: replace the dead models (the rollout's replicas are the makers'
@@ -249,13 +273,10 @@ class Detached:
         self.trainer.restarts.spend(f"the trainer's Workhorses died ({dead})", exc, error=MakerLost)
         log.warning("the trainer lost Workhorses (role: ranks %s); replacing %s, the makers and the buffer go on",
                     dead, ", ".join(sorted(set(dead) - {"rollout"})))
-        for role in sorted(set(dead) - {"rollout"}):
-            new = await asyncio.to_thread(self.trainer.models.replace, role)
-            if role == "reward" and hasattr(self.trainer.score_fn, "reward"):
-                self.trainer.score_fn.reward = new
-        if set(dead) - {"rollout"} - set(self.trainer.trained):  # every maker scores with the new one
-            await self._stop_makers(list(range(len(self.makers))))
-            await self._start_makers(list(range(len(self.makers))))
+        for role in sorted(set(dead) & set(self.trainer.trained)):
+            await asyncio.to_thread(self.trainer.models.replace, role)
+        scorers = sorted(set(dead) - {"rollout"} - set(self.trainer.trained))  # handed to the makers, which go on
+        await self._replace_scorers(scorers, list(range(len(self.makers))))
         try:
             state = await _unwrapped(self.learner.recover.remote(dataclasses.replace(self.trainer.models, starter=None)))
         except RuntimeError as why:

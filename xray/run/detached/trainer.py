@@ -28,7 +28,7 @@ from xray.data import columns as C
 from xray.data.batch import Batch
 from xray.rewards.compose import means
 from xray.run.algorithm import Algorithm, Experience
-from xray.run.detached.buffer import fetch
+from xray.run.detached.buffer import take_experience
 from xray.run.detached.episode_maker import episode_metrics
 from xray.run.rollout_log import ROLLOUT_ROWS, pick_rollouts
 from xray.run.step import RLTrainer
@@ -164,9 +164,9 @@ class AsyncTrainer:
         and under `ROLLOUT_ROWS` its first groups for `rollouts.jsonl`."""
         t, acfg = self.t, self.t.cfg.async_
         start = time.time()
-        taken = await self.buffer.take.remote(t.state.step)
+        taken, batches = await take_experience(self.buffer, t.state.step)  # a group lost: made again
         self.taken = step
-        parts = [Batch.concat(await fetch(groups), pad_width=True) for groups in taken]
+        parts = [Batch.concat(groups, pad_width=True) for groups in batches]
         exp = Batch.concat(parts, pad_width=True)
         waited_s = time.time() - start
         proximal, values = await self.recompute(exp)
