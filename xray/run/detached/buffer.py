@@ -344,11 +344,7 @@ class BufferActor:
         groups = [(d, g) for d, queue in enumerate(b.queues) for g in queue]
         state = {"sampler": self.sampler.state_dict(),
                  "rows": [b.leases[k].row for k in sorted(b.leases)] + list(b.rows) + list(b.drawn)}
-        refs = list({id(g.item[0]): g.item[0] for _, g in groups}.values())
-        fetched = dict(zip(map(id, refs), await asyncio.gather(*refs, return_exceptions=True)))
-        for r in fetched.values():
-            if isinstance(r, BaseException) and not isinstance(r, _lost()):
-                raise r
+        fetched = await settled([g for _, g in groups])
         lost = [g for _, g in groups if isinstance(fetched[id(g.item[0])], BaseException)]
         state["rows"] += [g.row for g in lost]  # made again on a resume (the trainer gives them back meanwhile)
         state["entries"] = [{"trainer": d, "version": g.version, "maker": g.maker, "tokens": g.tokens, "row": g.row,
@@ -371,10 +367,19 @@ class BufferActor:
             b.accepted[e["trainer"]] += 1
 
 
-def _lost() -> tuple[type[BaseException], ...]:
+async def settled(groups: list[Group]) -> dict[int, Any]:
+    """Each Batch the groups' rows live in, fetched once, by the id of its reference: the Batch, or
+    the error of one gone (`ObjectLostError`: its node lost; `RayActorError`: its maker died before
+    handing it over); any other error is raised."""
     import ray
 
-    return ray.exceptions.ObjectLostError, ray.exceptions.RayActorError
+    refs = list({id(g.item[0]): g.item[0] for g in groups}.values())
+    results = await asyncio.gather(*refs, return_exceptions=True)
+    for r in results:
+        if isinstance(r, BaseException) and not isinstance(r, (ray.exceptions.ObjectLostError,
+                                                                ray.exceptions.RayActorError)):
+            raise r
+    return dict(zip(map(id, refs), results))
 
 
 async def take_experience(buffer, version: int) -> tuple[list[list[Group]], list[list]]:
@@ -383,21 +388,15 @@ async def take_experience(buffer, version: int) -> tuple[list[list[Group]], list
     `RayActorError`: its maker died before handing it over) is given back with the rest of that take
     (`ExperienceBuffer.give_back`: its prompt made again) and the take is tried again, until every
     group taken arrives."""
-    LOST = _lost()  # noqa: N806 - gone from the store, or its maker died before handing it over
     while True:
         taken = await buffer.take.remote(version)
-        refs = list({id(g.item[0]): g.item[0] for groups in taken for g in groups}.values())
-        results = await asyncio.gather(*refs, return_exceptions=True)
-        for r in results:
-            if isinstance(r, BaseException) and not isinstance(r, LOST):
-                raise r
-        fetched = dict(zip(map(id, refs), results))
+        fetched = await settled([g for groups in taken for g in groups])
         lost = [(d, i) for d, groups in enumerate(taken) for i, g in enumerate(groups)
                 if isinstance(fetched[id(g.item[0])], BaseException)]
         if not lost:
             return taken, [[fetched[id(g.item[0])].index(slice(g.item[1], g.item[2])) for g in groups]
                            for groups in taken]
-        why = next(r for r in results if isinstance(r, BaseException))
+        why = next(r for r in fetched.values() if isinstance(r, BaseException))
         gone = await buffer.give_back.remote(taken, lost)
         log.warning("%d experience group%s lost from the object store (%s); %s prompt%s queued to be made again",
                     gone, "s" if gone > 1 else "", type(why).__name__, "their" if gone > 1 else "its",
