@@ -222,6 +222,7 @@ async def maker_round(rollout, tokenizer, tools: ToolRegistry, rows: list[dict],
     from types import SimpleNamespace
 
     from xray.config.env import EnvConfig
+    from xray.config.data import DataConfig
     from xray.run.detached.episode_maker import EpisodeMaking
     from xray.run.detached.maker import ExperienceMaker
 
@@ -230,7 +231,8 @@ async def maker_round(rollout, tokenizer, tools: ToolRegistry, rows: list[dict],
         rollout=SimpleNamespace(max_new_tokens=LIMITS.max_turn_tokens, n_samples=args.async_samples, temperature=1.0,
                                 top_p=1.0, top_k=-1, stop=()),
         env=EnvConfig(name="builtin:calculator", max_turns=LIMITS.max_turns, max_turn_tokens=LIMITS.max_turn_tokens,
-                      max_tokens=LIMITS.max_tokens))
+                      max_tokens=LIMITS.max_tokens),
+        data=DataConfig())  # the chat format: the character tokenizer has no template (plain text)
     buffer = LocalBuffer(rows)
     maker = ExperienceMaker(0, rollout, None, None, buffer, cfg, [tokenizer.eos_token_id], tokenizer.pad_token_id or 0,
                             share=args.async_in_flight, version=0, tokenizer=tokenizer)
