@@ -24,6 +24,7 @@ import signal
 import time
 
 import pytest
+import yaml
 
 from tests.e2e.test_ppo_e2e import config
 
@@ -134,11 +135,12 @@ def test_async_run_recovers(tmp_path, tiny_model, caplog, local_ray):
     """An asynchronous run (one trainer, two makers) whose actor Workhorse is killed during step 5:
     the actor is replaced and the trainer restores the newest snapshot in memory (step 4, or 3 when
     the kill cut step 4's copy) while the makers and the buffer go on; at most that one step runs
-    again, and the run finishes (a lost maker is replaced without going back: tests/e2e/test_async_e2e.py)."""
+    again, on the groups it had taken (given back to the buffer: its prompts are not skipped), and the
+    run finishes (a lost maker is replaced without going back: tests/e2e/test_async_e2e.py)."""
     import ray
 
     from algorithms.rl import rl_trainer
-    from tests.e2e.test_async_e2e import async_config
+    from tests.e2e.test_async_e2e import async_config, check_nothing_lost
     from xray.run.outputs import RunDir
     from xray.train import resolve
 
@@ -161,6 +163,12 @@ def test_async_run_recovers(tmp_path, tiny_model, caplog, local_ray):
                      r"buffer went on", log)
     assert back and int(back.group(1)) in (3, 4), log[-3000:]
     assert "async run back at the checkpoint" not in log  # no rollback to the disk, no new buffer
+    lost = re.search(r"the groups of (\d+) lost steps? given back to the buffer", log)
+    assert lost and 1 <= int(lost.group(1)) <= 2, log[-3000:]  # the step in flight, and the one before when
+    # its snapshot was cut
+    # the lost step's prompts trained, not skipped: every prompt drawn by step 6 is trained, queued
+    # or being made (a skipped step would have drawn rollout_batch_size prompts more)
+    check_nothing_lost(run.path / "checkpoints/step-000006", yaml.safe_load(path.read_text()))
 
 
 def test_a_fatal_failure_saves_its_newest_snapshot_and_the_resume_is_exact(tmp_path, tiny_model, caplog, local_ray):

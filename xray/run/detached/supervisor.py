@@ -8,7 +8,9 @@ ColossalChat's design on xray's WholeModels, each part a Ray actor with its own 
   have the reference and the reward score by reference, put each group into the buffer;
 - the **trainer** (`xray.run.detached.trainer`): take what is ready, recompute, train, publish
   weight versions to the makers without waiting for them.
-The driver starts them, streams the trainer's per-step metrics to `on_step` (loggers, progress,
+The buffer and the trainer are placed as the WholeModels are (`control_plane_placement`: on the head
+node, outside every device reservation), so neither goes with a lost Workhorse's node. The driver
+starts them, streams the trainer's per-step metrics to `on_step` (loggers, progress,
 checkpoints), lets the trainer run up to the next checkpoint step and takes the checkpoint there
 (the trainer's state, and the buffer's snapshot read at one instant: nothing lost, nothing
 trained twice on a resume), replaces a lost maker while the others and the trainer go on (its
@@ -17,8 +19,9 @@ No experience byte passes through the driver (a checkpoint's snapshot excepted, 
 When the trainer loses its actor or critic, the driver replaces those models and the trainer
 restores the snapshot in memory it took after its last step (`trainer.memory_snapshots`;
 `AsyncTrainer.recover`) while the makers and the buffer go on: at most the step in flight runs
-again. Without a complete snapshot the error ends `run`, and the run's recovery
-(`xray.run.recovery.recover.recover_async`) goes back to the latest checkpoint. Interleaving is not
+again, on the groups it had taken (given back to the buffer, not skipped). Without a complete
+snapshot the error ends `run`, and the run's recovery (`xray.run.recovery.recover.recover_async`)
+goes back to the latest checkpoint. Interleaving is not
 deterministic: runs are not bitwise repeatable.
 """
 from __future__ import annotations
@@ -33,6 +36,7 @@ from xray.config.graph import build_graph
 from xray.run.recovery.policy import RestartsExhausted
 from xray.run.rollout_log import ROLLOUT_ROWS
 from xray.wholemodel.errors import WholeModelError
+from xray.wholemodel.handle import control_plane_placement
 
 log = logging.getLogger(__name__)
 STOP_GRACE_S = 30.0
@@ -60,7 +64,7 @@ class Detached:
         self.share = cfg.ppo.rollout_batch_size // self.graph.trainers
         """Prompts a maker leases at a time, and each trainer takes a step."""
         a = cfg.async_
-        self.buffer = ray.remote(BufferActor).options(num_cpus=0).remote(
+        self.buffer = ray.remote(BufferActor).options(num_cpus=0, **control_plane_placement()).remote(
             data.train, data.sampler, self.share, [list(f) for f in self.graph.feeds], a.max_staleness,
             a.on_stale, a.buffer_capacity, trainer.state.step)
         self.makers: list = []
@@ -98,7 +102,8 @@ class Detached:
         self.makers = [self._maker(i, t.state.step) for i in range(len(self.graph.feeds))]
         self.runs = [asyncio.ensure_future(m.run.remote()) for m in self.makers]
         models = dataclasses.replace(t.models, starter=None)
-        self.learner = ray.remote(AsyncTrainer).options(num_cpus=0, max_concurrency=1000).remote(
+        self.learner = ray.remote(AsyncTrainer).options(num_cpus=0, max_concurrency=1000,
+                                                        **control_plane_placement()).remote(
             t.cfg, models, t.pad_id, t.stop_ids, self.buffer, self.makers, list(self.graph.pusher), t.state.step,
             t.kl.state_dict(), self.data.model_dir, self.run_path, t.algorithm)
 
@@ -284,9 +289,11 @@ class Detached:
             raise exc from None
         self.trainer.state.step = state["step"]
         self.trainer.kl.load_state_dict(state["kl"])
-        log.warning("%s replaced; the trainer is back at step %d, restored from %s in %.1f s; the makers and the "
-                    "buffer went on", ", ".join(sorted(set(dead) - {"rollout"})), state["step"],
-                    "the in-memory snapshot" if state["source"] == "memory" else "disk", time.perf_counter() - t0)
+        log.warning("%s replaced; the trainer is back at step %d, restored from %s in %.1f s, the groups of %d "
+                    "lost step%s given back to the buffer to train again; the makers and the buffer went on",
+                    ", ".join(sorted(set(dead) - {"rollout"})), state["step"],
+                    "the in-memory snapshot" if state["source"] == "memory" else "disk", time.perf_counter() - t0,
+                    state["given_back"], "" if state["given_back"] == 1 else "s")
 
     async def _start_makers(self, which: list[int]) -> dict:
         """New makers `which` (the old ones stopped), at the trainer's latest published version,

@@ -67,6 +67,9 @@ class AsyncTrainer:
         (`recover`); every load names it (`ExperienceMaker.load`)."""
         self.taken = step
         """The last step whose groups were taken from the buffer."""
+        self.in_hand: dict[int, list] = {}
+        """Step -> the groups it took, for the steps after the newest snapshot in memory: a recovery
+        gives them back to the buffer (the buffer owns their experience), trained again, not skipped."""
         self.publish_start()
 
     def _condition(self) -> asyncio.Condition:
@@ -125,15 +128,29 @@ class AsyncTrainer:
         self.t.kl.load_state_dict(held.trainer_state["kl"])
         self.t.state.step = held.step
         self.rollback = (self.rollback[0] + 1, held.step)  # versions above it now name other weights
-        await self.buffer.rewind.remote(held.step, self.taken - held.step, self.rollback[0])  # made again
+        back = await self.give_back(held.step)
+        await self.buffer.rewind.remote(held.step, self.taken - held.step - back, self.rollback[0])
         self.taken = held.step
         self.snapshots.forget_after(held.step)
         self.metrics = {s: m for s, m in self.metrics.items() if s <= held.step}
         from xray.sync.weights import random_probe  # publish the restored weights (a new maker's first
         # version); a maker holding a discarded version loads them first, whatever is on its way
         self.push(*random_probe(self.model_dir, models.actor.parallel.dp, 1, seed=held.step))
-        return {"step": held.step, "kl": self.t.kl.state_dict(),
+        return {"step": held.step, "kl": self.t.kl.state_dict(), "given_back": back,
                 "source": "memory" if set(sources) == {"memory"} else "disk"}
+
+    async def give_back(self, restored: int) -> int:
+        """Return the groups of the steps after `restored` (lost with the trainer's weights) to the
+        front of the buffer's queues, in their order: trained again, not skipped (those sampled by
+        weights the rollback discards are then made again from their prompts: `rewind`). How many
+        of those steps' groups were still in hand (an older snapshot's steps are no longer)."""
+        held, self.in_hand = self.in_hand, {}
+        steps = [s for s in sorted(held) if s > restored]
+        if not steps:
+            return 0
+        merged = [[g for s in steps for g in held[s][d]] for d in range(len(held[steps[0]]))]
+        await self.buffer.give_back.remote(merged, [])
+        return len(steps)
 
     def set_makers(self, makers: list) -> None:
         """Replaced makers (the pushes go to them from now on)."""
@@ -166,6 +183,10 @@ class AsyncTrainer:
         start = time.time()
         taken, batches = await take_experience(self.buffer, t.state.step)  # a group lost: made again
         self.taken = step
+        if self.snapshots is not None:  # what a recovery gives back: the steps after the newest snapshot
+            newest = self.snapshots.in_memory.step if self.snapshots.in_memory is not None else -1
+            self.in_hand = {s: g for s, g in self.in_hand.items() if s > newest}
+            self.in_hand[step] = taken
         parts = [Batch.concat(groups, pad_width=True) for groups in batches]
         exp = Batch.concat(parts, pad_width=True)
         waited_s = time.time() - start
