@@ -134,3 +134,46 @@ def test_lr_scaling_follows_the_global_batch():
         in text, text
     with pytest.raises(ConfigError, match="lr_scaling='cubic'; choose one of none, linear, sqrt"):
         elastic_cfg(dict(block, lr_scaling="cubic"))
+
+
+def nodes_cfg(train_ranks, rollout_ranks, block=BLOCK, nnodes="1:2"):
+    groups = {"nproc_per_node": 2, "nnodes": nnodes,
+              "rollout_group": {"device": "CPU", "ranks": rollout_ranks, "workers": ["rollout"]},
+              "train_group": {"device": "CPU", "ranks": train_ranks, "workers": ["actor", "critic", "reference"]}}
+    return elastic_cfg(block=block, groups=groups)
+
+
+def test_nnodes_min_max_as_torchrun_writes_it(tmp_path):
+    from xray.config import read_yaml
+    from xray.config.overrides import parse_overrides
+
+    # YAML 1.1 reads 1:2 as the base-60 integer 62; xray's loader keeps it as written
+    (tmp_path / "c.yaml").write_text("device_groups:\n  nnodes: 1:2\n  nproc_per_node: 2\n")
+    assert read_yaml(tmp_path / "c.yaml")["device_groups"]["nnodes"] == "1:2"
+    assert parse_overrides(["--device_groups.nnodes=1:4", "--x.y=1.5"]) == [("device_groups.nnodes", "1:4"), ("x.y", 1.5)]
+    # the elastic train group: rank 1 on the first node (its smallest size, 1), rank 2 on the second
+    cfg = nodes_cfg([1, 2], [0])
+    g = cfg.device_groups
+    assert (g.min_nnodes, g.nnodes, g.fewest_nodes, g.on_fewest_nodes(g.groups[1])) == (1, 2, 1, 1)
+    assert g.to_plain()["nnodes"] == "1:2"
+    plan = plan_run(cfg, "megatron-vllm", command_spec("ppo"))
+    assert plan.describe().startswith("placement plan (backend megatron-vllm; 1:2 node(s) x 2 devices)")
+    assert nodes_cfg([1, 2], [0], nnodes=2).device_groups.min_nnodes is None  # an int: no range
+    assert nodes_cfg([1, 2], [0], nnodes="2:2").device_groups.min_nnodes is None
+
+
+@pytest.mark.parametrize("value", ["2:1", "0:2", "1:x", "1:2:3", 0])
+def test_nnodes_ranges_that_cannot_be(value):
+    with pytest.raises(ConfigError, match=r"device_groups\.nnodes"):
+        nodes_cfg([1, 2], [0], nnodes=value)
+
+
+def test_nnodes_min_must_hold_what_cannot_shrink():
+    # the rollout is not elastic: on the second node it could not start on one node
+    with pytest.raises(ConfigError, match=r"rollout_group: 1 of its ranks lie beyond the first 1 node\(s\)"):
+        plan_run(nodes_cfg([0, 1], [2]), "megatron-vllm", command_spec("ppo"))
+    # the elastic group's smallest size (2) does not fit the one device it has on the first node
+    with pytest.raises(ConfigError, match=r"train_group: on the first 1 node\(s\) .* has 1 device\(s\), below the "
+                                          r"smallest size its elasticity allows \(2"):
+        plan_run(nodes_cfg([1, 2], [0], block=dict(BLOCK, min_gpus=2)), "megatron-vllm", command_spec("ppo"))
+    plan_run(nodes_cfg([0, 1], [2], nnodes="2:2"), "megatron-vllm", command_spec("ppo"))  # no range: no such check

@@ -16,6 +16,7 @@ from xray.config.overrides import apply_overrides, parse_overrides
 from xray.config.parallel import LayoutError, ParallelDims
 from xray.config.schema import RunConfig
 from xray.config.typed import ConfigError, build, to_dict
+from xray.config.yaml_text import load_yaml
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 """The shipped configs; each command's spec names its default there (`xray.config.job.JobSpec.config`)."""
@@ -27,7 +28,7 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist; pass an existing YAML with --config")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = load_yaml(path.read_text())
     except yaml.YAMLError as exc:
         raise ConfigError(f"config file {str(path)!r} is not valid YAML: {exc}") from None
     if data is None:

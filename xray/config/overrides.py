@@ -11,6 +11,7 @@ from typing import Any
 import yaml
 
 from xray.config.typed import ConfigError
+from xray.config.yaml_text import load_yaml
 
 
 def parse_overrides(args: list[str]) -> list[tuple[str, Any]]:
@@ -30,7 +31,7 @@ def parse_overrides(args: list[str]) -> list[tuple[str, Any]]:
         else:
             raise ConfigError(f"override {arg!r} has no value; write --{body}=VALUE")
         try:
-            value = yaml.safe_load(raw) if raw != "" else ""
+            value = load_yaml(raw) if raw != "" else ""
         except yaml.YAMLError:
             value = raw
         out.append((key, value))

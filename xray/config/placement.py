@@ -4,7 +4,7 @@ Format, as in ms-swift's Ray support:
 
     device_groups:
       nproc_per_node: 4          # devices per node the cluster must offer
-      nnodes: 1                  # nodes (optional, default 1)
+      nnodes: 1                  # nodes (optional, default 1), or min:max as torchrun's --nnodes
       train_group:               # any name
         device: GPU              # GPU or CPU
         ranks: list(range(0, 2)) # device indices: a list, an int count, or list(range(a, b))
@@ -17,6 +17,11 @@ the groups written before it. On CPU a "device" is one Workhorse process with a 
 torch threads. `list(range(...))` is parsed with a pattern, never evaluated. `resources` are custom
 Ray resources (node labels) each of the group's devices also reserves: a group then lands only on
 nodes started with them (`ray start --resources='{"trainer_node": 1}'`).
+
+`nnodes: MIN:MAX` (torchrun's and DLRover's `--nnodes`) lays the ranks out over MAX nodes and lets
+the run start on MIN: every group that is not elastic must lie on the first MIN nodes' ranks, and
+an elastic group (its trained roles set `elasticity`, `xray/config/batches.py`) must reach its
+smallest size there; it starts on what the cluster grants and grows as nodes join.
 """
 from __future__ import annotations
 
@@ -69,7 +74,10 @@ class DeviceGroups:
     nproc_per_node: int = 2
     """Devices per node the cluster must offer."""
     nnodes: int = 1
-    """Nodes in the cluster."""
+    """Nodes in the cluster: an int, or `MIN:MAX` as torchrun's `--nnodes` (ranks laid out over MAX
+    nodes; the run starts on MIN, its elastic groups growing as nodes join)."""
+    min_nnodes: int | None = None
+    """The fewest nodes the run starts on (`MIN` of `nnodes: MIN:MAX`); None: `nnodes`."""
     groups: tuple[DeviceGroup, ...] = field(default_factory=tuple)
     """The named groups, in YAML order: every other key of the section is one."""
 
@@ -78,7 +86,7 @@ class DeviceGroups:
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: expected a mapping with nproc_per_node and named groups")
         nproc = _positive_int(data.get("nproc_per_node", 2), f"{path}.nproc_per_node")
-        nnodes = _positive_int(data.get("nnodes", 1), f"{path}.nnodes")
+        least, nnodes = _node_range(data.get("nnodes", 1), f"{path}.nnodes")
         groups, offset = [], 0
         for name, body in data.items():
             if name in ("nproc_per_node", "nnodes"):
@@ -86,7 +94,8 @@ class DeviceGroups:
             group = _parse_group(str(name), body, offset, f"{path}.{name}")
             offset = max(offset, max(group.ranks) + 1) if group.ranks else offset
             groups.append(group)
-        result = cls(nproc_per_node=nproc, nnodes=nnodes, groups=tuple(groups))
+        result = cls(nproc_per_node=nproc, nnodes=nnodes, groups=tuple(groups),
+                     min_nnodes=least if least != nnodes else None)
         result.check(path)
         return result
 
@@ -117,6 +126,15 @@ class DeviceGroups:
                         "list each role in exactly one group's workers")
                 seen[w] = g.name
 
+    @property
+    def fewest_nodes(self) -> int:
+        """The nodes the run may start on: `MIN` of `nnodes: MIN:MAX`, else `nnodes`."""
+        return self.nnodes if self.min_nnodes is None else self.min_nnodes
+
+    def on_fewest_nodes(self, group: DeviceGroup) -> int:
+        """How many of `group`'s ranks lie on the first `fewest_nodes` nodes."""
+        return sum(r < self.fewest_nodes * self.nproc_per_node for r in group.ranks)
+
     def group_of(self, role: str) -> DeviceGroup | None:
         for g in self.groups:
             if role in g.workers:
@@ -127,7 +145,8 @@ class DeviceGroups:
         return rank // self.nproc_per_node
 
     def to_plain(self) -> dict:
-        out: dict[str, Any] = {"nproc_per_node": self.nproc_per_node, "nnodes": self.nnodes}
+        out: dict[str, Any] = {"nproc_per_node": self.nproc_per_node,
+                               "nnodes": self.nnodes if self.min_nnodes is None else f"{self.min_nnodes}:{self.nnodes}"}
         for g in self.groups:
             out[g.name] = {"device": g.device, "ranks": plain_ranks(g.ranks), "workers": list(g.workers)}
             if g.resources:
@@ -141,6 +160,20 @@ def plain_ranks(ranks: tuple[int, ...]) -> list[int] | str:
     if len(ranks) > 2 and list(ranks) == list(range(ranks[0], ranks[-1] + 1)):
         return f"list(range({ranks[0]}, {ranks[-1] + 1}))"
     return list(ranks)
+
+
+def _node_range(value: Any, path: str) -> tuple[int, int]:
+    """(MIN, MAX) of `nnodes`: an int N (N, N), or `"MIN:MAX"` with 1 <= MIN <= MAX."""
+    if isinstance(value, str) and ":" in value:
+        parts = value.split(":")
+        if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+            raise ConfigError(f"{path}: expected an int or MIN:MAX (as torchrun's --nnodes, e.g. 1:4), got {value!r}")
+        least, most = (int(p) for p in parts)
+        if not 1 <= least <= most:
+            raise ConfigError(f"{path}: {value!r} needs 1 <= MIN <= MAX; write e.g. 1:{max(most, 1)}")
+        return least, most
+    count = _positive_int(value, path)
+    return count, count
 
 
 def _positive_int(value: Any, path: str) -> int:

@@ -102,6 +102,9 @@ class Plan:
     """With `actor.lora` in an RL run: what a weight sync sends the rollout, "adapters" (vLLM
     serves the adapter) or "merged" (W + alpha/r B A, for DeepSpeed-Inference); None without."""
 
+    min_nnodes: int | None = None
+    """The fewest nodes the run starts on (`device_groups.nnodes: MIN:MAX`); None: `nnodes`."""
+
     def role(self, name: str) -> RolePlan:
         for r in self.roles:
             if r.role == name:
@@ -113,7 +116,8 @@ class Plan:
         return self.role(a).group == self.role(b).group
 
     def describe(self) -> str:
-        lines = [f"placement plan (backend {self.backend}; {self.nnodes} node(s) x "
+        nodes = self.nnodes if self.min_nnodes is None else f"{self.min_nnodes}:{self.nnodes}"
+        lines = [f"placement plan (backend {self.backend}; {nodes} node(s) x "
                  f"{self.nproc_per_node} devices):"]
         for r in self.roles:
             p = r.parallel
@@ -307,6 +311,28 @@ def _with_packs(roles: list[RolePlan], per_node: int) -> list[RolePlan]:
     return [replace(r, packs=packs[r.group]) for r in roles]
 
 
+def _check_node_range(cfg: RunConfig, groups) -> None:
+    """With `nnodes: MIN:MAX` the run must be able to start on MIN nodes: a group that is not
+    elastic lies on their ranks, an elastic one reaches its smallest size on them."""
+    if groups.min_nnodes is None:
+        return
+    least, elastic = groups.fewest_nodes, {er.group: er for er in elastic_ranges(cfg, groups)}
+    for g in groups.groups:
+        there = groups.on_fewest_nodes(g)
+        er = elastic.get(g.name)
+        if er is None and there < g.size:
+            raise ConfigError(
+                f"device_groups.{g.name}: {g.size - there} of its ranks lie beyond the first {least} node(s) "
+                f"(nnodes {least}:{groups.nnodes}) and the group is not elastic, so the run could not start on "
+                f"{least} node(s); move its ranks below {least * groups.nproc_per_node}, set elasticity on its "
+                "trained roles, or raise MIN")
+        if er is not None and there < er.smallest:
+            raise ConfigError(
+                f"device_groups.{g.name}: on the first {least} node(s) (nnodes {least}:{groups.nnodes}) the group "
+                f"has {there} device(s), below the smallest size its elasticity allows ({er.smallest}; sizes "
+                f"{list(er.sizes)}); lower min_gpus, move its ranks onto the first nodes, or raise MIN")
+
+
 def _check_batches(cfg: RunConfig, plan: Plan) -> None:
     _check_sampling(cfg, plan)
     if cfg.trainer.standby_workhorses < 0:
@@ -457,10 +483,11 @@ def plan_run(cfg: RunConfig, backend: str, spec: JobSpec) -> Plan:
                               ranks=g.ranks, nodes=tuple(groups.node_of(r) for r in g.ranks),
                               parallel=dims, resources=g.resources))
     plan = Plan(backend=backend, roles=tuple(_with_packs(roles, groups.nproc_per_node)),
-                nproc_per_node=groups.nproc_per_node, nnodes=groups.nnodes,
+                nproc_per_node=groups.nproc_per_node, nnodes=groups.nnodes, min_nnodes=groups.min_nnodes,
                 rollout_sleep="rollout" in needed and rollout_sleeps(cfg, gen_backend),
                 rollout_quantization=_quantization_of(cfg, roles, gen_backend),
                 lora_sync=_lora_sync(cfg, spec, gen_backend), elastic=_elastic_plans(cfg, spec))
+    _check_node_range(cfg, groups)
     checks = {"supervised": _check_sft_batches, "reward_model": _check_rm_batches,
               "best_of_n": lambda c, p: _check_sampling(c, p, "sampler"), "rl": _check_batches}
     checks[spec.kind](cfg, plan)

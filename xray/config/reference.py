@@ -205,7 +205,9 @@ def device_groups_block(key: str, doc: str) -> list[str]:
     """`device_groups`, which has a format of its own (`DeviceGroups.from_config`): two counts,
     then one group per other key, written as `xray.config.placement` reads it."""
     lines = [f"## {key}", "", one_paragraph(DeviceGroups.__doc__), "", f"`{key}`: {doc}", ""]
-    lines += [field_line(DeviceGroups, f) for f in config_fields(DeviceGroups) if f.name != "groups"]
+    forms = {"nnodes": ("int or `MIN:MAX`", "default `1`")}  # MIN is kept as min_nnodes, not a key
+    lines += [field_line(DeviceGroups, f, forms.get(f.name)) for f in config_fields(DeviceGroups)
+              if f.name not in ("groups", "min_nnodes")]
     lines += [f"- **`NAME`** (section (below), one per group): {one_paragraph(field_docs(DeviceGroups)['groups'])}",
               "", f"### {key}.NAME", "", one_paragraph(DeviceGroup.__doc__), "",
               f"`NAME`: {one_paragraph(field_docs(DeviceGroup)['name'])}", ""]

@@ -21,13 +21,13 @@ import sys
 from pathlib import Path
 
 import torch
-import yaml
 
 from xray.backends.hf_dir import save_hf_model
 from xray.backends.lora import save_adapter
 from xray.builtin.smollm2 import SMOLLM2_MODEL
 from xray.config.lora import PEFT_PREFIX, LoraConfig
 from xray.config.typed import build
+from xray.config.yaml_text import load_yaml
 from xray.run.inputs import model_directory
 from xray.run.outputs import TRAINER_STATE, read_trainer_state
 
@@ -44,7 +44,7 @@ def run_config(checkpoint: Path) -> dict:
     """The run's resolved config (`config.yaml` two levels above a step checkpoint), as plain data;
     empty if the checkpoint was moved away from its run."""
     path = checkpoint.parent.parent / "config.yaml"
-    return (yaml.safe_load(path.read_text()) or {}) if path.is_file() else {}
+    return (load_yaml(path.read_text()) or {}) if path.is_file() else {}
 
 
 def source_model_dir(checkpoint: Path, role: str, config: dict, given: str | None = None) -> str:
