@@ -132,7 +132,8 @@ def test_dead_workhorses_are_replaced(tmp_path, tiny_model, backend, trained, ca
 
 @pytest.mark.slow
 def test_async_run_recovers(tmp_path, tiny_model, caplog, local_ray):
-    """An asynchronous run (one trainer, two makers) whose actor Workhorse is killed during step 5:
+    """An asynchronous run (one trainer, two makers) whose actor Workhorse is killed during step 5
+    (and whose rollout and critic Workhorses are told to drain in steps 3 and 6, checked below):
     the actor is replaced and the trainer restores the newest snapshot in memory (step 4, or 3 when
     the kill cut step 4's copy) while the makers and the buffer go on; at most that one step runs
     again, on the groups it had taken (given back to the buffer: its prompts are not skipped), and the
@@ -145,13 +146,17 @@ def test_async_run_recovers(tmp_path, tiny_model, caplog, local_ray):
     from xray.train import resolve
 
     path = async_config(tmp_path, tiny_model, "megatron-vllm", 1)
-    _, cfg, plan, _, _ = resolve(["ppo", "--backend", "megatron-vllm", "--config", str(path), "--trainer.steps=8"])
+    _, cfg, plan, _, _ = resolve(["ppo", "--backend", "megatron-vllm", "--config", str(path), "--trainer.steps=8",
+                                  "--trainer.max_restarts=1"])  # the kill's; the drains take none
     run = RunDir(tmp_path / "run")
     caplog.set_level(logging.WARNING)
     with rl_trainer(cfg, plan, run) as (trainer, data):
-        kills = [(5, "actor", ray.get(trainer.models.actor.shard_handles()[0].pid.remote()), 0.0)]
+        pid = {role: ray.get(getattr(trainer.models, role).shard_handles()[0].pid.remote())
+               for role in ("actor", "critic", "rollout")}
+        kills = [(3, "rollout", pid["rollout"], 0.0, signal.SIGTERM), (5, "actor", pid["actor"], 0.0),
+                 (6, "critic", pid["critic"], 0.1, signal.SIGTERM)]  # steps after it: the last push is loaded
         _, killed = train_with_kills(trainer, run, data, kills, quiet=True)
-    assert [role for role, _ in killed] == ["actor"] and trainer.state.step == 8
+    assert [role for role, _ in killed] == ["rollout", "actor", "critic"] and trainer.state.step == 8
     last = [json.loads(line) for line in (run.path / "metrics.jsonl").read_text().splitlines()][-1]
     assert last["step"] == 8 and last["sync/version"] == 7  # the makers took the trainer's pushes
     rows = steps_logged(run)
@@ -169,6 +174,14 @@ def test_async_run_recovers(tmp_path, tiny_model, caplog, local_ray):
     # the lost step's prompts trained, not skipped: every prompt drawn by step 6 is trained, queued
     # or being made (a skipped step would have drawn rollout_batch_size prompts more)
     check_nothing_lost(run.path / "checkpoints/step-000006", yaml.safe_load(path.read_text()))
+    # drains (SIGTERM): the maker's replica restarted at once, the critic replaced once the trainer finished its
+    # step, from that step's snapshot (no step run again), neither charged to max_restarts (1, the kill's)
+    assert "drain notice (SIGTERM) from rollout rank 0" in log and "experience maker 0 replaced after a drain" in log
+    drained = re.search(r"critic replaced after a drain notice in [\d.]+ s; the trainer is at step (\d+), restored "
+                        r"from the in-memory snapshot", log)
+    assert drained and int(drained.group(1)) >= 5, log[-3000:]
+    assert all(rows[s] == 1 for s in range(int(drained.group(1)), 9)), rows
+    assert "experience maker 0 failed" not in log and "critic: replaced" in log
 
 
 def test_a_fatal_failure_saves_its_newest_snapshot_and_the_resume_is_exact(tmp_path, tiny_model, caplog, local_ray):

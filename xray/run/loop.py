@@ -205,7 +205,8 @@ async def async_steps(trainer: RLTrainer, run: RunDir, data: RunData, current: l
         await save_checkpoint(trainer, checkpoints, data, current[0])  # somewhere to go back to
     while True:
         try:
-            await current[0].run(range(trainer.state.step + 1, cfg.trainer.steps + 1), on_step, stop, on_stop)
+            await current[0].run(range(trainer.state.step + 1, cfg.trainer.steps + 1), on_step, stop, on_stop,
+                                 checkpoints.settle)
             break
         except WholeModelError as exc:  # makers and buffer are stopped: start them again
             current[0] = await recover_async(exc, trainer, data, checkpoints, run)

@@ -321,12 +321,9 @@ def build_models(cfg: RunConfig, plan: Plan, model_dir: str, ray_address: str | 
     check_layouts(cfg, plan, model_dir)
     ensure_ray(ray_address, num_cpus=plan.nproc_per_node * plan.nnodes * cfg.threads_per_worker)
     from xray.wholemodel.handle import control_plane_placement
-    from xray.workhorse.drain import close_inbox, open_inbox
+    from xray.workhorse.drain import open_inbox
 
-    if cfg.trainer.mode == "sync":  # a SIGTERMed Workhorse tells the run (xray/workhorse/drain.py)
-        open_inbox(control_plane_placement())
-    else:
-        close_inbox()
+    open_inbox(control_plane_placement())  # a SIGTERMed Workhorse tells the run (xray/workhorse/drain.py)
     plan, bundles = reserve_elastic(cfg, plan)
 
     def start(role_plan: RolePlan, devices: Bundles, model: WholeModel | None = None) -> WholeModel:

@@ -1,15 +1,17 @@
 """Drain notices: a Workhorse told to stop (SIGTERM: its node draining, a preemption notice) says
-so, and a synchronous run replaces it at the next step boundary from that step's snapshot in
-memory (`xray/run/checkpoints.py`), losing nothing, instead of finding it dead in a step.
+so, and a run replaces it, losing nothing, instead of finding it dead in a step: a synchronous run
+at the next step boundary from that step's snapshot in memory (`xray/run/checkpoints.py`); an
+asynchronous one (`xray/run/detached/supervisor.py`, `Detached.drained`) a rollout replica or a
+scoring model at once, a trained model once the trainer has finished its step and its snapshot.
 
 `listen` (each Workhorse, at start) turns SIGTERM into a notice to the run's `DrainInbox`, a named
-actor of the driver's job that a synchronous run opens before it starts its models (`open_inbox`),
+actor of the driver's job that a run opens before it starts its models (`open_inbox`),
 and a deadline: the Workhorse goes on serving for
 `XRAY_DRAIN_GRACE_S` seconds (30 by default, as a preempted Kubernetes pod gets) and then exits.
-The run takes the notices after each step (`DrainInbox.take`: one call to an idle actor, not
-queued behind the Workhorses' snapshot copies) and replaces the models that got one
-(`xray/run/recovery/recover.py`, `replace_drained`). Without an inbox (an asynchronous run, a
-notebook's models) SIGTERM ends the Workhorse at once, and a run recovers it as a lost one.
+A synchronous run takes the notices after each step, an asynchronous one twice a second
+(`DrainInbox.take`: one call to an idle actor, not queued behind the Workhorses' snapshot copies),
+and replaces the models that got one (`xray/run/recovery/recover.py`, `replace_drained`). Without an
+inbox (a notebook's models) SIGTERM ends the Workhorse at once.
 """
 from __future__ import annotations
 
@@ -66,17 +68,6 @@ def open_inbox(placement: dict | None = None):
     return inbox
 
 
-def close_inbox() -> None:
-    """No inbox for this job's Workhorses started from now on (an asynchronous run reads none)."""
-    import ray
-
-    _held.clear()
-    try:
-        ray.kill(ray.get_actor(inbox_name()))
-    except ValueError:
-        pass
-
-
 def listen(role: str, rank: int) -> None:
     """In a Workhorse's process: if a run opened the job's inbox, SIGTERM tells it and the process
     exits `GRACE_S` seconds later (a second SIGTERM: at once). Otherwise, and off the main thread,
@@ -87,7 +78,7 @@ def listen(role: str, rank: int) -> None:
         return
     try:
         inbox = ray.get_actor(inbox_name())
-    except ValueError:  # no run listening: a notebook's models, an asynchronous run
+    except ValueError:  # no run listening: a notebook's models
         return
     told: list[bool] = []
 

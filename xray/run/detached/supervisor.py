@@ -77,6 +77,14 @@ class Detached:
         self.handed: dict[str, set[int]] = {}
         """Role -> the makers that went on when it was replaced (given the new one: `use_models`); one of
         them failing on the old one is the same fault, not counted again."""
+        from xray.workhorse.drain import open_inbox
+
+        self.inbox = open_inbox()
+        """The drain notices of SIGTERMed Workhorses (`xray/workhorse/drain.py`), read twice a second."""
+        self.draining: set[str] = set()
+        """Trained roles told to drain: replaced once the trainer has stopped after its step."""
+        self.settle_driver = None
+        """Awaited before a drained trained model is replaced (`run`'s `settle`)."""
 
     # -- the parts -------------------------------------------------------------------------------
     def _maker(self, i: int, version: int):
@@ -120,12 +128,14 @@ class Detached:
         self.makers, self.runs, self.learner = [], [], None
 
     # -- the run ---------------------------------------------------------------------------------
-    async def run(self, steps: range, on_step, stop=None, on_stop=None) -> None:
+    async def run(self, steps: range, on_step, stop=None, on_stop=None, settle=None) -> None:
         """Trainer steps `steps` with the makers running beside them; awaits `on_step(step, metrics)`
         after each (metrics, checkpoints at `trainer.save_every`, between which the trainer runs
         on its own); ends early when `stop` (a `GracefulStop`) is requested, awaiting `on_stop()`
-        (the last checkpoint) while the buffer still stands. The makers end holding the trainer's
-        last weights (for the evaluation)."""
+        (the last checkpoint) while the buffer still stands. `settle()` is awaited before a trained
+        model told to drain is replaced (the driver's checkpoint being taken from it completes).
+        The makers end holding the trainer's last weights (for the evaluation)."""
+        self.settle_driver = settle
         cfg = self.trainer.cfg
         self.start()
         try:
@@ -137,6 +147,10 @@ class Detached:
                     await self.segment(first, until, on_step, stop)
                 except WholeModelError as exc:
                     await self.recover_trainer(exc)
+                    first = self.trainer.state.step + 1
+                    continue
+                if self.draining:  # the trainer stopped after its step for a drain notice
+                    await self.replace_drained_trained()
                     first = self.trainer.state.step + 1
                     continue
                 if self.trainer.state.step < first and not (stop is not None and stop.requested):
@@ -187,15 +201,64 @@ class Detached:
         makers that fail while it trains and passing a signal on to it."""
         got = asyncio.ensure_future(self.learner.next_metrics.remote(step, self.trainer_runs))
         while True:
-            done, _ = await asyncio.wait([got, *self.runs], return_when=asyncio.FIRST_COMPLETED,
-                                         timeout=0.5 if stop is not None else None)
+            done, _ = await asyncio.wait([got, *self.runs], return_when=asyncio.FIRST_COMPLETED, timeout=0.5)
             if stop is not None and stop.requested:
                 self.learner.request_stop.remote()
-            if got in done:
-                return await _unwrapped(got)
             failed = [i for i, r in enumerate(self.runs) if r in done]
             if failed:
                 await self.replace_failed(failed)
+            if notices := await self.inbox.take.remote():  # every step too: steps may be shorter than 0.5 s
+                await self.drained(notices)
+            if got.done():
+                return await _unwrapped(got)
+
+    async def drained(self, notices: list[tuple[str, int, int]]) -> None:
+        """Workhorses told to drain (SIGTERM: a preemption notice; each goes on serving for its grace,
+        `XRAY_DRAIN_GRACE_S`): a rollout replica's maker is stopped (its prompts queued again) and
+        the replica restarted with a new maker, a reference, teacher or reward model started anew and
+        handed to the makers, at once; a trained model once the trainer has finished the step under
+        way (`replace_drained_trained`). None of it counts against `trainer.max_restarts`."""
+        models = self.trainer.models
+        log.warning("drain notice (SIGTERM) from %s", ", ".join(f"{role} rank {rank} (pid {pid})"
+                                                                 for role, rank, pid in notices))
+        roles = {role for role, _, _ in notices}
+        trained = roles & set(self.trainer.trained)
+        if trained and (self.run_path is None or not self.trainer.cfg.trainer.memory_snapshots):
+            log.warning("no snapshot in memory to restore %s from (trainer.memory_snapshots is off): it is "
+                        "recovered as a lost Workhorse when it exits", ", ".join(sorted(trained)))
+        elif trained:
+            self.draining |= trained
+            self.learner.request_stop.remote()  # after the step under way, whose snapshot is then taken
+        t0 = time.perf_counter()
+        replicas = sorted({models.rollout.layout[rank].dp_rank for role, rank, _ in notices if role == "rollout"})
+        scorers = sorted(roles & {"reference", "teacher", "reward"})
+        if not replicas and not scorers:
+            return
+        await self._stop_makers(replicas)
+        for replica in replicas:
+            await asyncio.to_thread(models.rollout.restart_replica, replica)
+        await self._replace_scorers(scorers, [i for i in range(len(self.makers)) if i not in replicas])
+        await self._start_makers(replicas)
+        log.warning("%s replaced after a drain notice in %.1f s; the trainer and the other makers went on",
+                    ", ".join([f"experience maker {i}" for i in replicas] + scorers), time.perf_counter() - t0)
+
+    async def replace_drained_trained(self) -> None:
+        """The trainer stopped after its step for a drain notice to `draining`: once that step's
+        snapshot in memory is complete, start those models anew and have the trainer restore it
+        (nothing runs again) while the makers and the buffer went on."""
+        roles, self.draining = sorted(self.draining), set()
+        t0 = time.perf_counter()
+        await _unwrapped(self.learner.settle.remote())  # the last step's snapshot, from the draining Workhorses
+        if self.settle_driver is not None:  # and a checkpoint the driver is taking from them
+            await self.settle_driver()
+        for role in roles:
+            await asyncio.to_thread(self.trainer.models.replace, role)
+        state = await _unwrapped(self.learner.recover.remote(dataclasses.replace(self.trainer.models, starter=None)))
+        self.trainer.state.step = state["step"]
+        self.trainer.kl.load_state_dict(state["kl"])
+        log.warning("%s replaced after a drain notice in %.1f s; the trainer is at step %d, restored from %s; the "
+                    "makers and the buffer went on", ", ".join(roles), time.perf_counter() - t0, state["step"],
+                    "the in-memory snapshot" if state["source"] == "memory" else "disk")
 
     async def pull_state(self) -> None:
         """The driver's trainer takes the trainer actor's state (step, KL controller), for a checkpoint."""

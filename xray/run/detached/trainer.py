@@ -110,6 +110,11 @@ class AsyncTrainer:
     def state(self) -> dict:
         return {"step": self.t.state.step, "kl": self.t.kl.state_dict()}
 
+    async def settle(self) -> None:
+        """Wait until the snapshots being taken are complete (or failed)."""
+        if self.snapshots is not None:
+            await self.snapshots.settle()
+
     async def recover(self, models) -> dict:
         """After the actor or critic lost a Workhorse (the driver replaced their models: `models`),
         restore both from the newest complete snapshot in memory and publish its weights; the makers
@@ -118,6 +123,7 @@ class AsyncTrainer:
         if self.snapshots is None:
             raise RuntimeError("no snapshots in memory (trainer.memory_snapshots is off)")
         self.t.models = models
+        self.stopping = False  # a stop asked for the run that ended (it may have ended on its own first)
         self.snapshots.follow(models)
         await self.snapshots.settle()
         held = self.snapshots.restorable()
