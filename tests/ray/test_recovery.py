@@ -87,14 +87,16 @@ def test_dead_workhorses_are_replaced(tmp_path, tiny_model, backend, trained, ca
 
     path = config(tmp_path, tiny_model, backend)
     standby = int(trained == "actor")  # the megatron run keeps a warm standby process per model (docs/runs.md)
+    aborting = trained == "critic"  # the actor told to drain with a 1 s grace in step 8: that step aborted
     _, cfg, plan, _, _ = resolve(["ppo", "--backend", backend, "--config", str(path), "--trainer.steps=10",
-                                  "--trainer.save_every=3", f"--trainer.standby_workhorses={standby}"])
+                                  "--trainer.save_every=3", f"--trainer.standby_workhorses={standby}",
+                                  *(["--trainer.drain_grace_s=1.0", "--trainer.max_restarts=1"] if aborting else [])])
     run = RunDir(tmp_path / "run")
     caplog.set_level(logging.WARNING)
     delay = random.uniform(0.0, 1.0)  # a step of this run takes about 1.5 s
     with rl_trainer(cfg, plan, run) as (trainer, data):
         pid = {role: ray.get(getattr(trainer.models, role).shard_handles()[0].pid.remote())
-               for role in (trained, "rollout", "critic")}
+               for role in (trained, "rollout", "critic", "actor")}
         deadline = time.monotonic() + 120
         while standby and not trainer.models.keep_standby(check=True):
             assert time.monotonic() < deadline, "the standby processes never warmed"
@@ -104,6 +106,8 @@ def test_dead_workhorses_are_replaced(tmp_path, tiny_model, backend, trained, ca
         kills = [(5, trained, pid[trained], delay)]
         if trained == "actor":  # the rollout lost in step 8; the critic told to drain during step 9
             kills += [(8, "rollout", pid["rollout"], 0.0), (9, "critic", pid["critic"], 0.3, signal.SIGTERM)]
+        if aborting:
+            kills += [(8, "actor", pid["actor"], 0.2, signal.SIGTERM)]
         _, killed = train_with_kills(trainer, run, data, kills)
         now = {role: {p["pid"] for p in getattr(trainer.models, role).ping().get()} for role in warm}
     if standby:  # the replacements (the killed actor, the drained critic) were built in the warm standbys
@@ -120,6 +124,13 @@ def test_dead_workhorses_are_replaced(tmp_path, tiny_model, backend, trained, ca
     redone = {step: n - 1 for step, n in rows.items() if n > 1}
     assert set(redone) <= {int(back.group(1)) + 1} and max(redone.values(), default=1) == 1, (delay, rows)
     assert f"{trained}: replaced" in log
+    if aborting:  # the step (about 1.5 s) would outlast the 1 s grace: aborted at once, the actor replaced, every
+        # trained model back at step 7's snapshot, step 8 run again (once logged) and no restart charged (max 1)
+        aborted = re.search(r"step aborted ([\d.]+) s in \(expected ([\d.]+) s\)", log)
+        assert aborted and float(aborted.group(1)) < 1.0, log[-3000:]
+        assert "replacing actor having aborted step 8" in log, log[-3000:]
+        assert re.search(r"actor replaced after a drain notice in [\d.]+ s; at step 7, restored from the in-memory", log)
+        assert "Workhorses died ({'actor'" not in log
     assert ("rollout: replaced" in log) == (trained == "actor")
     if trained == "actor":  # the drained critic: replaced after step 9 from its snapshot, nothing run again (or
         # after step 10 when its notice reached the inbox only after step 9 ended: seen once on a busy host, the
@@ -220,3 +231,41 @@ def test_a_fatal_failure_saves_its_newest_snapshot_and_the_resume_is_exact(tmp_p
     assert sorted(resumed) == [1, 2, 3] and trainer.state.step == 3
     for step in range(int(saved.name[5:]) + 1, 4):
         assert stable(resumed[step]) == stable(uninterrupted[step]), step
+
+
+class _Listening:
+    """A process that listens for SIGTERM as a Workhorse does (xray/workhorse/drain.py)."""
+
+    def __init__(self) -> None:
+        from xray.workhorse.drain import listen
+
+        listen("probe", 3)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+def test_a_drained_process_tells_the_run_and_serves_for_the_runs_grace(local_ray):
+    """`trainer.drain_grace_s` reaches the Workhorses through the inbox: a SIGTERMed process posts its
+    notice at once and exits that grace later, not 30 s (the default) and not at once."""
+    import psutil
+    import ray
+
+    from xray.workhorse.drain import open_inbox
+
+    inbox = open_inbox(grace_s=3.0)
+    probe = ray.remote(num_cpus=0)(_Listening).remote()
+    pid = ray.get(probe.pid.remote())
+    t0 = time.monotonic()
+    os.kill(pid, signal.SIGTERM)
+    assert ray.get(probe.pid.remote()) == pid  # still serving (a call runs the Python handler too)
+    notices = []
+    while not notices and time.monotonic() - t0 < 10:
+        notices = ray.get(inbox.take.remote())
+        time.sleep(0.05)
+    assert notices == [("probe", 3, pid)] and time.monotonic() - t0 < 2.0
+    while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE and time.monotonic() - t0 < 20:
+        time.sleep(0.05)
+    gone = time.monotonic() - t0
+    assert 2.5 <= gone <= 6.0, gone  # the run's 3 s (its process' exit takes a moment)
+    open_inbox(grace_s=30.0)  # as the next run finds it

@@ -222,7 +222,10 @@ def test_an_asynchronous_run_hands_its_trainers_rollouts_to_the_driver():
     detached.trainer = SimpleNamespace(state=SimpleNamespace(step=0), kl=SimpleNamespace(load_state_dict=lambda s: None),
                                        rollout_rows=[])
     detached.learner = SimpleNamespace(run=Remote(run), next_metrics=Remote(next_metrics), state=Remote(state))
-    detached.runs, detached.trainer_runs = [], 0
+    async def no_notices():
+        return []
+
+    detached.runs, detached.trainer_runs, detached.inbox = [], 0, SimpleNamespace(take=Remote(no_notices))
     seen = []
 
     async def on_step(step, metrics):

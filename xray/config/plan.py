@@ -311,6 +311,15 @@ def _with_packs(roles: list[RolePlan], per_node: int) -> list[RolePlan]:
     return [replace(r, packs=packs[r.group]) for r in roles]
 
 
+def _check_graces(cfg: RunConfig) -> None:
+    t = cfg.trainer
+    if not t.drain_grace_s > 0:
+        raise ConfigError(f"trainer.drain_grace_s={t.drain_grace_s} must be > 0: the seconds a Workhorse told to "
+                          "drain serves on (your cluster's preemption grace, 30 s in Kubernetes)")
+    if t.exit_grace_s is not None and t.exit_grace_s < 0:
+        raise ConfigError(f"trainer.exit_grace_s={t.exit_grace_s} must be >= 0, or null to size it to the step")
+
+
 def _check_node_range(cfg: RunConfig, groups) -> None:
     """With `nnodes: MIN:MAX` the run must be able to start on MIN nodes: a group that is not
     elastic lies on their ranks, an elastic one reaches its smallest size on them."""
@@ -488,6 +497,7 @@ def plan_run(cfg: RunConfig, backend: str, spec: JobSpec) -> Plan:
                 rollout_quantization=_quantization_of(cfg, roles, gen_backend),
                 lora_sync=_lora_sync(cfg, spec, gen_backend), elastic=_elastic_plans(cfg, spec))
     _check_node_range(cfg, groups)
+    _check_graces(cfg)
     checks = {"supervised": _check_sft_batches, "reward_model": _check_rm_batches,
               "best_of_n": lambda c, p: _check_sampling(c, p, "sampler"), "rl": _check_batches}
     checks[spec.kind](cfg, plan)

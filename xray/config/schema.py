@@ -395,8 +395,15 @@ class TrainerConfig:
     on_signal: Literal["finish", "abandon"] = "finish"
     """SIGTERM/SIGINT: `finish` the step under way (within `exit_grace_s`), checkpoint it and exit
     0; `abandon` it at once and exit 0 (the last complete checkpoint stands)."""
-    exit_grace_s: float = 10.0
-    """Seconds a step under way may take to finish after a signal before it is abandoned."""
+    exit_grace_s: Optional[float] = None
+    """Seconds a step under way may take to finish after a signal before it is abandoned; null:
+    sized to the step (1.5 x the longest of the last 5 steps, at least 10 s), so that a run of long
+    steps finishes its step rather than abandon it. Set a number below the time your scheduler
+    gives the driver after SIGTERM (Kubernetes' `terminationGracePeriodSeconds`)."""
+    drain_grace_s: float = 30.0
+    """Seconds a Workhorse told to drain (SIGTERM to its process: its node preempted) goes on serving
+    before it exits, while the run replaces it without losing a step (`xray/workhorse/drain.py`):
+    the time your cluster gives a preempted node (30 s in Kubernetes by default)."""
     max_restarts: int = 2
     """Recoveries a run may make, all kinds together (a dead Workhorse's model replaced, a failed
     experience maker replaced, an asynchronous run sent back to its checkpoint: one restart budget

@@ -216,28 +216,31 @@ async def sync_steps(trainer: RLTrainer, run: RunDir, data: RunData, checkpoints
                      stop: GracefulStop, on_step) -> None:
     """Synchronous steps to `trainer.steps`; a step that loses a Workhorse is recovered
     (`xray.run.recovery.recover`), from a step-0 checkpoint if none is newer; a Workhorse that got
-    SIGTERM is replaced at the step boundary (`xray/workhorse/drain.py`); elastic device groups grow at
+    SIGTERM is replaced at the step boundary (`xray/workhorse/drain.py`), or at once with the step
+    aborted when the step would outlast its grace (`xray.run.recovery.midstep`); elastic device groups grow at
     step boundaries when devices join (`xray.run.recovery.elastic`)."""
     from xray.run.recovery.elastic import Elastic
+    from xray.run.recovery.midstep import StepAborted, StepDrains
     from xray.run.recovery.recover import recover, replace_drained
     from xray.workhorse.drain import open_inbox
     from xray.wholemodel.errors import WholeModelError
 
     cfg = trainer.cfg
     elastic = Elastic(trainer)
-    inbox = await asyncio.to_thread(open_inbox)  # drain notices: SIGTERMed Workhorses (xray/workhorse/drain.py)
+    # drain notices: SIGTERMed Workhorses (xray/workhorse/drain.py), read during steps too (midstep.py)
+    drains = StepDrains(await asyncio.to_thread(open_inbox), cfg.trainer.drain_grace_s)
     if (cfg.trainer.max_restarts or elastic.ranges) and run.latest_checkpoint() is None:
         await save_checkpoint(trainer, checkpoints, data)  # somewhere to go back to
     while trainer.state.step < cfg.trainer.steps and not stop.requested:
         sampler_state = data.sampler.state_dict()
         try:
-            metrics = await stop.guard(trainer.step(data.next_train_rows()))
+            metrics = await stop.guard(drains.run(trainer.step(data.next_train_rows())))
             if metrics is None:
                 break
             if elastic.ranges:
                 metrics.update(elastic.metrics())
             await on_step(trainer.state.step, metrics)
-            if notices := await inbox.take.remote():
+            if notices := await drains.take():
                 await replace_drained(notices, trainer, data, checkpoints, run, elastic if elastic.ranges else None)
             if trainer.models.standby:  # standby processes follow the nodes (trainer.standby_workhorses)
                 await asyncio.to_thread(trainer.models.keep_standby)
@@ -247,6 +250,10 @@ async def sync_steps(trainer: RLTrainer, run: RunDir, data: RunData, checkpoints
                                                                         state=state))
         except WholeModelError as exc:
             await recover(exc, trainer, data, checkpoints, run, sampler_state, elastic)
+        except StepAborted as aborted:  # a drained Workhorse the step would not outlive: no restart charged
+            log.warning("%s", aborted)
+            await replace_drained(aborted.notices, trainer, data, checkpoints, run,
+                                  elastic if elastic.ranges else None, aborted=True)
 
 
 async def stopped(checkpoints: FlashCheckpoints, run: RunDir) -> None:

@@ -323,7 +323,7 @@ def build_models(cfg: RunConfig, plan: Plan, model_dir: str, ray_address: str | 
     from xray.wholemodel.handle import control_plane_placement
     from xray.workhorse.drain import open_inbox
 
-    open_inbox(control_plane_placement())  # a SIGTERMed Workhorse tells the run (xray/workhorse/drain.py)
+    open_inbox(control_plane_placement(), cfg.trainer.drain_grace_s)  # SIGTERM: a notice (xray/workhorse/drain.py)
     plan, bundles = reserve_elastic(cfg, plan)
 
     def start(role_plan: RolePlan, devices: Bundles, model: WholeModel | None = None) -> WholeModel:

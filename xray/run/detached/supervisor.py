@@ -214,7 +214,7 @@ class Detached:
 
     async def drained(self, notices: list[tuple[str, int, int]]) -> None:
         """Workhorses told to drain (SIGTERM: a preemption notice; each goes on serving for its grace,
-        `XRAY_DRAIN_GRACE_S`): a rollout replica's maker is stopped (its prompts queued again) and
+        `trainer.drain_grace_s`): a rollout replica's maker is stopped (its prompts queued again) and
         the replica restarted with a new maker, a reference, teacher or reward model started anew and
         handed to the makers, at once; a trained model once the trainer has finished the step under
         way (`replace_drained_trained`). None of it counts against `trainer.max_restarts`."""

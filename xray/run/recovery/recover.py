@@ -22,7 +22,8 @@ checkpoint, its buffer and prompts in the making included, with new experience m
 and buffer.
 At most `trainer.max_restarts` recoveries; one more death ends the run with the error.
 A Workhorse that got SIGTERM (`xray/workhorse/drain.py`) is not waited for to die: `replace_drained`
-replaces its model at the step boundary from the step's snapshot in memory, losing nothing; in an
+replaces its model at the step boundary from the step's snapshot in memory, losing nothing (or at
+once, the step under way aborted, when that step would outlast its grace: `xray.run.recovery.midstep`); in an
 elastic group that can lose a device, on a node other than the head, the group shrinks away from
 that node instead (`Elastic.drain`: Ray is told the node drains), from the same snapshot.
 """
@@ -129,25 +130,27 @@ async def recover_async(exc: WholeModelError, trainer, data, checkpoints, run):
 
 
 async def replace_drained(notices: list[tuple[str, int, int]], trainer, data, checkpoints, run,
-                          elastic=None) -> None:
+                          elastic=None, aborted: bool = False) -> None:
     """Replace each model with a Workhorse that got a drain notice (SIGTERM) after the step that just
     ended, once that step's snapshot is complete; in an elastic group that can lose it, on a node
     other than the head, shrink the group away from that node instead (`Elastic.drain`). A trained
     model, and the others trained with it, restore that snapshot (nothing is lost); a rollout takes
-    the actor's weights, verified."""
+    the actor's weights, verified. `aborted`: the step under way was cancelled for the notices
+    (`xray.run.recovery.midstep`): every trained model, the trainer's state and the sampler go back
+    to the last snapshot whatever was drained, and that step runs again."""
     t0 = time.perf_counter()
     await checkpoints.settle()  # the snapshot of the step that ended: complete
     roles = sorted({role for role, _, _ in notices if getattr(trainer.models, role, None) is not None})
-    log.warning("drain notice (SIGTERM) from %s; replacing %s after step %d",
+    log.warning("drain notice (SIGTERM) from %s; replacing %s %s step %d",
                 ", ".join(f"{role} rank {rank} (pid {pid})" for role, rank, pid in notices), ", ".join(roles),
-                trainer.state.step)
+                "after" if not aborted else "having aborted", trainer.state.step + int(aborted))
     shrunk: set[str] = set()  # elastic groups that shrank away from a draining node
     for role, rank, _ in notices:
         group = elastic.group_of(role) if elastic is not None and role in roles else None
         if group is not None and group not in shrunk and (await elastic.drain(role, rank)) is not None:
             shrunk.add(group)
     await replace_models(trainer, [r for r in roles if elastic is None or elastic.group_of(r) not in shrunk])
-    if shrunk or set(roles) & set(trainer.trained):
+    if shrunk or aborted or set(roles) & set(trainer.trained):
         source = await back_to_checkpoint(RuntimeError("drain notice"), trainer, data, run, {r: [] for r in roles},
                                           checkpoints)
     else:
