@@ -161,3 +161,25 @@ def check_batch_info(cfg: RunConfig, groups) -> None:
                     + ", ".join(f"{k}={want} (the config has {had})" for k, (had, want) in wrong.items())
                     + "; write those values, or set elasticity.ignore_non_elastic_batch_info: true to let the "
                     "elastic batch replace them")
+
+
+def check_node_range(cfg: RunConfig, groups) -> None:
+    """With `nnodes: MIN:MAX` the run must be able to start on MIN nodes: a group that is not
+    elastic lies on their ranks, an elastic one reaches its smallest size on them."""
+    if groups.min_nnodes is None:
+        return
+    least, elastic = groups.fewest_nodes, {er.group: er for er in elastic_ranges(cfg, groups)}
+    for g in groups.groups:
+        there = groups.on_fewest_nodes(g)
+        er = elastic.get(g.name)
+        if er is None and there < g.size:
+            raise ConfigError(
+                f"device_groups.{g.name}: {g.size - there} of its ranks lie beyond the first {least} node(s) "
+                f"(nnodes {least}:{groups.nnodes}) and the group is not elastic, so the run could not start on "
+                f"{least} node(s); move its ranks below {least * groups.nproc_per_node}, set elasticity on its "
+                "trained roles, or raise MIN")
+        if er is not None and there < er.smallest:
+            raise ConfigError(
+                f"device_groups.{g.name}: on the first {least} node(s) (nnodes {least}:{groups.nnodes}) the group "
+                f"has {there} device(s), below the smallest size its elasticity allows ({er.smallest}; sizes "
+                f"{list(er.sizes)}); lower min_gpus, move its ranks onto the first nodes, or raise MIN")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from xray.config.batches import check_batch_info, elastic_ranges, role_lr, train_batches
+from xray.config.batches import check_batch_info, check_node_range, elastic_ranges, role_lr, train_batches
 from xray.config.elasticity import ElasticityError
 from xray.config.engines import REWARD_FUNCTION, REWARD_MODEL, engine, labels, names, playing, split_pair
 from xray.config.graph import build_graph
@@ -320,28 +320,6 @@ def _check_graces(cfg: RunConfig) -> None:
         raise ConfigError(f"trainer.exit_grace_s={t.exit_grace_s} must be >= 0, or null to size it to the step")
 
 
-def _check_node_range(cfg: RunConfig, groups) -> None:
-    """With `nnodes: MIN:MAX` the run must be able to start on MIN nodes: a group that is not
-    elastic lies on their ranks, an elastic one reaches its smallest size on them."""
-    if groups.min_nnodes is None:
-        return
-    least, elastic = groups.fewest_nodes, {er.group: er for er in elastic_ranges(cfg, groups)}
-    for g in groups.groups:
-        there = groups.on_fewest_nodes(g)
-        er = elastic.get(g.name)
-        if er is None and there < g.size:
-            raise ConfigError(
-                f"device_groups.{g.name}: {g.size - there} of its ranks lie beyond the first {least} node(s) "
-                f"(nnodes {least}:{groups.nnodes}) and the group is not elastic, so the run could not start on "
-                f"{least} node(s); move its ranks below {least * groups.nproc_per_node}, set elasticity on its "
-                "trained roles, or raise MIN")
-        if er is not None and there < er.smallest:
-            raise ConfigError(
-                f"device_groups.{g.name}: on the first {least} node(s) (nnodes {least}:{groups.nnodes}) the group "
-                f"has {there} device(s), below the smallest size its elasticity allows ({er.smallest}; sizes "
-                f"{list(er.sizes)}); lower min_gpus, move its ranks onto the first nodes, or raise MIN")
-
-
 def _check_batches(cfg: RunConfig, plan: Plan) -> None:
     _check_sampling(cfg, plan)
     if cfg.trainer.standby_workhorses < 0:
@@ -496,7 +474,7 @@ def plan_run(cfg: RunConfig, backend: str, spec: JobSpec) -> Plan:
                 rollout_sleep="rollout" in needed and rollout_sleeps(cfg, gen_backend),
                 rollout_quantization=_quantization_of(cfg, roles, gen_backend),
                 lora_sync=_lora_sync(cfg, spec, gen_backend), elastic=_elastic_plans(cfg, spec))
-    _check_node_range(cfg, groups)
+    check_node_range(cfg, groups)
     _check_graces(cfg)
     checks = {"supervised": _check_sft_batches, "reward_model": _check_rm_batches,
               "best_of_n": lambda c, p: _check_sampling(c, p, "sampler"), "rl": _check_batches}

@@ -234,11 +234,7 @@ class Detached:
         scorers = sorted(roles & {"reference", "teacher", "reward"})
         if not replicas and not scorers:
             return
-        await self._stop_makers(replicas)
-        for replica in replicas:
-            await asyncio.to_thread(models.rollout.restart_replica, replica)
-        await self._replace_scorers(scorers, [i for i in range(len(self.makers)) if i not in replicas])
-        await self._start_makers(replicas)
+        await self._remake(replicas, replicas, scorers)
         log.warning("%s replaced after a drain notice in %.1f s; the trainer and the other makers went on",
                     ", ".join([f"experience maker {i}" for i in replicas] + scorers), time.perf_counter() - t0)
 
@@ -294,16 +290,22 @@ class Detached:
         models = self.trainer.models
         replicas = sorted({models.rollout.layout[r].dp_rank for r in dead.get("rollout", [])})
         again = sorted(set(failed) | set(replicas))
-        await self._stop_makers(again)
-        for replica in replicas:
-            await asyncio.to_thread(models.rollout.restart_replica, replica)
-        await self._replace_scorers(sorted(set(dead) - {"rollout"}), [i for i in range(len(self.makers)) if i not in again])
-        latest = await self._start_makers(again)
+        latest = await self._remake(again, replicas, sorted(set(dead) - {"rollout"}))
         log.warning("experience maker%s %s replaced in %.1f s at weight version %d (%s; dead Workhorses: %s; "
                     "rollout replicas restarted: %s); the trainer and the other makers went on",
                     "s" if len(again) > 1 else "", ", ".join(map(str, again)), time.perf_counter() - t0,
                     latest[again[0]].version, "; ".join(f"maker {i}: {type(e).__name__}" for i, e in errors.items()),
                     dead or "none", replicas or "none")
+
+    async def _remake(self, makers: list[int], replicas: list[int], scorers: list[str]) -> dict:
+        """Stop `makers` (their prompts queued again), restart the rollout `replicas` alone on their
+        devices, start the scoring models `scorers` anew for the makers that go on, and start new
+        `makers` at the latest published version; that version, per maker."""
+        await self._stop_makers(makers)
+        for replica in replicas:
+            await asyncio.to_thread(self.trainer.models.rollout.restart_replica, replica)
+        await self._replace_scorers(scorers, [i for i in range(len(self.makers)) if i not in makers])
+        return await self._start_makers(makers)
 
     def _same_fault(self, maker: int, error: BaseException) -> bool:
         """Whether `maker` failed on a scoring model already replaced while it went on (its call was
