@@ -257,6 +257,15 @@ class FlashCheckpoints:
             return None
         return held
 
+    def restorables(self) -> list[Held]:
+        """Every complete snapshot memory holds for every trained model, newest first: a recovery
+        whose newest cannot be read (a shard's node left while its copy was being pinned) tries
+        the one before (the checkpoint being written, or the latest on disk, still held)."""
+        newest = self.in_memory.step if self.in_memory is not None else -1
+        return sorted((h for h in self._held.values() if h.step <= newest
+                       and all(self.held_for(h.directory, role) is not None for role in self.roles)),
+                      key=lambda h: h.step, reverse=True)
+
     def _complete(self) -> float:
         w, self.writing = self.writing, None
         w.snapshots.result(), w.files.result()  # a failed copy or write of the run's own files raises here

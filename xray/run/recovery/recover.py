@@ -13,7 +13,8 @@ grants, `xray.run.recovery.elastic`), then, in a synchronous run:
   critic, trainer state and sampler go back to the newest complete snapshot in memory
   (`trainer.memory_snapshots`: the last step, or the one before when its snapshot was still being
   taken; `xray/run/checkpoints.py`), resharded by the engines when an elastic group shrank, from
-  each shard's files or their copy on another node; where none can be read, to the latest
+  each shard's files or their copy on another node; where it cannot be read (a node left while
+  its copy was being pinned), to the one before still held in memory, then to the latest
   complete checkpoint on disk; and the steps since it run again, each once.
 An asynchronous run replaces a lost experience maker itself, while the trainer goes on, and a
 lost actor or critic while the makers go on, the trainer restoring its snapshot in memory
@@ -99,15 +100,17 @@ async def back_to_checkpoint(exc: WholeModelError, trainer, data, run, dead: dic
     checkpoint (from memory where it can); where it came from."""
     from xray.run.resume import resume_from
 
-    held = checkpoints.restorable() if detached is None else None
     latest = run.latest_checkpoint()
-    if held is not None and (latest is None or held.step >= int(latest.name.split("-")[1])):
+    on_disk = int(latest.name.split("-")[1]) if latest is not None else -1
+    for held in checkpoints.restorables() if detached is None else []:
+        if held.step < on_disk:
+            break
         try:
             await resume_from(trainer, held.directory, data, None, checkpoints, state=held.trainer_state)
             return "the in-memory snapshot" + (" (replicated)" if held.replicated else "")
-        except Exception as lost:  # noqa: BLE001 - lost with its node: the disk's checkpoint then
-            log.warning("the in-memory snapshot of step %d cannot be read (%s); going back to the latest checkpoint",
-                        held.step, " ".join(str(lost).splitlines()[:2]))
+        except Exception as lost:  # noqa: BLE001 - lost with its node: an older one, or the disk's
+            log.warning("the in-memory snapshot of step %d cannot be read (%s); trying an older one, then the "
+                        "latest checkpoint", held.step, " ".join(str(lost).splitlines()[:2]))
     if latest is None:
         raise RestartsExhausted(f"{', '.join(dead)} died and there is no complete checkpoint to go back to") from exc
     return await resume_from(trainer, latest, data, detached, checkpoints)
