@@ -119,11 +119,12 @@ def test_a_run_starts_small_grows_shrinks_and_grows_again(tmp_path, tiny_model, 
     assert [d for d, _ in itertools.groupby(d for _, d, _, _ in seen)] == [1.0, 2.0, 1.0, 2.0], seen
     assert rows[-1]["elastic/resizes"] >= 3.0
     counts = collections.Counter(r["step"] for r in rows)
-    assert sorted(counts) == list(range(1, 11)) and max(counts.values()) <= 2, counts  # at most the step in flight
-    assert sum(counts.values()) <= 11, counts  # one node loss: one step redone at most
+    log = caplog.text
+    assert sorted(counts) == list(range(1, 11)) and max(counts.values()) <= 2, (counts, log[-4000:])  # at most
+    # the step in flight
+    assert sum(counts.values()) <= 11, (counts, log[-4000:])  # one node loss: one step redone at most
     assert all(r.get("sync/max_abs_logprob_diff", 0.0) <= FP32_PROBE for r in rows), rows
     assert "sync/max_abs_logprob_diff" in rows[0] and "sync/max_abs_logprob_diff" in rows[-1]  # first, last
-    log = caplog.text
     assert "elastic: train_group starts on 1 of its 2 devices" in log, log[-3000:]
     assert log.count("train_group: 1 -> 2 devices (devices joined)") == 2, log[-3000:]
     assert "train_group: 2 -> 1 devices" in log, log[-3000:]

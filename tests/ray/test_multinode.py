@@ -100,9 +100,10 @@ def test_a_restart_builds_its_shards_in_the_standby_processes_of_their_nodes(two
 
 def test_a_snapshot_replica_outlives_the_node_it_was_taken_on(two_nodes):
     """The in-memory snapshots' replicas (`xray/run/snapshot_holder.py`): a Workhorse's answer on a
-    third node (tensors as numpy arrays, `to_wire`) is pinned on another node (the driver's) by its
-    holder; that node removed, the driver's own reference still reads (Ray makes the pinned copy
-    the primary one), and a dropped copy is released. Last in this module: it adds and removes a node."""
+    third node (tensors as numpy arrays, `to_wire`) is put again on another node (the driver's) by
+    that node's holder, as the holder's own object; the third node removed, the replica's reference
+    reads the whole answer (no object of the lost node is needed), and a dropped copy is released.
+    Last in this module: it adds and removes a node."""
     import asyncio
 
     import ray
@@ -124,10 +125,12 @@ def test_a_snapshot_replica_outlives_the_node_it_was_taken_on(two_nodes):
         [shard_node] = replicas.nodes["snapped"]
         assert shard_node == node.node_id and replicas.target(shard_node) == ray.get_runtime_context().get_node_id()
         answer = wm.wire_payload(8)  # 8 MB answered on node_c, kept in its object store
-        asyncio.run(replicas.hold("step-1", "snapped", list(answer.refs)))
+        nodes, [replica] = asyncio.run(replicas.hold("step-1", "snapped", list(answer.refs)))
+        assert nodes == [node.node_id] and replica != answer.refs[0]
         two_nodes.remove_node(node)
         ray.get(wm._actor.pid.remote())  # the control plane lives on
-        copy = from_wire(ray.get(answer.refs[0], timeout=60))
+        assert node.node_id not in Replicator.alive()
+        copy = from_wire(ray.get(replica, timeout=60))
         assert copy["x"].dtype == torch.bfloat16 and copy["x"].numel() * 2 >= 8 << 20
         assert bool((copy["x"] == 1.5).all())
         assert replicas.refresh() == 2 and node.node_id not in replicas.holders

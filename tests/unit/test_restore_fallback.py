@@ -21,7 +21,7 @@ def _held(checkpoints, run, step: int):
     from xray.run.checkpoints import Held
 
     d = run.checkpoint_dir(step)
-    held = checkpoints._held[d] = Held(step, d, {"actor": ("layout", [f"ref{step}"])}, {"step": step}, True)
+    held = checkpoints._held[d] = Held(step, d, {"actor": ("layout", [f"ref{step}"])}, {"step": step}, {"actor": (["node"], [f"copy{step}"])})
     return held
 
 

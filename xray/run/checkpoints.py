@@ -5,8 +5,9 @@ After every step (`trainer.memory_snapshots`; else at checkpoints only) the algo
 calls it orders): each trained WholeModel's Workhorses copy their state into host memory
 (`TrainWorkhorse.snapshot`, the only time training stops) and hand the copy out as a call's answer
 (`hand_snapshot`), which the object store keeps for the caller after the Workhorse dies; on a
-cluster of several nodes, a `SnapshotHolder` on another node pins a copy of each shard's answer
-(`xray/run/snapshot_holder.py`) and a node's loss loses none of it. `take` only submits the
+cluster of several nodes, a `SnapshotHolder` on another node keeps a replica of each shard's
+answer (`xray/run/snapshot_holder.py`), which `held_for` reads in place of a shard lost with its
+node, and a node's loss loses none of it. `take` only submits the
 calls: the run goes on to its next step at once (generation needs no trained Workhorse), and Ray
 runs a caller's calls to a Workhorse in the order they were made, so the copy is of the state
 after this step, and the next step's first call to that Workhorse waits for it. The copy's
@@ -33,7 +34,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -66,8 +67,15 @@ class Held:
     """Role -> (the layout it was taken in, every rank's reference to its files)."""
     trainer_state: dict[str, Any]
     """The trainer's state at the same instant (what `trainer_state.json` holds)."""
-    replicated: bool = False
-    """Whether every shard's files have a copy pinned on a node other than its own (`SnapshotHolder`)."""
+    replicas: dict[str, tuple[list[str], list]] = field(default_factory=dict)
+    """Role -> (every rank's node when it was taken, the reference to each rank's replica on
+    another node, `SnapshotHolder`'s own object); empty on a single node."""
+
+    @property
+    def replicated(self) -> bool:
+        """Whether every role's shards were replicated to other nodes (a shard whose holder was
+        lost with its node keeps none: its original lives on)."""
+        return bool(self.replicas) and set(self.replicas) == set(self.roles)
 
 
 class FlashCheckpoints:
@@ -138,28 +146,29 @@ class FlashCheckpoints:
                 m.persist_snapshot(str(directory / role))
         await asyncio.gather(*[ack for _, _, ack in handed.values()])  # the answers are in, not fetched
         roles = {role: (parallel, list(pending.refs)) for role, (parallel, pending, _) in handed.items()}
-        replicated = await self._replicate(str(directory), models, roles)
-        held = self._held[directory] = Held(step, directory, roles, trainer_state, replicated)
+        replicas = await self._replicate(str(directory), models, roles)
+        held = self._held[directory] = Held(step, directory, roles, trainer_state, replicas)
         if self.in_memory is None or step >= self.in_memory.step:
             self.in_memory = held
         self._prune()
         return self.stall_s
 
-    async def _replicate(self, key: str, models: dict[str, Any], roles: dict[str, tuple]) -> bool:
-        """Pin a copy of each shard's files on another node; False on a single node. A holder lost
-        with its node is replaced, and the copy tried again, once."""
-        for attempt in (0, 1):
+    async def _replicate(self, key: str, models: dict[str, Any], roles: dict[str, tuple]
+                         ) -> dict[str, tuple[list[str], list]]:
+        """A replica of each shard's files on another node: role -> (each rank's node, each rank's
+        replica); none on a single node. A node that leaves while the copies are made takes its
+        holder's replicas with it (of shards on other nodes, which live on) and its shards, whose
+        replicas elsewhere are kept: the snapshot stays usable (CI saw three steps' snapshots
+        discarded when a new node's holder, still importing, was lost with its node)."""
+        try:
             if await self.watch_nodes(models if self._moved else None) < 2:
-                return False
-            self._moved = False
-            try:
-                await asyncio.gather(*[self._replicas.hold(key, role, refs) for role, (_, refs) in roles.items()])
-                return True
-            except Exception:  # noqa: BLE001 - a holder's node left: look at the nodes again
-                self._moved = True
-                if attempt:
-                    raise
-        return False
+                return {}
+        except Exception:  # noqa: BLE001 - a shard's node left while its node was looked up
+            self._moved = True
+            return {}
+        self._moved = False
+        held = await asyncio.gather(*[self._replicas.hold(key, role, refs) for role, (_, refs) in roles.items()])
+        return dict(zip(roles, held))
 
     async def watch_nodes(self, models: dict[str, Any] | None = None) -> int:
         """Holders for the replicas on every live node (started as nodes join: an elastic grow calls
@@ -241,6 +250,10 @@ class FlashCheckpoints:
         if held is None or role not in held.roles:
             return None
         parallel, refs = held.roles[role]
+        if role in held.replicas and self._replicas is not None:  # a rank whose node left: its replica
+            nodes, replicas = held.replicas[role]
+            alive = self._replicas.alive()
+            refs = [ref if node in alive or copy is None else copy for ref, node, copy in zip(refs, nodes, replicas)]
         return {"held": refs, "saved": parallel}
 
     def forget_after(self, step: int) -> None:

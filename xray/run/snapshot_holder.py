@@ -3,12 +3,15 @@
 A trained Workhorse hands its snapshot's files out as a call's answer (tensors as numpy arrays,
 `xray.backends.snapshot.to_wire`), which the object store of its own node keeps for the driver:
 it outlives the Workhorse's process, not its node. A `SnapshotHolder` actor (zero CPUs) on every
-node of the cluster reads the answers of shards on other nodes (the driver's node's holder first)
-and keeps what it read: the read maps the arrays without copying them, so it pins a second copy
-of each answer in its node's object store for as long as the snapshot may be restored. When a
-shard's node is lost, Ray reads that copy for the same reference (its owner, the driver, makes
-the copy the primary one), and losing any one node loses none of a snapshot. On a single node
-there is nowhere else to put them, and the driver's references are the only copy.
+node of the cluster reads the answers of shards on other nodes (the driver's node's holder first),
+puts each one in its node's object store as an object of its own, and hands back the references
+of those replicas, keeping them for as long as the snapshot may be restored. When a shard's node
+is lost, a restore reads that shard's replica (`FlashCheckpoints.held_for` picks, for each rank,
+the original while its node lives, else the replica), and losing any one node loses none of a
+snapshot. The replica is the holder's own object, not a second location of the driver's: reading
+it does not depend on Ray promoting a copy of a lost object (which CI once saw fail, the run then
+going back to its last checkpoint on disk). On a single node there is nowhere else to put them,
+and the driver's references are the only copy.
 """
 from __future__ import annotations
 
@@ -24,13 +27,17 @@ class SnapshotHolder:
     def __init__(self) -> None:
         self.kept: dict[str, list] = {}
 
-    def hold(self, key: str, refs: list) -> int:
-        """Read the objects behind `refs` (passed in a list: not resolved by Ray) into this node's
-        object store and keep them under `key`; the number held."""
+    def hold(self, key: str, refs: list) -> list:
+        """Read the objects behind `refs` (passed in a list: not resolved by Ray), put each into
+        this node's object store as this holder's own object, keep those under `key` and return
+        their references (in a list: handed back, not resolved)."""
         import ray
 
-        self.kept[key] = ray.get(refs)
-        return len(refs)
+        replicas = []
+        for ref in refs:  # one at a time: the read copy is freed before the next is read
+            replicas.append(ray.put(ray.get(ref)))
+        self.kept[key] = replicas
+        return replicas
 
     def drop(self, keys: list[str]) -> None:
         """Release the copies under `keys`."""
@@ -75,7 +82,7 @@ class Replicator:
 
         from xray.workhorse.quiet import workhorse_env
 
-        alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+        alive = self.alive()
         self.holders = {n: h for n, h in self.holders.items() if n in alive}
         for node in sorted(alive - set(self.holders)):
             holder = self.holders[node] = ray.remote(num_cpus=0)(SnapshotHolder).options(
@@ -92,16 +99,35 @@ class Replicator:
         return self.driver if self.driver != node and self.driver in self.holders else \
             next(n for n in sorted(self.holders) if n != node)
 
-    async def hold(self, key: str, role: str, refs: list) -> None:
-        """Pin a copy of each of `refs` (rank order) on a node other than its rank's, under `key`."""
+    async def hold(self, key: str, role: str, refs: list) -> tuple[list[str], list]:
+        """Put a replica of each of `refs` (rank order) on a node other than its rank's, under
+        `key`; (each rank's node, each rank's replica reference, None where the holder was lost
+        with its node: the ranks it was to copy sit elsewhere and live on)."""
         import asyncio
 
+        nodes = list(self.nodes[role])
         by_node: dict[str, list[int]] = {}
-        for rank, node in enumerate(self.nodes[role]):
+        for rank, node in enumerate(nodes):
             by_node.setdefault(self.target(node), []).append(rank)
         self.held.add(key)
-        await asyncio.gather(*[self.holders[n].hold.remote(f"{key}/{role}", [refs[r] for r in ranks])
-                               for n, ranks in by_node.items()])
+        answers = await asyncio.gather(*[self.holders[n].hold.remote(f"{key}/{role}", [refs[r] for r in ranks])
+                                         for n, ranks in by_node.items()], return_exceptions=True)
+        replicas: list = [None] * len(refs)
+        for (node, ranks), copies in zip(by_node.items(), answers):
+            if isinstance(copies, BaseException):  # that holder's node left: those ranks keep no replica
+                log.warning("in-memory snapshot %s: %s's ranks %s have no replica (the holder on node %s is "
+                            "lost: %s)", key, role, ranks, node[:8], str(copies).splitlines()[0][:200])
+                continue
+            for rank, copy in zip(ranks, copies):
+                replicas[rank] = copy
+        return nodes, replicas
+
+    @staticmethod
+    def alive() -> set[str]:
+        """The nodes alive now."""
+        import ray
+
+        return {n["NodeID"] for n in ray.nodes() if n["Alive"]}
 
     def keep(self, keys: list[str]) -> None:
         """Every holder releases the copies of the snapshots older than the newest of `keys` that
