@@ -272,7 +272,7 @@ class FlashCheckpoints:
 
     def restorables(self) -> list[Held]:
         """Every complete snapshot memory holds for every trained model, newest first: a recovery
-        whose newest cannot be read (a shard's node left while its copy was being pinned) tries
+        whose newest cannot be read (a shard's node left before its replica was made) tries
         the one before (the checkpoint being written, or the latest on disk, still held)."""
         newest = self.in_memory.step if self.in_memory is not None else -1
         return sorted((h for h in self._held.values() if h.step <= newest

@@ -9,8 +9,7 @@ of those replicas, keeping them for as long as the snapshot may be restored. Whe
 is lost, a restore reads that shard's replica (`FlashCheckpoints.held_for` picks, for each rank,
 the original while its node lives, else the replica), and losing any one node loses none of a
 snapshot. The replica is the holder's own object, not a second location of the driver's: reading
-it does not depend on Ray promoting a copy of a lost object (which CI once saw fail, the run then
-going back to its last checkpoint on disk). On a single node there is nowhere else to put them,
+it does not depend on Ray promoting a copy of a lost object. On a single node there is nowhere else to put them,
 and the driver's references are the only copy.
 """
 from __future__ import annotations

@@ -13,8 +13,8 @@ grants, `xray.run.recovery.elastic`), then, in a synchronous run:
   critic, trainer state and sampler go back to the newest complete snapshot in memory
   (`trainer.memory_snapshots`: the last step, or the one before when its snapshot was still being
   taken; `xray/run/checkpoints.py`), resharded by the engines when an elastic group shrank, from
-  each shard's files or their copy on another node; where it cannot be read (a node left while
-  its copy was being pinned), to the one before still held in memory, then to the latest
+  each shard's files or their copy on another node; where it cannot be read (a node left before
+  its replica was made), to the one before still held in memory, then to the latest
   complete checkpoint on disk; and the steps since it run again, each once.
 An asynchronous run replaces a lost experience maker itself, while the trainer goes on, and a
 lost actor or critic while the makers go on, the trainer restoring its snapshot in memory
