@@ -32,7 +32,7 @@ import torch
 from algorithms.core.kl_estimators import Estimator, kl_terms
 from algorithms.core.masked import masked_mean
 from algorithms.core.registry import policy_loss_fn
-from xray.sync.end_to_end import rollout_gap
+from xray.sync.end_to_end import GapBound, rollout_gap
 from xray.data import columns as C
 from xray.data.batch import Batch
 from xray.data.lengths import LossNorm, loss_norm
@@ -105,10 +105,11 @@ class PolicyLoss:
     """The batch was sampled with the weights being trained and this is their only update (one
     epoch, one mini-batch): the old log-probs are this forward's own, detached (ratio 1, the
     gradient of `A log p`), so OLD_LOGPROBS is not read and no separate forward makes it."""
-    end_to_end_bound: Optional[float] = None
+    end_to_end_bound: Optional[GapBound] = None
     """Where no separate forward recomputes the actor's log-probs (`on_policy`), the end-to-end
-    check of the last weight sync rides on this forward, before the update: the largest
-    |log-prob - the rollout's (BEHAVIOUR_LOGPROBS)| over the response tokens must stay within it,
+    check of the last weight sync rides on this forward, before the update: |log-prob - the
+    rollout's (BEHAVIOUR_LOGPROBS)| over the response tokens must stay within it (the largest in
+    fp32, the mean in bf16: `xray.sync.end_to_end.GapBound`),
     else the micro-batch asks the engine to leave the whole update out (`abort_update` 1, every
     replica agreeing) and the trainer fails the run. Reports `rollout_gap_mean` and
     `rollout_gap_max` (their means over micro-batches). None: no check."""
@@ -159,7 +160,7 @@ class PolicyLoss:
             metrics["entropy"] = float(masked_mean(outputs[C.ENTROPY].detach(), mask))
         if self.end_to_end_bound is not None:
             gap = rollout_gap(logprobs.detach(), batch[C.BEHAVIOUR_LOGPROBS], mask)
-            failed = not gap["rollout_logprob_gap_max"] <= self.end_to_end_bound  # also NaN
+            failed = not self.end_to_end_bound.holds(gap)  # also NaN
             metrics.update(rollout_gap_mean=gap["rollout_logprob_gap_mean"],
                            rollout_gap_max=gap["rollout_logprob_gap_max"], abort_update=float(failed))
             loss = loss * 0.0 if failed else loss

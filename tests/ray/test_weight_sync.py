@@ -149,7 +149,7 @@ def test_vllm_tp2_dp2_generates_and_syncs(actor):
 def test_bf16_sync_is_verified_exactly(local_ray, tmp_path_factory, actor):
     """A bf16 Megatron actor (tp=2) synced to a bf16 vLLM and a bf16 DeepSpeed-Inference replica:
     the exact checks pass (every readable engine tensor bit-equal to the actor's; the coarse probe
-    passes the runtime's `bf16_tolerance`, or the sync would fail), and a tensor changed in transit fails the sync even though the
+    passes the runtime's `bf16_mean_tolerance`, or the sync would fail), and a tensor changed in transit fails the sync even though the
     probe could not see it. An fp32 actor's weights reach a bf16 engine rounded to nearest, as
     held-checked."""
     model_dir = trained_tiny_model(tmp_path_factory.mktemp("sync16") / "tiny", steps=30)

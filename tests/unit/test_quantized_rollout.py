@@ -15,7 +15,8 @@ from xray.config.plan import plan_run
 from xray.config.schema import SyncConfig
 from xray.data import columns as C
 from xray.sync import WeightSyncError
-from xray.sync.weights import check_exact, probe_tolerance
+from xray.sync.end_to_end import GapBound
+from xray.sync.weights import check_exact, probe_bound
 from algorithms.specs import command_spec
 
 pytestmark = pytest.mark.unit
@@ -75,8 +76,9 @@ def test_a_quantized_mismatch_fails_the_sync_naming_the_tensor():
     with pytest.raises(WeightSyncError, match="1 engine tensor.s. could be neither read back nor checked"):
         check_exact(4, [replica])
     cfg = SyncConfig()
-    assert probe_tolerance(cfg, ["bfloat16"], quantized=True) == 2.0
-    assert probe_tolerance(cfg, ["bfloat16"]) == cfg.bf16_tolerance and probe_tolerance(cfg, ["float32"]) == 1e-3
+    assert probe_bound(cfg, ["bfloat16"], quantized=True) == GapBound("mean", 0.6)
+    assert probe_bound(cfg, ["bfloat16", "float32"]) == GapBound("mean", cfg.bf16_mean_tolerance) == GapBound("mean", 0.15)
+    assert probe_bound(cfg, ["float32"]) == GapBound("max", 1e-3)
 
 
 def test_schemes_per_device_and_what_is_refused():

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 import torch
 
 from xray.data.batch import Batch
+from xray.sync.end_to_end import GapBound
 
 
 @dataclass
@@ -52,7 +53,7 @@ class LossFacts:
     """The batch's only update with the weights that sampled it: no separate old-policy forward."""
     routing: bool = False
     """The actor's forwards replay the rollout's expert routing."""
-    end_to_end_bound: float | None = None
+    end_to_end_bound: GapBound | None = None
     """Where the training forward carries the sync's end-to-end check (on-policy steps)."""
 
 

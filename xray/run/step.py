@@ -145,7 +145,7 @@ class RLTrainer(SyncVerification):
             gap = {"rollout_logprob_gap_mean": train.pop("actor/rollout_gap_mean"),
                    "rollout_logprob_gap_max": train.pop("actor/rollout_gap_max")}
             if train.pop("actor/abort_update"):
-                self.end_to_end_failed(gap["rollout_logprob_gap_max"], gap["rollout_logprob_gap_mean"])
+                self.end_to_end_failed(gap)
         return {**await self.finish_step(step, t, exp, scores, mask, measured, train, gap), **dynamic}
 
     async def sample(self, rows: list[dict], step: int, t: PhaseTimer) -> Sampled:
@@ -204,7 +204,8 @@ class RLTrainer(SyncVerification):
         return {"reward/mean": float(scores.mean()), "reward/std": float(scores.std()) if len(scores) > 1 else 0.0,
                 **self.reward_parts(), **kl, "kl_coef": kl_coef, **train, **(gap or {}),
                 "response_length": float(mask.sum(1).mean()),
-                **({"sync/max_abs_logprob_diff": report.max_abs_logprob_diff}  # the syncs that ran the probe
+                **({"sync/max_abs_logprob_diff": report.max_abs_logprob_diff,  # the syncs that ran the probe
+                    "sync/mean_abs_logprob_diff": report.mean_abs_logprob_diff}
                    if not math.isnan(report.max_abs_logprob_diff) else {}),
                 **report.counts(),  # the held counts, measured; absent when sync.verify is off
                 "sync/verify_s": report.verify_s, "sync/version": float(report.version), **t.seconds,

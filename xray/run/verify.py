@@ -14,8 +14,8 @@ import torch
 from xray.data import columns as C
 from xray.data.batch import Batch
 from xray.sync import WeightSyncError, sync_weights
-from xray.sync.end_to_end import rollout_gap
-from xray.sync.weights import pad_sequences, probe_tolerance
+from xray.sync.end_to_end import GapBound, rollout_gap
+from xray.sync.weights import pad_sequences, probe_bound
 
 
 class SyncVerification:
@@ -37,25 +37,26 @@ class SyncVerification:
     def check_end_to_end(self, old: torch.Tensor, exp: Batch, mask: torch.Tensor) -> dict[str, float]:
         """The end-to-end check of the last sync, for free: the rollout's log-probs of this step's
         samples against the actor's recomputation of the same tokens (`old`, same weights in a
-        synchronous run), per token, within the probe's bound for the dtypes (`probe_tolerance`),
-        before the batch is trained on: a bad sync fails the run before it does harm. The gap
-        metrics; WeightSyncError beyond the bound."""
+        synchronous run), per token, within the probe's bound for the dtypes (`probe_bound`: the
+        largest gap in fp32, the mean in bf16), before the batch is trained on: a bad sync fails the
+        run before it does harm. The gap metrics; WeightSyncError beyond the bound."""
         gap = self.gap(old, exp, mask)
-        if gap and self.cfg.sync.verify and not gap["rollout_logprob_gap_max"] <= self.end_to_end_bound():  # or NaN
-            self.end_to_end_failed(gap["rollout_logprob_gap_max"], gap["rollout_logprob_gap_mean"])
+        if gap and self.cfg.sync.verify and not self.end_to_end_bound().holds(gap):  # or NaN
+            self.end_to_end_failed(gap)
         return gap
 
-    def end_to_end_bound(self) -> float:
-        """The end-to-end check's bound on |rollout - actor| per token: the probe's for the dtypes."""
+    def end_to_end_bound(self) -> GapBound:
+        """The end-to-end check's bound on |rollout - actor| log-probs: the probe's for the dtypes."""
         dtypes = [self.cfg.model.dtype, self.cfg.rollout.dtype or self.cfg.model.dtype]
-        return probe_tolerance(self.cfg.sync, dtypes, self.cfg.rollout.quantization != "none")
+        return probe_bound(self.cfg.sync, dtypes, self.cfg.rollout.quantization != "none")
 
-    def end_to_end_failed(self, worst: float, mean: float) -> None:
+    def end_to_end_failed(self, gap: dict[str, float]) -> None:
         raise WeightSyncError(
             f"weight version {self.state.step} failed the end-to-end check: the rollout's log-probs of this "
-            f"step's samples differ from the actor's by up to {worst:.3e} (mean {mean:.3e}, bound "
-            f"{self.end_to_end_bound():g}); the engine computes otherwise than the actor (a wrong name mapping, "
-            "or a tensor the exact checks cannot see). The batch was not trained on")
+            f"step's samples differ from the actor's by {gap['rollout_logprob_gap_mean']:.3e} on average and up "
+            f"to {gap['rollout_logprob_gap_max']:.3e} (bound: {self.end_to_end_bound()}); the engine computes "
+            "otherwise than the actor (a wrong name mapping, or a tensor the exact checks cannot see). The batch "
+            "was not trained on")
 
     @property
     def checks_end_to_end(self) -> bool:

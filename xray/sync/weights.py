@@ -36,15 +36,16 @@ of the shards it was made from, and its data-parallel replicas against each othe
   (`xray/sync/coverage.py`: per replica, exact + functional + unchecked = the tensors it holds,
   measured; `SyncReport` carries them, None when verification is off);
 - end to end: a few probe sequences are scored by both sides, concurrently, the actor's per-token
-  log-probabilities against the engine's own, within `sync.tolerance` when both sides are fp32
-  and `sync.bf16_tolerance` when either is bf16 (two bf16 implementations of one model differ by
-  far more than a missed update: there the exact part carries the proof). A run probes at its
-  first sync, every `sync.probe_every` and its last; the next step's own rollout log-probs check
-  the others before it trains (`xray/run/step.py`).
+  log-probabilities against the engine's own: the largest gap within `sync.tolerance` when both
+  sides are fp32, the mean gap within `sync.bf16_mean_tolerance` when either is bf16 (two bf16
+  implementations of one model differ on a rare token by far more than a missed update, but
+  not on average: `xray/sync/end_to_end.py`; the exact part carries the proof of each tensor).
+  A run probes at its first sync, every `sync.probe_every` and its last; the next step's own
+  rollout log-probs check the others before it trains (`xray/run/step.py`).
 With a quantized rollout (`rollout.quantization`), the exact part compares the engine's fp8 codes
 and scales with our own quantization of the tensors it received (`xray/backends/quantize.py`),
 code for code; the probe is kept as a loose sanity bound only (`QUANTIZED_PROBE_FACTOR` x
-`sync.bf16_tolerance`): quantized log-probs differ from the actor's by design, by more than any
+`sync.bf16_mean_tolerance` on the mean gap): quantized log-probs differ from the actor's by design, by more than any
 missed update moves them, so the probe cannot verify the weights; it still catches NaN (an int8
 engine reloaded in place gives NaN without an error) and a model that computes garbage.
 A failure raises `WeightSyncError` naming the version and what differs: a wrong sync never
@@ -64,6 +65,7 @@ from xray.config.schema import SyncConfig
 from xray.data import columns as C
 from xray.data.batch import Batch
 from xray.sync.coverage import check_coverage
+from xray.sync.end_to_end import GapBound
 from xray.sync.export_check import check_export
 from xray.sync.manifest import check_complete, check_received
 from xray.transport.errors import WeightSyncError
@@ -103,18 +105,21 @@ def check_exact(version: int, replicas: list[dict], manifest=None, adapter: bool
 
 
 QUANTIZED_PROBE_FACTOR = 4.0
-"""A quantized rollout's probe bound, in units of `sync.bf16_tolerance` (2 nats by default): fp8
-log-probs differ from the actor's by design, on average by 0.04-0.05 nat against fp32 at 27M
-(FACTS.md), and on a sampled token by up to 0.57 nat already on the tiny test model (mean 0.017),
-so the bound only catches NaN or a model computing garbage, never a wrong weight."""
+"""A quantized rollout's bound on the mean gap, in units of `sync.bf16_mean_tolerance` (0.6 nat by
+default): fp8 log-probs differ from the actor's by design, on average by 0.04-0.05 nat against
+fp32 at 27M (FACTS.md) and 0.017 on the tiny test model (0.57 on its worst token), so the bound
+only catches NaN or a model computing garbage, never a wrong weight."""
 
 
-def probe_tolerance(cfg: SyncConfig, dtypes: list[str], quantized: bool = False) -> float:
-    """The probe's tolerance: `cfg.tolerance` when every side is fp32, else `cfg.bf16_tolerance`,
-    and `QUANTIZED_PROBE_FACTOR` times that when the rollout is quantized."""
+def probe_bound(cfg: SyncConfig, dtypes: list[str], quantized: bool = False) -> GapBound:
+    """The end-to-end bound for these dtypes: the largest gap within `cfg.tolerance` when every side
+    is fp32, else the mean gap within `cfg.bf16_mean_tolerance` (`QUANTIZED_PROBE_FACTOR` times
+    that when the rollout is quantized): `xray/sync/end_to_end.py` says why."""
     if quantized:
-        return QUANTIZED_PROBE_FACTOR * cfg.bf16_tolerance
-    return cfg.tolerance if set(dtypes) <= {"float32"} else cfg.bf16_tolerance
+        return GapBound("mean", QUANTIZED_PROBE_FACTOR * cfg.bf16_mean_tolerance)
+    if set(dtypes) <= {"float32"}:
+        return GapBound("max", cfg.tolerance)
+    return GapBound("mean", cfg.bf16_mean_tolerance)
 
 
 @dataclass(frozen=True)
@@ -126,7 +131,7 @@ class SyncReport:
     sync_s: float
     verify_s: float
     max_abs_logprob_diff: float
-    """NaN when verification is off."""
+    """The probe's largest |actor - engine| log-prob per token; NaN when the sync ran no probe."""
     held_exact: int | None = None
     """Engine tensors (over all replicas) found equal, bit for bit, to what was sent; None (not
     measured) when verification is off, as every count below."""
@@ -141,6 +146,8 @@ class SyncReport:
     enforced per replica (`xray/sync/coverage.py`)."""
     transport: str = "objstore"
     """How the bytes travelled: "objstore", "shm", "ipc" or "pg" (`sync.transport`)."""
+    mean_abs_logprob_diff: float = float("nan")
+    """The probe's mean |actor - engine| log-prob per token (bounded in bf16); NaN without a probe."""
     export_checked: int | None = None
     """Tensors the actor's export checked against its shards' digests before sending
     (`xray/sync/export_check.py`; a mismatch or a diverged replica fails the sync); None when not
@@ -198,32 +205,42 @@ def pad_sequences(sequences: list[list[int]], pad_id: int = 0) -> Batch:
 
 
 def compare_logprobs(actor_logp: torch.Tensor, engine_logp: list[list[float]], prompt_lens: list[int],
-                     lengths: list[int]) -> tuple[float, tuple[int, int]]:
-    """Max |actor - engine| over response tokens, and its (row, token position)."""
-    worst, where = 0.0, (-1, -1)
+                     lengths: list[int]) -> tuple[dict[str, float], tuple[int, int]]:
+    """The `rollout_gap` of |actor - engine| over the response tokens (mean and max), and where the
+    largest is (row, token position)."""
+    largest, where, gaps = 0.0, (-1, -1), []
     for row, (p, n, theirs) in enumerate(zip(prompt_lens, lengths, engine_logp)):
-        ours = actor_logp[row, p - 1:n - 1]  # position t-1 predicts token t
+        ours = actor_logp[row, p - 1:n - 1].to(torch.float32)  # position t-1 predicts token t
         if len(theirs) != len(ours):
             raise WeightSyncError(f"row {row}: the engine scored {len(theirs)} tokens, the actor {len(ours)}")
-        diff = (ours - torch.tensor(theirs, dtype=ours.dtype)).abs()
-        if diff.numel() and float(diff.max()) > worst:
-            worst, where = float(diff.max()), (row, p + int(diff.argmax()))
-    return worst, where
+        diff = (ours - torch.tensor(theirs, dtype=torch.float32)).abs()
+        gaps.append(diff)
+        if diff.numel() and float(diff.max()) > largest:
+            largest, where = float(diff.max()), (row, p + int(diff.argmax()))
+    every = torch.cat(gaps) if gaps else torch.zeros(0)
+    if not every.numel():
+        return {"rollout_logprob_gap_mean": 0.0, "rollout_logprob_gap_max": 0.0}, where
+    return {"rollout_logprob_gap_mean": float(every.mean()), "rollout_logprob_gap_max": float(every.max())}, where
 
 
 def check_logprobs(actor_logp: torch.Tensor, engine_logp: list[list[float]], probe: list[list[int]],
-                   prompt_lens: list[int], version: int, tolerance: float) -> float:
-    """The worst |actor - engine| log-prob over the probe; WeightSyncError above `tolerance`."""
-    worst, (row, pos) = compare_logprobs(actor_logp, engine_logp, prompt_lens, [len(s) for s in probe])
-    if not worst <= tolerance:  # also catches NaN
+                   prompt_lens: list[int], version: int, bound: GapBound) -> dict[str, float]:
+    """The probe's gap (`rollout_gap`'s mean and max of |actor - engine| log-prob over its response
+    tokens); WeightSyncError beyond `bound` (`probe_bound`)."""
+    gap, (row, pos) = compare_logprobs(actor_logp, engine_logp, prompt_lens, [len(s) for s in probe])
+    if not bound.holds(gap):  # also catches NaN
         ours = float(actor_logp[row, pos - 1]) if row >= 0 else float("nan")
         raise WeightSyncError(
             f"weight sync to version {version} failed verification: the rollout engine's log-probs differ "
-            f"from the actor's by {worst:.3e} (tolerance {tolerance:g}) at probe row {row}, token position "
-            f"{pos}, where the actor's log-prob is {ours:.4g}. A tensor was lost or changed in transit, or the "
-            "two sides map names differently")
-    return worst
+            f"from the actor's by {gap['rollout_logprob_gap_mean']:.3e} on average and up to "
+            f"{gap['rollout_logprob_gap_max']:.3e} (bound: {bound}), the largest at probe row {row}, token "
+            f"position {pos}, where the actor's log-prob is {ours:.4g}. A tensor was lost or changed in transit, "
+            "or the two sides map names differently")
+    return gap
 
+
+NO_PROBE = {"rollout_logprob_gap_mean": float("nan"), "rollout_logprob_gap_max": float("nan")}
+"""The probe's gap of a sync that ran none."""
 
 LANDED_DEADLINE_S = 1800.0
 """How long a sync waits for the rollout replicas to load what the actor sent (the push's own
@@ -285,7 +302,7 @@ async def sync_weights(actor, rollout, version: int, cfg: SyncConfig, probe: lis
         engine_call = rollout.call("logprobs", probe, prompt_lens, after=tuple(pushed["finishes"]))
     reports = await landed(pushed, version)
     sync_s = time.perf_counter() - t0 - first_s
-    diff, verify_s, exact, exported = float("nan"), 0.0, None, None
+    gap, verify_s, exact, exported = NO_PROBE, 0.0, None, None
     if cfg.verify:
         exported = check_export(version, pushed.get("export"))
         exact = check_exact(version, reports, pushed.get("manifest"), pushed.get("adapter", False))
@@ -294,12 +311,13 @@ async def sync_weights(actor, rollout, version: int, cfg: SyncConfig, probe: lis
             actor_out, engine_logp = await asyncio.gather(actor_call, engine_call)
         else:
             engine_logp = await engine_call
-        tolerance = probe_tolerance(cfg, exact["dtypes"] + [pushed["dtype"]], exact["quantized"])
-        diff = check_logprobs(actor_out[C.LOGPROBS], engine_logp, probe, prompt_lens, version, tolerance)
+        bound = probe_bound(cfg, exact["dtypes"] + [pushed["dtype"]], exact["quantized"])
+        gap = check_logprobs(actor_out[C.LOGPROBS], engine_logp, probe, prompt_lens, version, bound)
     verify_s = time.perf_counter() - t0 - sync_s if cfg.verify else 0.0
-    log.debug("weight sync v%d: %.1f MB in %.2f s, verify %.2f s (max diff %.2e)", version,
-              pushed["bytes"] / 1e6, sync_s, verify_s, diff)
-    return SyncReport(version, pushed["bytes"], sync_s, verify_s, diff, transport=pushed["transport"],
+    log.debug("weight sync v%d: %.1f MB in %.2f s, verify %.2f s (gap %s)", version,
+              pushed["bytes"] / 1e6, sync_s, verify_s, gap)
+    return SyncReport(version, pushed["bytes"], sync_s, verify_s, gap["rollout_logprob_gap_max"],
+                      mean_abs_logprob_diff=gap["rollout_logprob_gap_mean"], transport=pushed["transport"],
                       **measured(exact, exported))
 
 
@@ -377,17 +395,17 @@ async def deliver(staged: Staged, rollout, cfg: SyncConfig) -> SyncReport:
     replicas = await on_every_shard(rollout.role, "finish_sync",
                                     [t.finish_sync.remote(staged.version) for t in targets])
     sync_s = time.perf_counter() - t0
-    diff, verify_s, exact, exported = float("nan"), 0.0, None, None
+    gap, verify_s, exact, exported = NO_PROBE, 0.0, None, None
     if cfg.verify:
         exported = check_export(staged.version, export.get("export"))
         exact = check_exact(staged.version, list(replicas), export.get("manifest"))
     if cfg.verify and staged.actor_probe is not None:
         engine_logp = await rollout.call("logprobs", staged.probe, staged.prompt_lens)
         actor_out = await staged.actor_probe
-        diff = check_logprobs(actor_out[C.LOGPROBS], engine_logp, staged.probe, staged.prompt_lens,
-                              staged.version, probe_tolerance(cfg, exact["dtypes"] + [export["dtype"]],
-                                                              exact["quantized"]))
+        gap = check_logprobs(actor_out[C.LOGPROBS], engine_logp, staged.probe, staged.prompt_lens,
+                             staged.version, probe_bound(cfg, exact["dtypes"] + [export["dtype"]], exact["quantized"]))
         verify_s = time.perf_counter() - t0 - sync_s
-    log.debug("weight sync v%d (staged): %.1f MB in %.2f s, verify %.2f s (max diff %.2e)", staged.version,
-              export["bytes"] / 1e6, sync_s, verify_s, diff)
-    return SyncReport(staged.version, export["bytes"], sync_s, verify_s, diff, **measured(exact, exported))
+    log.debug("weight sync v%d (staged): %.1f MB in %.2f s, verify %.2f s (gap %s)", staged.version,
+              export["bytes"] / 1e6, sync_s, verify_s, gap)
+    return SyncReport(staged.version, export["bytes"], sync_s, verify_s, gap["rollout_logprob_gap_max"],
+                      mean_abs_logprob_diff=gap["rollout_logprob_gap_mean"], **measured(exact, exported))

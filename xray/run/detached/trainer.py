@@ -270,8 +270,8 @@ class AsyncTrainer:
         if gap:
             out.update({"sync/fresh_gap_mean": gap["rollout_logprob_gap_mean"],
                         "sync/fresh_gap_max": gap["rollout_logprob_gap_max"]})
-            if t.cfg.sync.verify and not gap["rollout_logprob_gap_max"] <= t.end_to_end_bound():  # or NaN
-                t.end_to_end_failed(gap["rollout_logprob_gap_max"], gap["rollout_logprob_gap_mean"])
+            if t.cfg.sync.verify and not t.end_to_end_bound().holds(gap):  # or NaN
+                t.end_to_end_failed(gap)
         return out
 
     def push(self, sequences: list[list[int]], prompt_lens: list[int]) -> None:
@@ -304,10 +304,11 @@ class AsyncTrainer:
         if not answered:
             return {}
         every = [r for _, reports in answered for r in reports]
-        probed = [r.max_abs_logprob_diff for r, _ in every if not math.isnan(r.max_abs_logprob_diff)]
+        probed = [r for r, _ in every if not math.isnan(r.max_abs_logprob_diff)]
         push = answered[-1][0]
         return {"sync/version": float(push["version"]), "sync/pushes_verified": float(len(answered)),
-                **({"sync/max_abs_logprob_diff": max(probed)} if probed else {}),
+                **({"sync/max_abs_logprob_diff": max(r.max_abs_logprob_diff for r in probed),
+                    "sync/mean_abs_logprob_diff": max(r.mean_abs_logprob_diff for r in probed)} if probed else {}),
                 **{k: sum(r.counts()[k] for r, _ in every) for k in every[0][0].counts()},  # absent unverified
                 "sync/replicas_loaded": float(len(every)),  # loads answered: replicas x pushes
                 "sync/verify_s": max(r.verify_s for r, _ in every),
