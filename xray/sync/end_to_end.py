@@ -13,8 +13,10 @@ run's 0.874 had failed the former per-token bound of 0.5); so the mean is bounde
 (`sync.bf16_mean_tolerance`) and the largest is a metric only. A wrong weight, a wrong name mapping
 or a model serving other weights moves the mean on every token, not one token's tail. What no
 log-prob statistic can see in bf16 is a rollout one optimizer step behind (lr 1e-5): the actor's
-own two bf16 versions differ by as much as the two implementations (rms 0.065 per token, measured
-with the same batches), so the exact part of the sync carries that proof (`xray/sync/weights.py`).
+own two bf16 versions differ by as much as the two implementations (rms 0.066 per token; a rollout
+a step behind has mean 0.047 against 0.046-0.047 current, and its log-probs regress on the update
+by 0.45-0.49 against 0.47-0.55 synced: `benchmarks/bf16_end_to_end.py`), so the exact part of the
+sync carries that proof (`xray/sync/weights.py`).
 """
 from __future__ import annotations
 
