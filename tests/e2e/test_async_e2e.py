@@ -100,6 +100,7 @@ def check(steps: dict[int, dict], expected: list[int], trainers: int, backend: s
         # the end-to-end check of the makers' syncs, on the tokens sampled with the trainer's weights
         # (a step may have none: admission lets makers run a version ahead of what is trained)
         assert row["sync/fresh_tokens"] >= 0 and row.get("sync/fresh_gap_max", 0.0) <= FP32_PROBE, row
+        assert 0 <= row["sync/versions_since_e2e"] < 10, row  # sync.probe_every: a probe when none checked
     assert sum(row["async/maker_busy"] for row in steps.values()) > 0
     probed = [s for s, row in steps.items() if "sync/max_abs_logprob_diff" in row]
     assert probed and len(probed) < len(steps), probed  # the probe at the first and last pushes only

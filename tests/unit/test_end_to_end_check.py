@@ -105,7 +105,7 @@ def test_an_asynchronous_trainer_checks_the_tokens_sampled_with_its_own_weights(
     outputs, b = batch(gap=0.05)  # token (2, 3) off by 0.05: a bad sync of version 7 ...
     versions = torch.full((4, 6), 6)
     exp = Batch({C.BEHAVIOUR_LOGPROBS: b[C.BEHAVIOUR_LOGPROBS], C.BEHAVIOUR_VERSIONS: versions})
-    owner = types.SimpleNamespace(t=t)
+    owner = types.SimpleNamespace(t=t, checked=0)
     proximal = outputs[C.LOGPROBS].detach()
     out = AsyncTrainer.check_fresh(owner, proximal, exp, b[C.LOSS_MASK])
     assert out == {"sync/fresh_tokens": 0.0}  # ... unseen while every token is of version 6 (stale by design)
@@ -114,7 +114,29 @@ def test_an_asynchronous_trainer_checks_the_tokens_sampled_with_its_own_weights(
         AsyncTrainer.check_fresh(owner, proximal, exp, b[C.LOSS_MASK])
     versions[2], versions[1] = 6, 7  # a fresh row that is right
     out = AsyncTrainer.check_fresh(owner, proximal, exp, b[C.LOSS_MASK])
-    assert out["sync/fresh_tokens"] == 4.0 and out["sync/fresh_gap_max"] == 0.0
+    assert out["sync/fresh_tokens"] == 4.0 and out["sync/fresh_gap_max"] == 0.0 and owner.checked == 7
+
+
+def test_an_asynchronous_trainer_probes_a_version_when_no_fresh_tokens_checked_the_ones_before():
+    """Makers that lag behind the trainer sample no tokens with the weights it holds, so no step
+    checks those versions end to end: the push `sync.probe_every` versions after the newest one
+    checked (by fresh tokens or a probe) carries the probe; fresh tokens put it off."""
+    from xray.run.detached.trainer import AsyncTrainer
+
+    t = trainer("ppo", "--sync.probe_every=3", "--trainer.steps=20")
+    owner = types.SimpleNamespace(t=t, checked=0)
+    probes = lambda v: AsyncTrainer.probes(owner, v)  # noqa: E731
+    assert probes(1)  # the first push
+    t.synced = True
+    lagging = [v for v in range(1, 12) if probes(v) and not setattr(owner, "checked", v)]
+    assert lagging == [3, 6, 9]  # never more than 2 versions in a row unchecked end to end
+    owner.checked = 12  # fresh tokens of version 12 checked it
+    assert not probes(13) and not probes(14) and probes(15) and probes(20)  # and the run's last
+    outputs, b = batch(gap=1e-5)
+    t.state.step = 16  # a step whose batch holds fresh tokens of the trainer's version moves `checked`
+    exp = Batch({C.BEHAVIOUR_LOGPROBS: b[C.BEHAVIOUR_LOGPROBS], C.BEHAVIOUR_VERSIONS: torch.full((4, 6), 16)})
+    AsyncTrainer.check_fresh(owner, outputs[C.LOGPROBS].detach(), exp, b[C.LOSS_MASK])
+    assert owner.checked == 16 and not probes(18) and probes(19)
 
 
 def test_the_bf16_bound_passes_each_sides_own_bf16_error_and_fails_a_wrong_model():

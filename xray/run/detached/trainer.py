@@ -67,6 +67,9 @@ class AsyncTrainer:
         (`recover`); every load names it (`ExperienceMaker.load`)."""
         self.taken = step
         """The last step whose groups were taken from the buffer."""
+        self.checked = step
+        """The newest version checked end to end: by the makers' fresh tokens (`check_fresh`) or by a
+        probe its push carried (`push`): a version pushed `sync.probe_every` after it probes."""
         self.in_hand: dict[int, list] = {}
         """Step -> the groups it took, for the steps after the newest snapshot in memory: a recovery
         gives them back to the buffer (the buffer owns their experience), trained again, not skipped."""
@@ -140,7 +143,8 @@ class AsyncTrainer:
         self.snapshots.forget_after(held.step)
         self.metrics = {s: m for s, m in self.metrics.items() if s <= held.step}
         from xray.sync.weights import random_probe  # publish the restored weights (a new maker's first
-        # version); a maker holding a discarded version loads them first, whatever is on its way
+        # version); a maker holding a discarded version loads them first, whatever is on its way; probed
+        self.t.synced, self.checked = False, held.step  # (restored into new Workhorses)
         self.push(*random_probe(self.model_dir, models.actor.parallel.dp, 1, seed=held.step))
         return {"step": held.step, "kl": self.t.kl.state_dict(), "given_back": back,
                 "source": "memory" if set(sources) == {"memory"} else "disk"}
@@ -221,6 +225,7 @@ class AsyncTrainer:
                 **{f"async/trainer{d}_from_maker{i}": float(sum(g.maker == i for g in groups))
                    for d, groups in enumerate(taken) for i in range(len(self.makers))},
                 "async/trainer_busy": 1.0 - waited_s / (end - start), "async/publish_s": publish_s,
+                **({"sync/versions_since_e2e": float(step - self.checked)} if t.cfg.sync.verify else {}),
                 "async/experience_bytes": float(sum(b.nbytes() for b in parts)),
                 **(await self.maker_busy(start, end)), "samples_per_s": len(exp) / (end - start), **self.loaded(),
                 **(await self.buffer.stats.remote()), ROLLOUT_ROWS: picked}
@@ -272,7 +277,21 @@ class AsyncTrainer:
                         "sync/fresh_gap_max": gap["rollout_logprob_gap_max"]})
             if t.cfg.sync.verify and not t.end_to_end_bound().holds(gap):  # or NaN
                 t.end_to_end_failed(gap)
+            self.checked = max(self.checked, t.state.step)
         return out
+
+    def probes(self, version: int) -> bool:
+        """Whether the push of `version` carries the log-prob probe: the first push of this trainer,
+        the run's last, every push when no step checks end to end, and a version `sync.probe_every`
+        after the newest one checked end to end (`checked`): makers that lag behind the trainer
+        sample no fresh tokens of the versions they load, and a version goes unchecked end to end
+        for fewer than `probe_every` pushes in a row."""
+        t = self.t
+        every = t.cfg.sync.probe_every
+        if every < 1:
+            raise ValueError(f"sync.probe_every={every}; give 1 (probe every sync) or more")
+        return (not t.synced or not t.checks_end_to_end or version >= t.cfg.trainer.steps
+                or version - self.checked >= every)
 
     def push(self, sequences: list[list[int]], prompt_lens: list[int]) -> None:
         """Publish the weights at the trainer's version: stage one export per pushing trainer
@@ -281,8 +300,10 @@ class AsyncTrainer:
         from xray.sync import stage
 
         version, cfg, actor = self.t.state.step, self.t.cfg.sync, self.t.models.actor
-        if not self.t.probes_at(version):  # the makers' fresh samples check it end to end (`step`)
+        if not self.probes(version):  # the makers' fresh samples check it end to end (`step`)
             sequences, prompt_lens = None, None
+        elif cfg.verify:  # every maker that loads it runs the probe; one that fails fails the run
+            self.checked = version
         self.t.synced = True
         self.staged = {d: stage(actor, version, cfg, sequences, prompt_lens, replica=d)
                        for d in sorted(set(self.pusher))}
@@ -307,6 +328,7 @@ class AsyncTrainer:
         probed = [r for r, _ in every if not math.isnan(r.max_abs_logprob_diff)]
         push = answered[-1][0]
         return {"sync/version": float(push["version"]), "sync/pushes_verified": float(len(answered)),
+                "sync/loads_probed": float(len(probed)),  # loads whose delivery ran the probe, over the makers
                 **({"sync/max_abs_logprob_diff": max(r.max_abs_logprob_diff for r in probed),
                     "sync/mean_abs_logprob_diff": max(r.mean_abs_logprob_diff for r in probed)} if probed else {}),
                 **{k: sum(r.counts()[k] for r, _ in every) for k in every[0][0].counts()},  # absent unverified
