@@ -24,7 +24,12 @@ syncs between two probes are checked end to end by the next step's own log-probs
 computes anyway. Figures are medians over `--repeats` rounds after one warm-up round. The last
 line is `sync_over_reload=<auto s / reload s> verify_share=<(verified - unverified) s / verified s>
 pg_over_objstore=<pg s / objstore s> auto_over_best=<auto s / the fastest of pg, objstore and shm>
-unchecked=<engine tensors the last sync left unchecked>` (on one CPU node `auto` takes the slots).
+unchecked=<engine tensors the last sync left unchecked> coverage=<checked / held>` (on one CPU node
+`auto` takes the slots), where coverage is the smallest, over every rollout engine, dtype and tp
+the project supports on CPU (`COVERAGE_LAYOUTS`: vLLM and DeepSpeed-Inference, fp32 and bf16, tp 1
+and 2, and vLLM's fp8), of the engine tensors the sync wrote that its held check gave a verdict
+(bit for bit, or by their layer's product) over those it wrote (`SyncReport.held_tensors`), each
+layout measured by one verified sync from the same actor (`--no-coverage` skips them).
 """
 from __future__ import annotations
 
@@ -64,6 +69,30 @@ def start_models(model_dir: str) -> tuple[WholeModel, WholeModel]:
     return actor, rollout
 
 
+COVERAGE_LAYOUTS = [(engine, dtype, tp, "none") for engine in ("vllm", "dsinfer")
+                    for dtype in ("float32", "bfloat16") for tp in (1, 2)] + [("vllm", "bfloat16", 1, "fp8")]
+"""(engine, dtype, tp, quantization) of the rollout layouts whose held-check coverage is measured."""
+
+
+def coverage(actor: WholeModel, model_dir: str, version: int) -> dict[tuple, tuple[int, int, int]]:
+    """Per rollout layout of `COVERAGE_LAYOUTS`: (checked exactly, checked by product, held), from one
+    verified sync of the actor's weights into a fresh rollout of that layout."""
+    out = {}
+    for engine, dtype, tp, quantization in COVERAGE_LAYOUTS:
+        options = dict(kv_cache_gib=1, quantization=quantization) if engine == "vllm" else {}
+        rollout = WholeModel(RolloutWorkhorse, role="rollout", parallel=ParallelDims(tp=tp),
+                             init_kwargs=dict(backend=engine, model_dir=model_dir, dtype=dtype, max_model_len=256,
+                                              **options),
+                             env={"VLLM_LOGGING_LEVEL": "ERROR", "PYTHONWARNINGS": "ignore"})
+        try:
+            r = asyncio.run(sync_weights(actor, rollout, version, SyncConfig()))
+        finally:
+            rollout.shutdown()
+        out[(engine, dtype, tp, quantization)] = (r.held_exact, r.held_functional, r.held_tensors)
+        version += 1
+    return out
+
+
 def busy(model: WholeModel) -> list[tuple[float, float]]:
     """The model's busy intervals (epoch seconds, all shards) since the last read."""
     return [tuple(i) for shard in model.busy_time().get() for i in shard["intervals"]]
@@ -89,7 +118,8 @@ def one_round(actor: WholeModel, rollout: WholeModel, version: int, bucket_mb: i
     return t, reports + [r]
 
 
-def report(times: dict[str, list[float]], nbytes: int, params: int, reports: list, args) -> None:
+def report(times: dict[str, list[float]], nbytes: int, params: int, reports: list, args,
+           covered: dict[tuple, tuple[int, int, int]]) -> None:
     m = {k: statistics.median(v) * 1e3 for k, v in times.items()}  # ms
     print(f"model {args.model}: {params / 1e6:.1f}M parameters, {nbytes / 1e6:.1f} MB fp32; bucket {args.bucket_mb} "
           f"MiB; probe {args.probes} x {args.probe_len} tokens; medians over {args.repeats} rounds, ms")
@@ -105,10 +135,15 @@ def report(times: dict[str, list[float]], nbytes: int, params: int, reports: lis
     print(f"probed sync     {m['probed']:8.1f}   (auto with the probe, probe diff {reports[-1].max_abs_logprob_diff:.2e})")
     verified = m["auto"] + (m["probed"] - m["auto"]) / args.probe_every
     print(f"verified sync   {verified:8.1f}   (a run's average: the probe at 1 sync in {args.probe_every})")
+    for (engine, dtype, tp, quantization), (exact, functional, held) in covered.items():
+        print(f"coverage {engine:7s} {dtype:8s} tp={tp} {quantization:4s}  {exact} exact + {functional} by product "
+              f"of {held} held: {(exact + functional) / held:.3f}")
+    ratios = [(exact + functional) / held for exact, functional, held in covered.values()]
+    auto_cov = (auto.held_exact + auto.held_functional) / auto.held_tensors
     best = min(m["pg"], m["objstore"], m["shm"])
     print(f"sync_over_reload={m['auto'] / m['reload']:.3f} verify_share={(verified - m['unverified']) / verified:.3f} "
           f"pg_over_objstore={m['pg'] / m['objstore']:.3f} auto_over_best={m['auto'] / best:.3f} "
-          f"unchecked={auto.unchecked + reports[-1].unchecked}")
+          f"unchecked={auto.unchecked + reports[-1].unchecked} coverage={min([auto_cov, *ratios]):.3f}")
 
 
 def main() -> None:
@@ -120,6 +155,7 @@ def main() -> None:
     parser.add_argument("--probe-len", type=int, default=16, help="tokens per probe; the second half is scored")
     parser.add_argument("--probe-every", type=int, default=SyncConfig.probe_every,
                         help="a run's syncs per probe (sync.probe_every)")
+    parser.add_argument("--no-coverage", action="store_true", help="skip the coverage of each rollout layout")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(1)
@@ -143,10 +179,14 @@ def main() -> None:
                 if i:  # the first round warms up
                     for k, v in t.items():
                         times.setdefault(k, []).append(v)
+            rollout, held = None, rollout
+            held.shutdown()  # the layouts' rollouts take its place
+            covered = {} if args.no_coverage else coverage(actor, model_dir, version)
         finally:
             actor.shutdown()
-            rollout.shutdown()
-    report(times, nbytes, params, reports, args)
+            if rollout is not None:
+                rollout.shutdown()
+    report(times, nbytes, params, reports, args, covered)
 
 
 if __name__ == "__main__":
