@@ -13,6 +13,7 @@ mismatched, and the sync's judgement (`check_exact`) raises.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.backends.rollout_common import changed_weights, hf_sequence_stats, make_prompts, max_abs_diff, sequences_of
 from xray.backends import load_backend, vllm_moe
@@ -64,3 +65,28 @@ def test_moe_reload_in_place_equals_a_fresh_engine(tmp_path, monkeypatch, arch, 
         assert max_abs_diff(fresh.logprobs(seqs, lens), reloaded) <= LOGPROB_TOL
     finally:
         fresh.shutdown()
+
+
+def test_one_expert_one_optimizer_step_stale_is_caught(tmp_path, monkeypatch):
+    """The engine writes one expert of one block as it was one optimizer step before (lr 1e-5, Adam's
+    first step: every element moved by the learning rate) while the rest of the sync lands: the
+    block's check, whose probe runs every expert (`vllm_moe.routed_probe`), names that block alone
+    (seen: 0.035% of a token's output rms, against the fp32 bound of 0.01%)."""
+    directory = build_tiny_model(tmp_path / "start", TinySpec(arch="qwen3_moe"), seed=0)
+    hf = load_hf(str(directory))
+    engine = _engine(directory)
+    try:
+        new = changed_weights(hf)
+        name = "model.layers.1.mlp.experts.down_proj"
+        sent = dict(new)[name]
+        stale = sent.clone()
+        stale[3] -= 1e-5 * torch.sign(torch.randn(stale[3].shape, generator=torch.Generator().manual_seed(0)))
+        reload = engine.reload
+        monkeypatch.setattr(engine, "reload", lambda tensors: reload([(n, stale if n == name else t) for n, t in tensors]))
+        engine.load_weights(new)
+        held = engine.held_check()
+        assert len(held["mismatched"]) == 1 and held["mismatched"][0].startswith("model.layers.1.mlp (MoE block: "), held
+        assert "of its rms from the sent tensors' output, bound 0.0001" in held["mismatched"][0], held
+        assert held["functional"] == 10 - 3 and held["unchecked"] == 0, held  # a correct sync: 10, this block's 3
+    finally:
+        engine.shutdown()

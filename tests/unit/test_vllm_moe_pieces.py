@@ -50,3 +50,21 @@ def test_reference_equals_transformers_block(arch):
     want = (want[0] if isinstance(want, tuple) else want).reshape(x.shape)
     got = expected_output(x, tensors, Routing(top_k=2, renormalize=True, num_experts=4))
     assert (got - want).abs().max() <= 1e-6
+
+
+@pytest.mark.parametrize("experts, top_k, hidden", [(4, 2, 128), (128, 8, 512), (60, 4, 256)])
+def test_the_block_probe_runs_every_expert_with_a_real_share(experts, top_k, hidden):
+    """Random rows alone leave experts idle at top-8 of 128 (16 rows run about two thirds); the
+    routed rows put each expert in some row's top-k, with a weight no rounding of bf16 reorders."""
+    from xray.backends.vllm_moe import PROBE_TOKENS, experts_run, routed_probe
+
+    router = torch.randn(experts, hidden, generator=torch.Generator().manual_seed(1)) * 0.02
+    routing = Routing(top_k=top_k, renormalize=False, num_experts=experts)
+    x = routed_probe(router, routing)
+    random_rows = experts_run(x[:PROBE_TOKENS], router, routing)
+    assert experts_run(x, router, routing) == set(range(experts))
+    assert experts_run(x.bfloat16().float(), router.bfloat16().float(), routing) == set(range(experts))
+    if experts == 128:
+        assert len(random_rows) < experts  # what the random rows alone would have left unchecked
+    probs = torch.softmax(x[PROBE_TOKENS:] @ router.T, dim=-1)
+    assert float(probs.topk(top_k, dim=-1).values.min()) > 0.01  # each routed expert weighs in
