@@ -15,7 +15,7 @@ import torch
 from tests.backends.rollout_common import hf_sequence_stats, make_prompts, sequences_of, trained_tiny_model
 from xray.backends import load_backend
 from xray.backends.held import HeldCheck
-from xray.backends.vllm_adapter import AdapterError, _registered_loras
+from xray.backends.vllm_adapter import AdapterError, _active_loras
 from xray.check.reference import load_hf
 from xray.config.lora import LoraConfig, peft_names
 
@@ -95,9 +95,18 @@ def test_held_check_catches_a_wrong_adapter(engine, model_dir):
     name = next(n for n in wrong if "lora_A" in n)
     wrong[name] = wrong[name] + 1e-3
     held = HeldCheck()
-    loras = engine.llm.collective_rpc(_registered_loras, args=(engine.adapter.ID,))[0]
+    loras = engine.llm.collective_rpc(_active_loras, args=(engine.adapter.ID,))[0]  # what the kernels read
+    a = next(parts[0][0] for parts in loras.values() if parts[0])
+    assert a.shape[0] >= LORA.rank and float(a[LORA.rank:].abs().sum()) == 0.0  # the slot, padded to max rank
     engine.adapter._check(loras, wrong, torch.float32, held)
     assert held.mismatched == [f"{name} [held otherwise than sent]"] and held.exact == len(tensors) - 1
+    stray = dict(tensors, **{"base_model.model.model.layers.0.mlp.router.lora_A.weight": torch.zeros(4, 4)})
+    held = HeldCheck()  # a sent tensor that no LoRA layer of the engine holds: unchecked, the sync fails
+    engine.adapter._check(loras, stray, torch.float32, held)
+    assert held.unchecked == 1 and held.exact == len(tensors) and held.checked[-1].endswith("router.lora_A.weight")
+    held = HeldCheck()  # registered but holding no slot of the kernels (never activated): the base model serves
+    engine.adapter._check({}, tensors, torch.float32, held)
+    assert held.mismatched and "holds no slot" in held.mismatched[0] and held.exact == 0
     engine.load_weights(list(tensors.items())[:-2])  # an adapter that lost a module on the way
     with pytest.raises(AdapterError, match="other tensors than the first"):
         engine.finish_load()

@@ -16,12 +16,15 @@ but an in-place reload of base weights does (`VllmEngine.reload`), so that calls
 puts the last adapter back from memory. The base weights are the model directory's and never
 change in a LoRA run.
 
-Exact check: vLLM keeps each loaded adapter's A and B (B already multiplied by alpha / r, q/k/v
-and gate/up packed per layer); each is compared bit for bit with what was sent, laid out and
-scaled the same way (`HeldCheck`).
+Exact check: what vLLM's LoRA kernels read, the adapter's slot of each linear layer's stacked
+buffers (A and B per part, B already multiplied by alpha / r, q/k/v and gate/up packed per layer,
+padded to the engine's largest rank), each compared bit for bit with what was sent, laid out and
+scaled the same way (`HeldCheck`); an adapter that holds no slot (registered, never activated)
+fails, and so does a sent tensor that no LoRA layer holds (unchecked).
 """
 from __future__ import annotations
 
+import logging
 import shutil
 import tempfile
 from typing import Any
@@ -32,6 +35,8 @@ from xray.backends.base import WeightBucket
 from xray.backends.held import HeldCheck
 from xray.backends.lora import save_adapter
 from xray.config.lora import PEFT_PREFIX, LoraConfig
+
+log = logging.getLogger(__name__)
 
 # vLLM's allowed `max_lora_rank` values (its config's MaxLoRARanks)
 VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -96,7 +101,7 @@ class AdapterSlot:
             self.request = LoRARequest("actor", self.ID, self.directory)
             self.names = frozenset(tensors)
             llm.reset_prefix_cache()
-            loras = llm.collective_rpc(_registered_loras, args=(self.ID,))[0]
+            loras = llm.collective_rpc(_active_loras, args=(self.ID,))[0]
         else:
             if set(tensors) != self.names:
                 raise AdapterError(
@@ -124,9 +129,17 @@ class AdapterSlot:
 
     def _check(self, loras: dict | None, sent: dict[str, torch.Tensor], dtype: torch.dtype,
                held: HeldCheck) -> None:
+        """Compare each sent adapter tensor with what the kernels read (`_active_loras`: the
+        adapter's slot of every LoRA layer, padded to the engine's largest rank and width: its
+        leading block); a sent tensor vLLM holds nowhere counts as unchecked (the sync fails)."""
         if loras is None:
             held.skip(list(sent))
             return
+        if not loras:
+            held.mismatch(f"the adapter holds no slot of the engine's LoRA kernels (registered, not active): "
+                          f"{len(sent)} sent tensors unused", list(sent))
+            return
+        seen = set()
         for module, (a_list, b_list) in loras.items():
             parts = PACKED.get(module.rsplit(".", 1)[-1])
             names = [f"{module.rsplit('.', 1)[0]}.{p}" for p in parts] if parts else [module]
@@ -136,8 +149,15 @@ class AdapterSlot:
                     continue
                 for n, got, want in ((a_name, a, sent[a_name].to(dtype)),
                                      (b_name, b, sent[b_name].to(dtype) * self.lora.scaling)):
-                    if not held.compare(n, got, want):
+                    seen.add(n)
+                    block = got[:want.shape[0], :want.shape[1]] if got.dim() == 2 else got
+                    if not held.compare(n, block, want):
                         held.skip([n])
+        unused = sorted(set(sent) - seen)
+        if unused:
+            log.warning("%d sent adapter tensors are in none of the engine's LoRA layers (e.g. %s)", len(unused),
+                        unused[0])
+            held.skip(unused)
 
     def close(self) -> None:
         shutil.rmtree(self.directory, ignore_errors=True)
@@ -162,7 +182,29 @@ def _replace_adapter(worker, adapter_id: int, tensors: dict[str, torch.Tensor], 
     models.remove_adapter(adapter_id)
     models.add_adapter(lora)
     models.activate_adapter(adapter_id)
-    return _registered_loras(worker, adapter_id)
+    return _active_loras(worker, adapter_id)
+
+
+def _active_loras(worker, adapter_id: int) -> dict | None:
+    """On a vLLM worker: {module: ([A per part], [B per part])} as its LoRA kernels read them: the
+    adapter's slot of each layer's stacked buffers (`lora_a_stacked` [slots, 1, rank, in],
+    `lora_b_stacked` [slots, 1, out, max rank], B scaled), written when vLLM activates the adapter;
+    {} when the adapter holds no slot (registered, never activated: generation would run the base
+    model); None when this vLLM keeps them elsewhere."""
+    try:
+        manager = worker.model_runner.lora_manager._adapter_manager
+        slot = list(manager.lora_index_to_id).index(adapter_id)
+    except (AttributeError, ValueError):
+        return {} if hasattr(worker.model_runner, "lora_manager") else None
+    out = {}
+    for module, layer in manager.modules.items():
+        a_stacked, b_stacked = getattr(layer, "lora_a_stacked", None), getattr(layer, "lora_b_stacked", None)
+        stacks = (a_stacked, b_stacked)
+        if not all(isinstance(x, (tuple, list)) and x for x in stacks) or \
+                any(t.dim() != 4 for t in (*a_stacked, *b_stacked)):
+            continue  # not a linear layer's slots (the embedding's differ): its tensors stay unchecked
+        out[module] = ([a[slot, 0].detach().cpu() for a in a_stacked], [b[slot, 0].detach().cpu() for b in b_stacked])
+    return out
 
 
 def _registered_loras(worker, adapter_id: int) -> dict | None:
