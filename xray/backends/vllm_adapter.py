@@ -166,7 +166,7 @@ class AdapterSlot:
 def _replace_adapter(worker, adapter_id: int, tensors: dict[str, torch.Tensor], config: dict) -> dict | None:
     """On a vLLM worker: replace the registered adapter `adapter_id` with one built from `tensors`
     (`peft` names, `config` its adapter_config.json) in its slot, as vLLM's in-place `add_lora`
-    does after reading the directory; then what the worker holds (`_registered_loras`)."""
+    does after reading the directory; then what its kernels read (`_active_loras`)."""
     from vllm.lora.peft_helper import PEFTHelper
 
     manager = worker.model_runner.lora_manager
@@ -204,19 +204,4 @@ def _active_loras(worker, adapter_id: int) -> dict | None:
                 any(t.dim() != 4 for t in (*a_stacked, *b_stacked)):
             continue  # not a linear layer's slots (the embedding's differ): its tensors stay unchecked
         out[module] = ([a[slot, 0].detach().cpu() for a in a_stacked], [b[slot, 0].detach().cpu() for b in b_stacked])
-    return out
-
-
-def _registered_loras(worker, adapter_id: int) -> dict | None:
-    """On a vLLM worker: {module: ([A per part], [B per part])} of the registered adapter, or None
-    when this vLLM keeps them elsewhere."""
-    try:
-        model = worker.model_runner.lora_manager._adapter_manager._registered_adapters[adapter_id]
-    except (AttributeError, KeyError):
-        return None
-    out = {}
-    for module, weights in model.loras.items():
-        a, b = weights.lora_a, weights.lora_b
-        out[module] = ([x.detach().cpu() for x in a], [x.detach().cpu() for x in b]) if isinstance(a, list) \
-            else ([a.detach().cpu()], [b.detach().cpu()])
     return out
