@@ -41,6 +41,7 @@ import tempfile
 
 import torch
 
+from xray.config.engines import engine as engine_row
 from xray.config.parallel import ParallelDims
 from xray.config.schema import SyncConfig
 from xray.builtin.tiny_llama import BENCH_MODELS, build_tiny_model
@@ -79,7 +80,9 @@ def coverage(actor: WholeModel, model_dir: str, version: int) -> dict[tuple, tup
     verified sync of the actor's weights into a fresh rollout of that layout."""
     out = {}
     for engine, dtype, tp, quantization in COVERAGE_LAYOUTS:
-        options = dict(kv_cache_gib=1, quantization=quantization) if engine == "vllm" else {}
+        row = engine_row(engine)
+        options = {**({"kv_cache_gib": 1} if "kv_cache_gib" in row.options else {}),
+                   **({"quantization": quantization} if quantization != "none" else {})}
         rollout = WholeModel(RolloutWorkhorse, role="rollout", parallel=ParallelDims(tp=tp),
                              init_kwargs=dict(backend=engine, model_dir=model_dir, dtype=dtype, max_model_len=256,
                                               **options),

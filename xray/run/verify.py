@@ -7,6 +7,7 @@ how the engine's copy is checked are `xray/sync`'s.
 """
 from __future__ import annotations
 
+import asyncio
 import math
 
 import torch
@@ -110,6 +111,8 @@ class SyncVerification:
     async def sync(self, exp: Batch, version: int, probe: bool | None = None):
         """Sync the actor's weights to the rollout at `version`, the probe where `probes_at` says."""
         probing = self.probes_at(version) if probe is None else probe
+        if not self.synced and self.cfg.sync.verify and self.adapter_sync():
+            await self.check_base()
         self.synced = True
         if not probing:
             self.queued_probe = None
@@ -120,6 +123,26 @@ class SyncVerification:
         actor_probe = queued[1] if queued is not None and queued[0] == sequences else None  # else stale
         return await sync_weights(self.models.actor, self.models.rollout, version, self.cfg.sync,
                                   sequences, prompt_lens, overlap=self.overlap_sync, actor_probe=actor_probe)
+
+    def adapter_sync(self) -> bool:
+        """Whether the syncs send the actor's LoRA adapter alone (the rollout keeps its base weights)."""
+        plan = self.models.plan
+        return plan is not None and plan.lora_sync == "adapters"
+
+    async def check_base(self) -> None:
+        """Before the first adapter sync: the rollout's base model must be the actor's (the sync
+        never sends it): the fingerprints of the weights each shard started from
+        (`xray/backends/base_fingerprint.py`) must agree; WeightSyncError otherwise."""
+        actor, rollout = self.models.actor, self.models.rollout
+        ours, theirs = await asyncio.gather(actor.base_fingerprint(), rollout.base_fingerprint())
+        if None in {*ours, *theirs}:
+            return  # weights in another format than safetensors: nothing to compare
+        if len(set(ours)) > 1 or set(theirs) != set(ours):
+            raise WeightSyncError(
+                f"the rollout's base model is not the actor's (weights fingerprint {sorted(set(theirs))} against "
+                f"{sorted(set(ours))}): a LoRA run syncs the adapter alone, so the rollout must start from the "
+                "actor's base weights: start both from the same directory (model.path, and no actor.model_path "
+                "of its own)")
 
     async def resync(self, rows: list[dict], version: int):
         """Bring the rollout engine to the actor's weights outside a step (after a resume)."""

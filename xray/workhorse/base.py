@@ -247,6 +247,14 @@ class Workhorse(BusyRecorder):
         if dist.is_initialized():
             dist.destroy_process_group()
 
+    @fanout(dispatch="all", execute="all", collect=lambda layout, results: results)
+    def base_fingerprint(self) -> str | None:
+        """The fingerprint of the weights in the model directory this shard started from
+        (`xray/backends/base_fingerprint.py`; None without safetensors files), per shard."""
+        from xray.backends.base_fingerprint import fingerprint
+
+        return fingerprint(self.config.get("model_dir"))
+
     @fanout(dispatch="all", execute="all", collect=lambda layout, results: results, deadline_s=30.0)
     def ping(self) -> dict:
         """Liveness and identity of every shard, in rank order."""
