@@ -4,6 +4,7 @@ compares them with its recomputed old log-probs; on-policy the policy loss compa
 training forward's and, beyond the bound, asks the engine to leave the whole update out (every
 replica agreeing); the sync's probe then runs only at the first sync, every `sync.probe_every` and
 the last."""
+import asyncio
 import types
 
 import pytest
@@ -137,6 +138,38 @@ def test_an_asynchronous_trainer_probes_a_version_when_no_fresh_tokens_checked_t
     exp = Batch({C.BEHAVIOUR_LOGPROBS: b[C.BEHAVIOUR_LOGPROBS], C.BEHAVIOUR_VERSIONS: torch.full((4, 6), 16)})
     AsyncTrainer.check_fresh(owner, outputs[C.LOGPROBS].detach(), exp, b[C.LOSS_MASK])
     assert owner.checked == 16 and not probes(18) and probes(19)
+
+
+def test_an_asynchronous_trainer_reports_per_maker_which_versions_were_checked_how():
+    """Each maker's newest loaded version (its sync checked completely and exactly) and the newest
+    whose load ran the probe; a maker that skipped a version (a newer one arrived) or was lost
+    answers None and reports nothing for it."""
+    from xray.run.detached.trainer import AsyncTrainer
+    from xray.sync import SyncReport
+
+    def report(version, probed):
+        diff = 0.001 if probed else float("nan")
+        return SyncReport(version, 10, 0.1, 0.01, diff, mean_abs_logprob_diff=diff, held_exact=3, held_functional=1,
+                          unchecked=0, held_tensors=4), 100.0 + version
+
+    async def pushes():
+        loop = asyncio.get_running_loop()
+        out = []
+        for version, answers in ((4, [report(4, True), report(4, True)]), (5, [report(5, False), None])):
+            loads = []
+            for answer in answers:
+                done = loop.create_future()
+                done.set_result(answer)
+                loads.append(done)
+            out.append({"version": version, "published": 99.0, "loads": loads})
+        return out
+
+    owner = types.SimpleNamespace(pushes=asyncio.run(pushes()))
+    out = AsyncTrainer.loaded(owner)
+    assert out["sync/version"] == 5.0 and out["sync/pushes_verified"] == 2.0 and out["sync/loads_probed"] == 2.0
+    assert (out["sync/maker0_version"], out["sync/maker0_probed_version"]) == (5.0, 4.0)
+    assert (out["sync/maker1_version"], out["sync/maker1_probed_version"]) == (4.0, 4.0)  # it skipped 5
+    assert out["sync/held_exact"] == 9.0 and out["sync/replicas_loaded"] == 3.0 and owner.pushes == []
 
 
 def test_the_bf16_bound_passes_each_sides_own_bf16_error_and_fails_a_wrong_model():

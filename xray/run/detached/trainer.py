@@ -315,11 +315,20 @@ class AsyncTrainer:
         """The verification of every push that every maker has answered since the last step
         (loaded, or skipped for a newer version; a lost maker's answer is None: the driver
         replaces it). A push answered after its step ended is reported with the next one:
-        `sync/version` is the newest, `sync/pushes_verified` how many, the held counts summed."""
+        `sync/version` is the newest, `sync/pushes_verified` how many, the held counts summed; per
+        maker i, `sync/maker<i>_version` the newest version it loaded (checked completely and
+        exactly) and `sync/maker<i>_probed_version` the newest whose load ran the probe."""
         answered: list[tuple[dict, list]] = []
+        makers: dict[str, float] = {}  # per maker: the newest version it loaded, and the newest it probed
         while self.pushes and all(task.done() for task in self.pushes[0]["loads"]):
             push = self.pushes.pop(0)
-            reports = [r for r in (task.result() for task in push["loads"]) if r is not None]
+            results = [task.result() for task in push["loads"]]
+            for i, result in enumerate(results):
+                if result is not None:
+                    makers[f"sync/maker{i}_version"] = float(push["version"])
+                    if not math.isnan(result[0].max_abs_logprob_diff):
+                        makers[f"sync/maker{i}_probed_version"] = float(push["version"])
+            reports = [r for r in results if r is not None]
             if reports:
                 answered.append((push, reports))
         if not answered:
@@ -328,7 +337,7 @@ class AsyncTrainer:
         probed = [r for r, _ in every if not math.isnan(r.max_abs_logprob_diff)]
         push = answered[-1][0]
         return {"sync/version": float(push["version"]), "sync/pushes_verified": float(len(answered)),
-                "sync/loads_probed": float(len(probed)),  # loads whose delivery ran the probe, over the makers
+                "sync/loads_probed": float(len(probed)), **makers,  # loads whose delivery ran the probe
                 **({"sync/max_abs_logprob_diff": max(r.max_abs_logprob_diff for r in probed),
                     "sync/mean_abs_logprob_diff": max(r.mean_abs_logprob_diff for r in probed)} if probed else {}),
                 **{k: sum(r.counts()[k] for r, _ in every) for k in every[0][0].counts()},  # absent unverified
