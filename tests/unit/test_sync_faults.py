@@ -240,3 +240,15 @@ def test_a_tensor_received_in_fewer_bytes_than_sent_is_caught_by_the_manifest():
     with pytest.raises(WeightSyncError, match=re.escape(f"{A} (sent float32 [64, 64] 16384 bytes, received "
                                                         "bfloat16 [64, 64] 8192 bytes)")):
         check_exact(1, [report], manifest_of(sent))
+
+
+def test_an_export_fault_that_cannot_be_applied_says_so():
+    """`rename:A,B` exchanges two tensors of one bucket; a pair split over two buckets fails the
+    push instead of sending the weights unchanged (a fault test would then pass for nothing)."""
+    a, b = torch.ones(2, 2), torch.zeros(2, 2)
+    fault = "rename:layers.0.o_proj.weight,layers.9.o_proj.weight"
+    swapped = on_export([("layers.0.o_proj.weight", a), ("layers.9.o_proj.weight", b)], fault)
+    assert [n for n, _ in swapped] == ["layers.9.o_proj.weight", "layers.0.o_proj.weight"]
+    assert on_export([("norm.weight", a)], fault) == [("norm.weight", a)]  # neither: nothing to do here
+    with pytest.raises(ValueError, match="in different export buckets"):
+        on_export([("layers.0.o_proj.weight", a), ("norm.weight", b)], fault)

@@ -16,8 +16,8 @@ old form), or `kind:names`:
 - in the checksums' family: `family:F` (every checksum of the bucket named F, its value kept: a
   sender naming another family than the one it computed, or than its transport's);
 - at export, before the manifest and checksums (only the log-prob comparison can see it, the
-  engine holding exactly what it was sent): `rename:A,B` (two same-shape tensors sent under each
-  other's names: a wrong name mapping); `unsent:A` (A missing from the export and the manifest).
+  engine holding exactly what it was sent): `rename:A,B` (two same-shape tensors of one export bucket
+  sent under each other's names: a wrong name mapping; a pair split over two buckets raises); `unsent:A` (A missing from the export and the manifest).
 """
 from __future__ import annotations
 
@@ -50,9 +50,14 @@ def on_export(bucket: WeightBucket, fault: str | None) -> WeightBucket:
     kind, names = parse(fault)
     if kind == "unsent":
         return [(n, t) for n, t in bucket if n != names[0]]
-    if kind == "rename" and all(n in dict(bucket) for n in names):
-        a, b = names
-        return [(b if n == a else a if n == b else n, t) for n, t in bucket]
+    if kind == "rename":
+        present = [n for n in names if n in dict(bucket)]
+        if len(present) == 1:  # the pair straddles two buckets: the fault could not be applied
+            raise ValueError(f"fault {fault!r}: {present[0]} and its partner are in different export buckets; "
+                             "name two tensors of one bucket, or raise the bucket size")
+        if present:
+            a, b = names
+            return [(b if n == a else a if n == b else n, t) for n, t in bucket]
     return bucket
 
 
