@@ -16,8 +16,9 @@ old form), or `kind:names`:
 - in the checksums' family: `family:F` (every checksum of the bucket named F, its value kept: a
   sender naming another family than the one it computed, or than its transport's);
 - at export, before the manifest and checksums (only the log-prob comparison can see it, the
-  engine holding exactly what it was sent): `rename:A,B` (two same-shape tensors of one export bucket
-  sent under each other's names: a wrong name mapping; a pair split over two buckets raises); `unsent:A` (A missing from the export and the manifest).
+  engine holding exactly what it was sent): `rename:A,B` (two same-shape tensors of one export
+  bucket sent under each other's names: a wrong name mapping; a pair split over two buckets
+  raises); `unsent:A` (A missing from the export and the manifest).
 """
 from __future__ import annotations
 
