@@ -17,6 +17,7 @@ import torch
 
 from tests.backends.rollout_common import changed_weights, trained_tiny_model
 from xray.backends import load_backend
+from xray.builtin.tiny_llama import TinySpec, build_tiny_model
 from xray.check.reference import load_hf
 from xray.sync.manifest import incomplete
 from xray.transport.wire import manifest_of
@@ -94,3 +95,36 @@ def test_an_engine_holding_other_weights_than_sent_is_caught(engine, model_dir):
     engine.drop_pending()  # the end of that (failed) sync
     engine.load_weights(new)
     assert engine.pending_weights() == [] and engine.held_check()["mismatched"] == []
+
+
+WIDE = TinySpec(vocab_size=256, hidden_size=2048, intermediate_size=2048, num_layers=1, num_heads=16, num_kv_heads=4)
+"""One layer at a real width (2048): what a one-step-stale weight is checked at."""
+
+
+@pytest.mark.parametrize("backend, dtype", [("vllm", "float32"), ("vllm", "bfloat16"), ("dsinfer", "float32"),
+                                            ("dsinfer", "bfloat16")])
+def test_a_weight_one_optimizer_step_stale_at_width_2048_is_named(tmp_path, backend, dtype):
+    """The engine holds one weight as it was one optimizer step before (lr 1e-5, Adam's first step:
+    every element moved by the learning rate; in bf16 the step flips the rounding of some elements
+    only) while the sync sent the new one: the held check names that tensor, and only it (vLLM: its
+    layer's seeded columns read back through the kernel; DeepSpeed-Inference: bit for bit)."""
+    from safetensors.torch import load_file
+
+    directory = build_tiny_model(tmp_path / "wide", WIDE, seed=0)
+    sent = {n: t.to(getattr(torch, dtype)) for n, t in load_file(directory / "model.safetensors").items()}
+    name = "model.layers.0.self_attn.o_proj.weight"
+    fp32 = load_file(directory / "model.safetensors")[name]
+    stale = (fp32 - 1e-5 * torch.sign(torch.randn(fp32.shape, generator=torch.Generator().manual_seed(0))))
+    stale = stale.to(getattr(torch, dtype))
+    assert not torch.equal(stale, sent[name])
+    engine = load_backend(backend).build_engine(directory, dtype=dtype, seed=0, max_model_len=256)
+    engine.backend = backend
+    try:
+        engine.load_weights(list(sent.items()))
+        report = engine.held_check()
+        assert report["mismatched"] == [] and report["unchecked"] == 0, report
+        report = hold(engine, name, stale, sent[name])
+        assert len(report["mismatched"]) == 1 and report["mismatched"][0].startswith(name), report
+        assert "held otherwise than sent" in report["mismatched"][0], report
+    finally:
+        engine.shutdown() if hasattr(engine, "shutdown") else None

@@ -114,8 +114,9 @@ def test_an_asynchronous_trainer_checks_the_tokens_sampled_with_its_own_weights(
     with pytest.raises(WeightSyncError, match="failed the end-to-end check"):
         AsyncTrainer.check_fresh(owner, proximal, exp, b[C.LOSS_MASK])
     versions[2], versions[1] = 6, 7  # a fresh row that is right
-    out = AsyncTrainer.check_fresh(owner, proximal, exp, b[C.LOSS_MASK])
+    out = AsyncTrainer.check_fresh(owner, proximal, exp, b[C.LOSS_MASK], makers=torch.tensor([0, 1, 1, 0]))
     assert out["sync/fresh_tokens"] == 4.0 and out["sync/fresh_gap_max"] == 0.0 and owner.checked == 7
+    assert (out["sync/maker0_fresh_tokens"], out["sync/maker1_fresh_tokens"]) == (0.0, 4.0)  # row 1: maker 1
 
 
 def test_an_asynchronous_trainer_probes_a_version_when_no_fresh_tokens_checked_the_ones_before():

@@ -202,7 +202,9 @@ class AsyncTrainer:
         waited_s = time.time() - start
         proximal, values = await self.recompute(exp)
         mask = exp[C.LOSS_MASK]
-        fresh = self.check_fresh(proximal, exp, mask)  # before the batch is trained on
+        makers = torch.tensor([g.maker for groups, rows in zip(taken, batches) for g, b in zip(groups, rows)
+                               for _ in range(len(b))])  # each row's maker, in the order of `exp`
+        fresh = self.check_fresh(proximal, exp, mask, makers)  # before the batch is trained on
         kl_coef = t.kl.value
         columns, measured = self.targets(exp, proximal, values, mask)
         picked = pick_rollouts(exp, exp[C.SCORES], columns.get(C.ADVANTAGES), mask, t.cfg.trainer.log_rollouts,
@@ -262,16 +264,23 @@ class AsyncTrainer:
                 **episode_metrics([s["episodes"] for s in live if "episodes" in s]),
                 **means(s["rewards"] for s in live if "rewards" in s)}
 
-    def check_fresh(self, proximal: torch.Tensor, exp: Batch, mask: torch.Tensor) -> dict[str, float]:
+    def check_fresh(self, proximal: torch.Tensor, exp: Batch, mask: torch.Tensor,
+                    makers: torch.Tensor | None = None) -> dict[str, float]:
         """The end-to-end check of the makers' syncs, for free: the tokens sampled with the weights
         this trainer holds now (BEHAVIOUR_VERSIONS equal to its version), the makers' log-probs of
         them against the actor's `proximal` ones, within the probe's bound
         (`SyncVerification.end_to_end_bound`), before the batch is trained on; WeightSyncError beyond it.
-        `sync/fresh_gap_mean`, `_max` and `sync/fresh_tokens` (0: nothing fresh this step)."""
+        `sync/fresh_gap_mean`, `_max` and `sync/fresh_tokens` (0: nothing fresh this step), and per
+        maker i (`makers`: each row's maker) `sync/maker<i>_fresh_tokens`: the tokens of its samples
+        that checked the version it holds end to end."""
         t = self.t
         fresh = mask * (exp[C.BEHAVIOUR_VERSIONS].long() == t.state.step).to(mask.dtype)
         gap = t.gap(proximal, exp, fresh) if fresh.sum() > 0 else {}
         out = {"sync/fresh_tokens": float(fresh.sum())}
+        if makers is not None:
+            per_row = fresh.sum(1)
+            out.update({f"sync/maker{i}_fresh_tokens": float(per_row[makers == i].sum())
+                        for i in sorted(set(makers.tolist()))})
         if gap:
             out.update({"sync/fresh_gap_mean": gap["rollout_logprob_gap_mean"],
                         "sync/fresh_gap_max": gap["rollout_logprob_gap_max"]})
