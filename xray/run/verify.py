@@ -71,11 +71,16 @@ class SyncVerification:
         """Whether the sync to `version` runs the separate log-prob probe: the first sync of this
         process, every `sync.probe_every`, the run's last, and every sync where no step checks
         end to end."""
+        every = self.probe_interval()
+        return (not self.synced or not self.checks_end_to_end or version % every == 0
+                or version >= self.cfg.trainer.steps)
+
+    def probe_interval(self) -> int:
+        """`sync.probe_every`, checked: ValueError below 1."""
         every = self.cfg.sync.probe_every
         if every < 1:
             raise ValueError(f"sync.probe_every={every}; give 1 (probe every sync) or more")
-        return (not self.synced or not self.checks_end_to_end or version % every == 0
-                or version >= self.cfg.trainer.steps)
+        return every
 
     def probe_size(self) -> int:
         """Probe sequences per sync: at least 4, divisible by the actor's and rollout's dp. A vLLM

@@ -296,11 +296,8 @@ class AsyncTrainer:
         sample no fresh tokens of the versions they load, and a version goes unchecked end to end
         for fewer than `probe_every` pushes in a row."""
         t = self.t
-        every = t.cfg.sync.probe_every
-        if every < 1:
-            raise ValueError(f"sync.probe_every={every}; give 1 (probe every sync) or more")
         return (not t.synced or not t.checks_end_to_end or version >= t.cfg.trainer.steps
-                or version - self.checked >= every)
+                or version - self.checked >= t.probe_interval())
 
     def push(self, sequences: list[list[int]], prompt_lens: list[int]) -> None:
         """Publish the weights at the trainer's version: stage one export per pushing trainer
