@@ -12,6 +12,8 @@ Workhorse gets SIGTERM during step 9: it is replaced when the step ends (or the 
 notice reaches the run after the step's end), from that step's snapshot, and no step runs again. The megatron-vllm run keeps a warm standby process per model
 (`trainer.standby_workhorses: 1`): the actor's and the critic's replacements are built in them.
 An asynchronous run whose trainer is lost (slow tier) goes back to its checkpoint, restored from memory.
+A run that fails for good writes its newest snapshot in memory as a checkpoint (save at
+breakpoint), synchronous and asynchronous.
 """
 import asyncio
 import collections
@@ -231,6 +233,42 @@ def test_a_fatal_failure_saves_its_newest_snapshot_and_the_resume_is_exact(tmp_p
     assert sorted(resumed) == [1, 2, 3] and trainer.state.step == 3
     for step in range(int(saved.name[5:]) + 1, 4):
         assert stable(resumed[step]) == stable(uninterrupted[step]), step
+
+
+def test_an_asynchronous_run_saves_its_trainers_newest_snapshot_at_a_fatal_failure(tmp_path, tiny_model, caplog,
+                                                                                  local_ray):
+    """Save at breakpoint, asynchronous (`Detached.save_at_breakpoint`): a 6-step megatron-vllm run
+    (one trainer, two makers) with no checkpoint on disk and no restart budget loses its actor
+    Workhorse after step 3 and fails; the trainer's newest snapshot in memory (step 3's, or 2's
+    when the kill cut step 3's copy) is then a complete checkpoint whose buffer accounts for every
+    prompt drawn (trained by its step, queued, or to be made again: the groups the trainer took
+    since, and those sampled by its later versions, are back among them), and `--resume` from it
+    finishes the run."""
+    import ray
+
+    from algorithms.rl import rl_trainer
+    from tests.e2e.test_async_e2e import async_config, check_nothing_lost
+    from xray.run.loop import train
+    from xray.run.outputs import RunDir
+    from xray.train import resolve
+
+    path = async_config(tmp_path, tiny_model, "megatron-vllm", 1)
+    _, cfg, plan, _, _ = resolve(["ppo", "--backend", "megatron-vllm", "--config", str(path),
+                                  "--trainer.save_every=0", "--trainer.max_restarts=0"])
+    run = RunDir(tmp_path / "run")
+    caplog.set_level(logging.WARNING)
+    with rl_trainer(cfg, plan, run) as (trainer, data):
+        kills = [(4, "actor", ray.get(trainer.models.actor.shard_handles()[0].pid.remote()), 0.0)]
+        with pytest.raises(Exception, match="max_restarts"):
+            train_with_kills(trainer, run, data, kills)
+    saved = run.latest_checkpoint()
+    assert saved is not None and saved.name in ("step-000002", "step-000003"), sorted(run.checkpoints.iterdir())
+    assert (f"the trainer's newest snapshot in memory (step {int(saved.name[5:])}) is now the checkpoint"
+            in caplog.text), caplog.text[-3000:]
+    check_nothing_lost(saved, yaml.safe_load(path.read_text()))
+    with rl_trainer(cfg, plan, run) as (trainer, data):
+        asyncio.run(train(trainer, run, data, str(run.path)))
+    assert trainer.state.step == 6 and sorted(steps_logged(run)) == list(range(1, 7))
 
 
 class _Listening:

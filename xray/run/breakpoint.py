@@ -8,6 +8,10 @@ process. `save_at_breakpoint` writes that newest complete snapshot as the checkp
 from the copies the object store keeps (each shard's `hand_snapshot` answer outlives its
 Workhorse): a Ray task per shard writes its files where its Workhorse would have, then the
 trainer's state of the same instant marks the checkpoint complete, so `--resume` goes on from it.
+An asynchronous run's trainer keeps its snapshots itself: it writes the newest the same way
+(`AsyncTrainer.breakpoint`) and the driver adds the buffer's state brought back to that step
+(`Detached.save_at_breakpoint`) before the run's actors stop, whenever the detached run ends in
+an error: a recovery that goes back to the disk (`recover_async`) then starts from it too.
 DLRover's `--save_at_breakpoint` does this for a torch job's flash checkpoint.
 """
 from __future__ import annotations
@@ -18,7 +22,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from xray.run.checkpoints import FlashCheckpoints
+from xray.run.checkpoints import FlashCheckpoints, Held
 from xray.run.outputs import RunDir
 
 log = logging.getLogger(__name__)
@@ -39,23 +43,36 @@ def write_held(held: dict[str, Any]) -> int:
     return len(held)
 
 
+async def write_snapshot(held: Held) -> None:
+    """Write every shard's files of the snapshot `held` where its Workhorse would have, one Ray
+    task per shard reading the copy the object store keeps (the trainer's state is the caller's:
+    written last, it marks the checkpoint complete)."""
+    import ray
+
+    task = ray.remote(num_cpus=0)(write_held)
+    refs = [ref for _, shard_refs in held.roles.values() for ref in shard_refs]
+    await asyncio.gather(*[task.remote(ref) for ref in refs])
+
+
+def newer_than_disk(held: Held | None, run: RunDir) -> bool:
+    """Whether the snapshot `held` is of a later step than the latest complete checkpoint on disk."""
+    latest = run.latest_checkpoint()
+    return held is not None and (latest is None or int(latest.name.split("-")[1]) < held.step)
+
+
 async def save_at_breakpoint(checkpoints: FlashCheckpoints, run: RunDir) -> Path | None:
     """Write the newest complete snapshot in memory as a checkpoint if it is newer than the latest
     on disk; its directory, or None when there is nothing newer (or it cannot be written: logged)."""
-    import ray
-
     held = checkpoints.restorable()
-    latest = run.latest_checkpoint()
-    if held is None or (latest is not None and int(latest.name.split("-")[1]) >= held.step):
+    if not newer_than_disk(held, run):
         return None
     try:
-        task = ray.remote(num_cpus=0)(write_held)
-        refs = [ref for _, shard_refs in held.roles.values() for ref in shard_refs]
-        await asyncio.gather(*[task.remote(ref) for ref in refs])
+        await write_snapshot(held)
         run.write_trainer_state(held.directory, held.trainer_state)
     except Exception as exc:  # noqa: BLE001 - the run's own error is the one to report
         log.warning("save at breakpoint: the snapshot of step %d could not be written (%s); the latest "
-                    "checkpoint on disk stays %s", held.step, str(exc).splitlines()[0] if str(exc) else exc, latest)
+                    "checkpoint on disk stays %s", held.step, str(exc).splitlines()[0] if str(exc) else exc,
+                    run.latest_checkpoint())
         return None
     log.warning("save at breakpoint: the run failed; its newest snapshot in memory (step %d) is now the "
                 "checkpoint %s (resume with --resume)", held.step, held.directory)

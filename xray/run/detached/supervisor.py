@@ -161,6 +161,9 @@ class Detached:
                 await on_stop()
             else:
                 await _unwrapped(self.learner.finish.remote())
+        except Exception:
+            await self.save_at_breakpoint()
+            raise
         finally:
             await self.stop()
 
@@ -384,6 +387,42 @@ class Detached:
             log.info("maker %d stopped; its %d prompts in the making queued again", i, requeued)
 
     # -- checkpoints -----------------------------------------------------------------------------
+    async def save_at_breakpoint(self) -> str | None:
+        """The run ends in an error: stop the makers (their prompts queued again), have the trainer
+        write its newest snapshot in memory as a checkpoint when newer than the latest on disk
+        (`AsyncTrainer.breakpoint`, which brings the buffer back to its step), then write the
+        buffer's snapshot and the trainer's state beside it (the latter marks it complete), as
+        `xray.run.resume.save_checkpoint` would have at that step. Its directory; None when there
+        is nothing newer or it cannot be written (logged: the run's error is the one raised)."""
+        from pathlib import Path
+
+        from xray.backends.snapshot import write_atomically
+        from xray.run.outputs import RunDir
+        from xray.run.resume import ASYNC_STATE
+
+        if self.run_path is None or self.learner is None:
+            return None
+        run = RunDir(Path(self.run_path))
+        latest = run.latest_checkpoint()
+        try:
+            await self._stop_makers(list(range(len(self.makers))))
+            saved = await _unwrapped(self.learner.breakpoint.remote(int(latest.name.split("-")[1]) if latest else -1))
+            if saved is None:
+                return None
+            snapshot = await self.state_dict()
+            sampler, directory = snapshot.pop("sampler"), Path(saved["directory"])
+            await asyncio.to_thread(write_atomically, snapshot, str(directory / ASYNC_STATE))
+            run.write_trainer_state(directory, {"step": saved["step"], "kl": saved["kl"], "sampler": sampler,
+                                                "eval_before": self.trainer.state.eval_before,
+                                                "model_dir": self.data.model_dir})
+        except Exception as exc:  # noqa: BLE001 - the run's own error is the one to report
+            log.warning("save at breakpoint: the trainer's newest snapshot could not be written (%s); the latest "
+                        "checkpoint on disk stays %s", str(exc).splitlines()[0] if str(exc) else exc, latest)
+            return None
+        log.warning("save at breakpoint: the asynchronous run failed; the trainer's newest snapshot in memory "
+                    "(step %d) is now the checkpoint %s, with the buffer as at that step", saved["step"], directory)
+        return str(directory)
+
     async def state_dict(self) -> dict:
         """The buffer's snapshot, read at one instant: the sampler's state, the prompts to make
         again and the ready groups with their experiences."""

@@ -136,10 +136,7 @@ class AsyncTrainer:
             str(held.directory / role), **self.snapshots.held_for(held.directory, role)) for role in self.t.trained])
         self.t.kl.load_state_dict(held.trainer_state["kl"])
         self.t.state.step = held.step
-        self.rollback = (self.rollback[0] + 1, held.step)  # versions above it now name other weights
-        back = await self.give_back(held.step)
-        await self.buffer.rewind.remote(held.step, self.taken - held.step - back, self.rollback[0])
-        self.taken = held.step
+        back = await self.buffer_back_to(held.step)
         self.snapshots.forget_after(held.step)
         self.metrics = {s: m for s, m in self.metrics.items() if s <= held.step}
         from xray.sync.weights import random_probe  # publish the restored weights (a new maker's first
@@ -148,6 +145,34 @@ class AsyncTrainer:
         self.push(*random_probe(self.model_dir, models.actor.parallel.dp, 1, seed=held.step))
         return {"step": held.step, "kl": self.t.kl.state_dict(), "given_back": back,
                 "source": "memory" if set(sources) == {"memory"} else "disk"}
+
+    async def buffer_back_to(self, step: int) -> int:
+        """Bring the buffer back to the trainer's `step` (a snapshot's): the groups taken since
+        given back (`give_back`), the versions above it discarded, the groups they sampled made
+        again (`ExperienceBuffer.rewind`); how many lost steps' groups were given back."""
+        self.rollback = (self.rollback[0] + 1, step)  # versions above it now name other weights
+        back = await self.give_back(step)
+        await self.buffer.rewind.remote(step, self.taken - step - back, self.rollback[0])
+        self.taken = step
+        return back
+
+    async def breakpoint(self, on_disk: int) -> dict | None:
+        """The run ends in an error (its makers stopped): write the newest complete snapshot in
+        memory as the checkpoint of its step when that is newer than step `on_disk` (the latest
+        checkpoint on disk; `xray/run/breakpoint.py`), and bring the buffer back to that step for
+        the driver's snapshot of it. The step, its KL state and the checkpoint's directory; None
+        when no snapshot is newer."""
+        from xray.run.breakpoint import write_snapshot
+
+        if self.snapshots is None:
+            return None
+        await self.snapshots.settle()
+        held = self.snapshots.restorable()
+        if held is None or held.step <= on_disk:
+            return None
+        await write_snapshot(held)
+        await self.buffer_back_to(held.step)
+        return {"step": held.step, "kl": held.trainer_state["kl"], "directory": str(held.directory)}
 
     async def give_back(self, restored: int) -> int:
         """Return the groups of the steps after `restored` (lost with the trainer's weights) to the
