@@ -43,7 +43,7 @@ def sft(cfg: RunConfig, plan: Plan, output_dir: Path, args: argparse.Namespace) 
     """Supervised fine-tuning on the data's (prompt, answer) rows."""
     from algorithms.sft import sft_command
 
-    return f"sft_model={sft_command(cfg, plan, output_dir, args.ray_address)}"
+    return f"sft_model={sft_command(cfg, plan, output_dir, args.ray_address, args.resume)}"
 
 
 def pt(cfg: RunConfig, plan: Plan, output_dir: Path, args: argparse.Namespace) -> str:
@@ -83,10 +83,10 @@ def check_sample(cfg: RunConfig) -> None:
         raise ConfigError("sample.step_separator is empty; give the text that ends a step, e.g. '\\n'")
 
 
-SFT = JobSpec(name="sft", kind="supervised", config="ppo_tiny_cpu.yaml", roles=actor_alone, command=sft)
-PT = JobSpec(name="pt", kind="supervised", config="ppo_tiny_cpu.yaml", roles=actor_alone, command=pt)
+SFT = JobSpec(name="sft", kind="supervised", config="ppo_tiny_cpu.yaml", roles=actor_alone, command=sft, elastic=True)
+PT = JobSpec(name="pt", kind="supervised", config="ppo_tiny_cpu.yaml", roles=actor_alone, command=pt, elastic=True)
 DISTILL = JobSpec(name="distill", kind="supervised", config="critic_free_tiny_cpu.yaml", roles=actor_alone,
-                  command=distill)
+                  command=distill, elastic=True)
 RM = JobSpec(name="rm", kind="reward_model", config="ppo_tiny_cpu.yaml", roles=lambda cfg: ("critic",), command=rm)
 SAMPLE = JobSpec(name="sample", kind="best_of_n", config="sample_tiny_cpu.yaml", roles=sample_roles, check=check_sample,
                  command=sample)

@@ -7,9 +7,9 @@ its full weights are written as a Hugging Face directory that every role (and vL
 """
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
-import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -49,23 +49,28 @@ def job_optim(optim: OptimConfig, lr: float, steps: int, warmup_steps: int) -> O
     return dataclasses.replace(optim, lr=lr, warmup_steps=warmup_steps).for_run(steps)
 
 
+def job_config(cfg: RunConfig, role: str, lr: float, steps: int, warmup_steps: int = 0) -> RunConfig:
+    """`cfg` with `role`'s optimizer at a supervised job's peak `lr`, warmed up over `warmup_steps`
+    and following the role's `optim.lr_schedule` over the job's `steps` (unless `optim.decay_steps`
+    is set)."""
+    section = getattr(cfg, role)
+    optim = job_optim(section.optim, lr, steps, warmup_steps)
+    return dataclasses.replace(cfg, **{role: dataclasses.replace(section, optim=optim)})
+
+
 @contextmanager
 def started_role(cfg: RunConfig, plan: Plan, role: str, model_dir: str, ray_address: str | None, lr: float,
                  steps: int, warmup_steps: int = 0) -> Iterator:
-    """One trained role's WholeModel alone, on its device group, with its optimizer at `lr`, warmed
-    up over `warmup_steps` and following the role's `optim.lr_schedule` over the job's `steps`
-    (unless `optim.decay_steps` is set); shut down (and its devices freed) on the way out (SFT and
-    reward-model training)."""
+    """One trained role's WholeModel alone, on its device group, with its optimizer set by
+    `job_config`; shut down (and its devices freed) on the way out (reward-model training)."""
     from xray.run.models import start_model
     from xray.wholemodel.cluster import ensure_ray
     from xray.wholemodel.placement import reserve_plan
 
-    placed, section = plan.role(role), getattr(cfg, role)
-    optim = job_optim(section.optim, lr, steps, warmup_steps)
-    role_cfg = dataclasses.replace(cfg, **{role: dataclasses.replace(section, optim=optim)})
     ensure_ray(ray_address, num_cpus=plan.nproc_per_node * plan.nnodes)
     bundles = reserve_plan(plan, cfg.threads_per_worker)[role]
-    model = start_model(role_cfg, plan.nproc_per_node, model_dir, placed, bundles)
+    model = start_model(job_config(cfg, role, lr, steps, warmup_steps), plan.nproc_per_node, model_dir,
+                        plan.role(role), bundles)
     try:
         yield model
     finally:
@@ -85,29 +90,38 @@ def held_out_loss(actor, pairs: list[tuple[list[int], list[int]]], pad_id: int) 
 
 def run_sft(cfg: RunConfig, plan: Plan, pairs: list[tuple[list[int], list[int]]], model_dir: str,
             run: RunDir, pad_id: int, ray_address: str | None = None, losses: list[float] | None = None,
-            held_out: list[tuple[list[int], list[int]]] | None = None, evals: dict[str, float] | None = None) -> Path:
-    """Train the actor on `pairs`; return the Hugging Face directory of the result, or with
-    `actor.lora` its `peft` adapter directory (`xray/run/final.py`; each step's
-    loss is appended to `losses` when given; with `held_out` pairs, their loss before and after
-    training goes into `evals` as `before` and `after`)."""
-    with started_role(cfg, plan, "actor", model_dir, ray_address, cfg.sft.lr, cfg.sft.steps,
-                      cfg.sft.warmup_steps) as actor:
+            held_out: list[tuple[list[int], list[int]]] | None = None, evals: dict[str, float] | None = None,
+            resume: bool = False) -> Path:
+    """Train the actor on `pairs` (`xray/run/supervised.py`: snapshots, checkpoints, recovery and
+    elasticity as in an RL run; `resume`: from `run`'s latest checkpoint); return the Hugging Face
+    directory of the result, or with `actor.lora` its `peft` adapter directory
+    (`xray/run/final.py`; each step's loss is appended to `losses` when given; with `held_out`
+    pairs, their loss before and after training goes into `evals` as `before` and `after`)."""
+    from xray.run.supervised import SupervisedData, SupervisedTrainer, supervised_models, train_supervised
+
+    job = job_config(cfg, "actor", cfg.sft.lr, cfg.sft.steps, cfg.sft.warmup_steps)
+    models = supervised_models(job, plan, model_dir, ray_address)
+    try:
+        trainer = SupervisedTrainer(job, models, lambda step, rows: sft_rows(pairs, rows, step, cfg.seed, pad_id),
+                                    SFTLoss(), cfg.sft.steps)
         if held_out and evals is not None:
-            evals["before"] = held_out_loss(actor, held_out, pad_id)
-        bar = tqdm(range(1, cfg.sft.steps + 1), desc="sft", unit="step", mininterval=2.0, disable=not progress_shown())
-        for step in bar:
-            t0 = time.perf_counter()
-            batch = sft_rows(pairs, cfg.sft.batch_size, step, cfg.seed, pad_id)
-            metrics = actor.train_step(batch, SFTLoss(), cfg.actor.micro_batch_size).get()
-            metrics["time/step_s"] = time.perf_counter() - t0
+            evals["before"] = held_out_loss(models.actor, held_out, pad_id)
+        bar = tqdm(total=cfg.sft.steps, desc="sft", unit="step", mininterval=2.0, disable=not progress_shown())
+
+        def on_step(step: int, metrics: dict) -> None:
             if losses is not None:
                 losses.append(metrics["sft_loss"])
+            bar.update(step - bar.n)
             bar.set_postfix(loss=f"{metrics['sft_loss']:.3f}", refresh=False)
             if step % cfg.trainer.log_every == 0 or step == cfg.sft.steps:
                 run.log_metrics(step, metrics)
+        with bar:
+            asyncio.run(train_supervised(trainer, run, SupervisedData(model_dir), resume, on_step))
         if held_out and evals is not None:
-            evals["after"] = held_out_loss(actor, held_out, pad_id)
-        return export_actor(actor, cfg.actor.lora, model_dir, run.path / "final")
+            evals["after"] = held_out_loss(models.actor, held_out, pad_id)
+        return export_actor(models.actor, cfg.actor.lora, model_dir, run.path / "final")
+    finally:
+        models.shutdown()
 
 
 def answer_pairs(prompt_ids: list[list[int]], answers: list, tokenizer) -> list[tuple[list[int], list[int]]]:
@@ -134,15 +148,19 @@ def supervised_pairs(rows: Rows, data: DataConfig, tokenizer) -> list[tuple]:
     return answer_pairs(prompts.prompt_ids, prompts.extras[data.answer_field], tokenizer)
 
 
-def sft_command(cfg: RunConfig, plan: Plan, output_dir: Path, ray_address: str | None) -> Path:
+def sft_command(cfg: RunConfig, plan: Plan, output_dir: Path, ray_address: str | None,
+                resume: str | None = None) -> Path:
     """`python -m xray.train sft`: fine-tune `model.path` on the data's (prompt, answer) rows or
-    conversations (`supervised_pairs`)."""
+    conversations (`supervised_pairs`); `--resume [DIR]` goes on from the latest checkpoint of the
+    run (`output_dir`, or DIR)."""
     from xray.builtin.sources import load_row_splits
     from xray.builtin.tiny_llama import BUILTIN_MODEL, build_base_model
     from xray.run.inputs import load_tokenizer
 
-    run = RunDir(output_dir, cfg.trainer.loggers)
     from xray.config.typed import to_dict
+    from xray.run.supervised import job_dir
+
+    run = RunDir(job_dir(output_dir, resume), cfg.trainer.loggers)
 
     run.write_config(to_dict(cfg))
     model_dir = str(build_base_model(run.path / "base-model", cfg.seed)) if cfg.model.path == BUILTIN_MODEL else cfg.model.path
@@ -150,4 +168,5 @@ def sft_command(cfg: RunConfig, plan: Plan, output_dir: Path, ray_address: str |
     train, _ = load_row_splits(cfg.data, run.path / "data")
     pairs = supervised_pairs(train, cfg.data, tokenizer)
     with run:  # the loggers close, told whether the job failed
-        return run_sft(cfg, plan, pairs, model_dir, run, tokenizer.pad_token_id or 0, ray_address)
+        return run_sft(cfg, plan, pairs, model_dir, run, tokenizer.pad_token_id or 0, ray_address,
+                       resume=resume is not None)

@@ -85,8 +85,11 @@ def build_builtin_model(cfg: RunConfig, plan: Plan, run: RunDir, ray_address: st
     # the warm start trains every weight, also for a LoRA run (which then trains adapters on it), at
     # the built-in constant rate after its warm-up: the run's own lr schedule is not in the cache key
     constant = dataclasses.replace(cfg.actor.optim, lr_schedule="constant", min_lr=0.0, decay_steps=None)
+    # no episodes; and a job of seconds, cached: no snapshots, checkpoints, standby processes or restarts
+    quiet = dataclasses.replace(cfg.trainer, save_every=0, memory_snapshots=False, standby_workhorses=0,
+                                max_restarts=0)
     cfg = dataclasses.replace(cfg, actor=dataclasses.replace(cfg.actor, lora=None, optim=constant),
-                              env=EnvConfig())  # no episodes
+                              env=EnvConfig(), trainer=quiet)
     base = build_base_model(run.path / ("base-model" if spec is None else f"{name}-base"), cfg.seed, spec)
     tokenizer = load_tokenizer(str(base))
     train, _ = load_prompt_splits(cfg.data, tokenizer, run.path / "data")

@@ -162,11 +162,12 @@ def last_checkpoint_exports_as_final_actor(run: Path, out: Path) -> None:
     assert side[0] == side[1] and "tokenizer_config.json" in side[0]
 
 
-def sigterm_once_logged(run: Path, backend: str, cfg: Path, steps: int) -> None:
-    """Start a run into `run`, SIGTERM its driver once `steps` steps are logged: it must exit 0
-    within 15 s, printing the `--resume` command."""
-    command = [sys.executable, "-m", "xray.train", "ppo", "--backend", backend, "--config", str(cfg),
-               "--output-dir", str(run)]
+def sigterm_once_logged(run: Path, backend: str, cfg: Path | None, steps: int, algo: str = "ppo",
+                        extra: tuple[str, ...] = ()) -> None:
+    """Start a run of `algo` into `run`, SIGTERM its driver once `steps` steps are logged: it must
+    exit 0 within 15 s, printing the `--resume` command."""
+    command = [sys.executable, "-m", "xray.train", algo, "--backend", backend,
+               *(["--config", str(cfg)] if cfg is not None else []), "--output-dir", str(run), *extra]
     p = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline, log = time.monotonic() + 600, run / "metrics.jsonl"
     while not (log.is_file() and len(log.read_text().splitlines()) >= steps):
@@ -254,20 +255,38 @@ def final_actor_loads_in_transformers(directory: Path) -> None:
     assert logits.shape[-1] == model.config.vocab_size and torch.isfinite(logits).all()
 
 
-def test_sft_command_trains_and_exports(tmp_path, tiny_model):
-    """`python -m xray.train sft` on the same engine: the loss falls, the result is an HF directory."""
+def test_sft_command_trains_exports_and_resumes_after_a_signal(tmp_path, tiny_model):
+    """`python -m xray.train sft` on the same engine: the loss falls, the result is an HF directory.
+    The same job SIGTERMed once step 2 is logged exits at a step boundary with a checkpoint (save
+    on signal) and the `--resume` command; resumed, its steps and final weights equal the
+    uninterrupted job's bit for bit (the batches are the step's, the layout unchanged)."""
+    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     run = tmp_path / "sft"
-    p = subprocess.run([sys.executable, "-m", "xray.train", "sft", f"--model.path={tiny_model}",
-                        "--output-dir", str(run), "--sft.steps=6", "--sft.batch_size=32", "--sft.lr=3e-3"],
+    args = [f"--model.path={tiny_model}", "--sft.steps=24", "--sft.batch_size=32", "--sft.lr=3e-3",
+            "--trainer.save_every=0"]
+    p = subprocess.run([sys.executable, "-m", "xray.train", "sft", "--output-dir", str(run), *args],
                        cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-4000:]
     assert p.stdout.strip().splitlines()[-1] == f"sft_model={run / 'final/actor'}"
-    losses = [m["sft_loss"] for _, m in sorted(metrics(run).items())]
-    assert len(losses) == 6 and losses[-1] < losses[0]
+    whole = metrics(run)
+    losses = [m["sft_loss"] for _, m in sorted(whole.items())]
+    assert len(losses) == 24 and losses[-1] < losses[0]
     model = AutoModelForCausalLM.from_pretrained(run / "final/actor", dtype=torch.float32)
     assert model.config.vocab_size == 64
+    stopped = tmp_path / "stopped"
+    sigterm_once_logged(stopped, "megatron-vllm", None, 2, "sft", tuple(args))
+    at = max(metrics(stopped))
+    assert 2 <= at < 24 and (stopped / f"checkpoints/step-{at:06d}/trainer_state.json").is_file()
+    p = subprocess.run([sys.executable, "-m", "xray.train", "sft", "--resume", str(stopped), *args],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-4000:]
+    resumed = metrics(stopped)
+    assert sorted(resumed) == list(range(1, 25))
+    assert [resumed[s]["sft_loss"] for s in range(1, 25)] == losses
+    a, b = (load_file(str(d / "final/actor/model.safetensors")) for d in (stopped, run))
+    assert all(torch.equal(a[k], b[k]) for k in b)
 
 
 def test_pt_command_trains_and_exports(tmp_path, tiny_model):

@@ -177,3 +177,34 @@ def test_nnodes_min_must_hold_what_cannot_shrink():
                                           r"smallest size its elasticity allows \(2"):
         plan_run(nodes_cfg([1, 2], [0], block=dict(BLOCK, min_gpus=2)), "megatron-vllm", command_spec("ppo"))
     plan_run(nodes_cfg([0, 1], [2], nnodes="2:2"), "megatron-vllm", command_spec("ppo"))  # no range: no such check
+
+
+SFT_GROUPS = {"nproc_per_node": 4, "train_group": {"device": "CPU", "ranks": [0, 1, 2, 3], "workers": ["actor"]}}
+
+
+def sft_cfg(block=SEED_BLOCK, ranks=(0, 1, 2, 3), extra=()):
+    groups = dict(SFT_GROUPS, train_group=dict(SFT_GROUPS["train_group"], ranks=list(ranks)))
+    return load_config(default_config("sft"), [("device_groups", groups), ("actor.dp", len(ranks)),
+                                                ("actor.elasticity", block), *extra])
+
+
+def test_elastic_sft_takes_deepspeeds_batch_from_the_seeds_block_verbatim():
+    """`python -m xray.train sft` with the seed's block: DeepSpeed's one global batch of 8 at 1, 2 and
+    4 devices (micro 4 x 2, 4 x 1, 2 x 1), 3 refused at plan time with the valid sizes; the block's
+    batch replaces sft.batch_size (ignore_non_elastic_batch_info) or, when not ignored, must equal it."""
+    from xray.config.batches import supervised_batches
+
+    plan = plan_run(sft_cfg(), "deepspeed-dsinfer", command_spec("sft"))
+    [elastic] = plan.elastic
+    assert [(n, micro, mini) for n, _, micro, _, mini in elastic.sizes] == [(1, 4, 8), (2, 4, 8), (4, 2, 8)]
+    cfg = sft_cfg()
+    assert [(supervised_batches(cfg, {"actor": n}).mini_batch_size, supervised_batches(cfg, {"actor": n}).micro_of(
+        "actor")) for n in (1, 2, 4)] == [(8, 4), (8, 4), (8, 2)]
+    assert supervised_batches(load_config(default_config("sft"), []), {"actor": 1}).mini_batch_size == 64  # sft.batch_size
+    with pytest.raises(ConfigError, match=r"has 3 ranks, not a size its elasticity allows .* \[1, 2\]"):
+        plan_run(sft_cfg(ranks=(0, 1, 2)), "megatron-vllm", command_spec("sft"))
+    strict = dict(SEED_BLOCK, ignore_non_elastic_batch_info=False)
+    with pytest.raises(ConfigError, match=r"sft.batch_size=8 \(the config has 64\)"):
+        plan_run(sft_cfg(block=strict, extra=[("actor.micro_batch_size", 2)]), "megatron-vllm", command_spec("sft"))
+    plan_run(sft_cfg(block=strict, extra=[("actor.micro_batch_size", 2), ("sft.batch_size", 8)]), "megatron-vllm",
+             command_spec("sft"))

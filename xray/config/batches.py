@@ -88,6 +88,16 @@ def train_batches(cfg: RunConfig, devices: dict[str, int]) -> TrainBatches:
     return TrainBatches(mini, tuple(micro))
 
 
+def supervised_batches(cfg: RunConfig, devices: dict[str, int]) -> TrainBatches:
+    """A supervised job's batches (`xray/run/supervised.py`) when the actor has `devices["actor"]`
+    devices: `sft.batch_size` sequences per optimizer step and the actor's micro-batch, or with
+    `actor.elasticity` DeepSpeed's rule for that many devices (its one global batch)."""
+    if cfg.actor.elasticity is None or "actor" not in devices:
+        return TrainBatches(cfg.sft.batch_size, (("actor", cfg.actor.micro_batch_size),))
+    batch = device_batch(cfg.actor.elasticity, devices["actor"], cfg.actor.tp * cfg.actor.pp)
+    return TrainBatches(batch.train_batch_size, (("actor", batch.micro_batch_size),))
+
+
 def elastic_ranges(cfg: RunConfig, groups) -> list[ElasticRange]:
     """The elastic device groups of `groups` (`DeviceGroups`), with the sizes each may take."""
     out = []
@@ -141,10 +151,13 @@ def role_lr(cfg: RunConfig, role: str, devices: int) -> float:
                      device_batch(rc.elasticity, full, mp).train_batch_size)
 
 
-def check_batch_info(cfg: RunConfig, groups) -> None:
+def check_batch_info(cfg: RunConfig, groups, batch_key: str = "ppo.mini_batch_size") -> None:
     """`elasticity.ignore_non_elastic_batch_info` false (DeepSpeed's default): the run's own batch
-    keys (`ppo.mini_batch_size`, the role's `micro_batch_size`) must be the elastic batch at the
-    group's full size, else a ConfigError with both; true: the elastic values replace them."""
+    keys (`batch_key`, the job's sequences per optimizer step: `ppo.mini_batch_size` for an RL run,
+    `sft.batch_size` for a supervised job; the role's `micro_batch_size`) must be the elastic batch
+    at the group's full size, else a ConfigError with both; true: the elastic values replace them."""
+    section, key = batch_key.split(".")
+    steps_batch = getattr(getattr(cfg, section), key)
     for er in elastic_ranges(cfg, groups):
         for role in er.roles:
             rc = getattr(cfg, role)
@@ -153,7 +166,7 @@ def check_batch_info(cfg: RunConfig, groups) -> None:
             batch = device_batch(rc.elasticity, er.largest, rc.tp * rc.pp)
             given = {f"{role}.micro_batch_size": (rc.micro_batch_size, batch.micro_batch_size)}
             if role in ("actor", "critic"):
-                given["ppo.mini_batch_size"] = (cfg.ppo.mini_batch_size, batch.train_batch_size)
+                given[batch_key] = (steps_batch, batch.train_batch_size)
             wrong = {k: v for k, v in given.items() if v[0] != v[1]}
             if wrong:
                 raise ConfigError(

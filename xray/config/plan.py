@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from xray.config.batches import check_batch_info, check_node_range, elastic_ranges, role_lr, train_batches
+from xray.config.batches import (check_batch_info, check_node_range, elastic_ranges, role_lr, supervised_batches,
+                                 train_batches)
 from xray.config.elasticity import ElasticityError
 from xray.config.engines import REWARD_FUNCTION, REWARD_MODEL, engine, labels, names, playing, split_pair
 from xray.config.graph import build_graph
@@ -198,6 +199,9 @@ def _role_dims(cfg: RunConfig, role: str, train_backend: str, size: int) -> Para
 
 
 def _check_sft_batches(cfg: RunConfig, plan: Plan) -> None:
+    if cfg.actor.elasticity is not None:  # DeepSpeed's rule sets the batch at every size the group may take
+        check_batch_info(cfg, cfg.device_groups, "sft.batch_size")
+        return
     unit = plan.role("actor").parallel.dp * cfg.actor.micro_batch_size
     if cfg.sft.batch_size % unit:
         raise ConfigError(f"sft.batch_size={cfg.sft.batch_size} is not divisible by actor.dp x "
@@ -396,7 +400,7 @@ def _elastic_plans(cfg: RunConfig, spec: JobSpec) -> tuple[ElasticPlan, ...]:
             rc = cfg.actor if "actor" in er.roles else getattr(cfg, er.roles[0])
             dp = n // (rc.tp * rc.pp)
             try:
-                b = train_batches(cfg, {r: n for r in er.roles})
+                b = (train_batches if spec.kind == "rl" else supervised_batches)(cfg, {r: n for r in er.roles})
             except ElasticityError:
                 continue  # the batch checks name the size that fails
             micro = b.micro_of("actor" if "actor" in er.roles else er.roles[0])

@@ -18,7 +18,7 @@ import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Awaitable, Callable, Iterator
 
 from xray.config.eval import eval_max_new_tokens
 from xray.config.plan import Plan
@@ -124,19 +124,8 @@ async def train(trainer: RLTrainer, run: RunDir, data: RunData, resume: str | No
             details["episodes_before"] = dict(trainer.episodes.metrics)
     log.info("eval before training: %.3f", trainer.state.eval_before)
     checkpoints = FlashCheckpoints(run, trainer.models, trainer.trained)
-    stop = GracefulStop(cfg.trainer.on_signal, cfg.trainer.exit_grace_s).install()
-    try:
-        await train_steps(trainer, run, data, detached, checkpoints, stop, evaluations, rollouts)
-        if stop.requested:
-            await stopped(checkpoints, run)
-    except Exception:
-        await checkpoints.settle()  # a checkpoint taken before the failure is whole: complete it
-        if detached is None:  # the newest snapshot in memory, if newer, becomes a checkpoint
-            await save_at_breakpoint(checkpoints, run)
-        raise
-    finally:
-        stop.uninstall()
-    await checkpoints.finish()
+    await guarded(cfg, run, checkpoints, detached is None,
+                  lambda stop: train_steps(trainer, run, data, detached, checkpoints, stop, evaluations, rollouts))
     details["metrics_after"] = await evaluations(trainer.state.step)
     eval_after = details["metrics_after"]["eval"]
     if trainer.episodes is not None:
@@ -146,6 +135,49 @@ async def train(trainer: RLTrainer, run: RunDir, data: RunData, resume: str | No
         await trainer.episodes.close()  # an agent endpoint stops serving (a later run starts it again)
     await asyncio.to_thread(export_actor, trainer.models.actor, cfg.actor.lora, data.model_dir, run.path / "final")
     return eval_after
+
+
+async def guarded(cfg: RunConfig, run: RunDir, checkpoints: FlashCheckpoints, breakpoint: bool,
+                  steps: Callable[[GracefulStop], Awaitable[None]]) -> None:
+    """Run `steps(stop)` under the run's signal handling (`trainer.on_signal`: a signal ends it at
+    a step boundary with a checkpoint, then `RunInterrupted`); on a failure, complete the checkpoint
+    under way and (`breakpoint`) write the newest snapshot in memory if newer (save at breakpoint);
+    the last checkpoint finished on the way out. An RL run's steps and a supervised job's alike."""
+    stop = GracefulStop(cfg.trainer.on_signal, cfg.trainer.exit_grace_s).install()
+    try:
+        await steps(stop)
+        if stop.requested:
+            await stopped(checkpoints, run)
+    except Exception:
+        await checkpoints.settle()  # a checkpoint taken before the failure is whole: complete it
+        if breakpoint:  # the newest snapshot in memory, if newer, becomes a checkpoint
+            await save_at_breakpoint(checkpoints, run)
+        raise
+    finally:
+        stop.uninstall()
+    await checkpoints.finish()
+
+
+async def checkpoint_step(trainer, checkpoints: FlashCheckpoints, data, detached, step: int, metrics: dict) -> None:
+    """What every step of a run ends with: the last checkpoint's figures into the step's `metrics`
+    once known, a checkpoint every `trainer.save_every` steps, else (synchronous runs) a snapshot in
+    memory (`trainer.memory_snapshots`: at most the step in flight lost)."""
+    cfg = trainer.cfg
+    if checkpoints.written_s is not None:
+        metrics["checkpoint/write_s"], checkpoints.written_s = checkpoints.written_s, None
+    if checkpoints.stall_s is not None:
+        metrics["checkpoint/stall_s"], checkpoints.stall_s = checkpoints.stall_s, None
+    if cfg.trainer.save_every and step % cfg.trainer.save_every == 0:
+        await save_checkpoint(trainer, checkpoints, data, detached)
+    elif cfg.trainer.memory_snapshots and detached is None:
+        await save_checkpoint(trainer, checkpoints, data, persist=False)
+
+
+async def checkpoint_at_signal(trainer, checkpoints: FlashCheckpoints, data, stop: GracefulStop, detached) -> None:
+    """A signal ended the steps: checkpoint the last finished step, unless it is saved already or
+    the signal abandoned the run (a second one)."""
+    if not stop.abandoned and checkpoints.last_step != trainer.state.step and trainer.state.step > 0:
+        await save_checkpoint(trainer, checkpoints, data, detached)
 
 
 async def train_steps(trainer: RLTrainer, run: RunDir, data: RunData, detached, checkpoints: FlashCheckpoints,
@@ -162,14 +194,7 @@ async def train_steps(trainer: RLTrainer, run: RunDir, data: RunData, detached, 
 
     async def on_step(step: int, metrics: dict) -> None:
         await timeline.end(step, trainer.models)
-        if checkpoints.written_s is not None:  # the last checkpoint's figures, once known
-            metrics["checkpoint/write_s"], checkpoints.written_s = checkpoints.written_s, None
-        if checkpoints.stall_s is not None:
-            metrics["checkpoint/stall_s"], checkpoints.stall_s = checkpoints.stall_s, None
-        if cfg.trainer.save_every and step % cfg.trainer.save_every == 0:
-            await save_checkpoint(trainer, checkpoints, data, current[0])
-        elif cfg.trainer.memory_snapshots and current[0] is None:  # at most the step in flight lost
-            await save_checkpoint(trainer, checkpoints, data, persist=False)
+        await checkpoint_step(trainer, checkpoints, data, current[0], step, metrics)
         rollouts.write(step, trainer.rollout_rows)  # a few of the step's responses as text
         trainer.rollout_rows = []
         if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0:
@@ -179,9 +204,8 @@ async def train_steps(trainer: RLTrainer, run: RunDir, data: RunData, detached, 
         progress.step(metrics)  # the one progress line: xray.run.progress
         await timeline.begin(step + 1, trainer.models)
 
-    async def on_stop() -> None:  # a signal: checkpoint the last finished step unless saved or abandoned
-        if not stop.abandoned and checkpoints.last_step != trainer.state.step and trainer.state.step > 0:
-            await save_checkpoint(trainer, checkpoints, data, current[0])
+    async def on_stop() -> None:
+        await checkpoint_at_signal(trainer, checkpoints, data, stop, current[0])
 
     with progress:
         if detached is not None:

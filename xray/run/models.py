@@ -33,10 +33,11 @@ log = logging.getLogger(__name__)
 @dataclass
 class Models:
     """The WholeModels of a run (a critic-free run has no critic; one without KL, or with a LoRA
-    actor, no reference)."""
+    actor, no reference; a supervised job the actor alone)."""
 
     actor: WholeModel
-    rollout: WholeModel
+    rollout: Optional[WholeModel] = None
+    """None for a supervised job (`xray/run/supervised.py`): the actor alone."""
     critic: Optional[WholeModel] = None
     reference: Optional[WholeModel] = None
     reward: Optional[WholeModel] = None

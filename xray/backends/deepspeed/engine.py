@@ -30,7 +30,7 @@ from xray.backends.deepspeed.config import ZeroOptions, deepspeed_config
 from xray.backends.deepspeed.export import adapter_tensors, iter_weight_buckets
 from xray.backends.deepspeed.lora import adapters_off
 from xray.backends.deepspeed.model import ROUTER_AUX, load_model, role_outputs, router_aux_coef
-from xray.backends.deepspeed.reshard import ensure_universal, load_universal, saved_dp
+from xray.backends.deepspeed.reshard import client_state, ensure_universal, load_universal, saved_dp
 from xray.backends.export_digest import ExportCheck
 from xray.backends.optim import (ABORT, SKIPPED, build_optimizer, build_scheduler, follow_configured_lr, frozen_lr,
                                  skips_update)
@@ -176,7 +176,7 @@ class DeepSpeedEngine(TrainEngine):
 
     def save(self, directory: str) -> None:
         tag = f"step{self.step_count}"
-        self.engine.save_checkpoint(directory, tag=tag, client_state={"xray_step": self.step_count})
+        self.engine.save_checkpoint(directory, tag=tag, client_state=client_state(self.step_count))
         torch.save(self._rng(), os.path.join(directory, tag, _RNG_FILE.format(rank=self.rank)))
         dist.barrier()
 
@@ -187,7 +187,7 @@ class DeepSpeedEngine(TrainEngine):
         scripts: list[str] = []  # DeepSpeed's recovery scripts (rank 0): copied with the files, not now
         self.engine._copy_recovery_script = scripts.append
         try:
-            self.engine.save_checkpoint(directory, tag=tag, client_state={"xray_step": self.step_count},
+            self.engine.save_checkpoint(directory, tag=tag, client_state=client_state(self.step_count),
                                         save_latest=False)
         finally:
             self.engine.checkpoint_engine = writer

@@ -18,6 +18,18 @@ import torch.distributed as dist
 UNIVERSAL_SUFFIX = "_universal"
 
 
+def client_state(step: int) -> dict:
+    """What xray's DeepSpeed checkpoints carry beside DeepSpeed's own state: the step, and the
+    `universal_checkpoint_info` that DeepSpeed's conversion of a ZeRO-1/2 checkpoint requires the
+    client to write (its format version; a Hugging Face model with no tensor parallelism inside
+    DeepSpeed needs none of its merge patterns)."""
+    from deepspeed.checkpoint.constants import (UNIVERSAL_CHECKPOINT_INFO, UNIVERSAL_CHECKPOINT_VERSION_KEY,
+                                                UNIVERSAL_CHECKPOINT_VERSION_VALUE)
+
+    return {"xray_step": step, UNIVERSAL_CHECKPOINT_INFO: {UNIVERSAL_CHECKPOINT_VERSION_KEY:
+                                                           UNIVERSAL_CHECKPOINT_VERSION_VALUE}}
+
+
 def saved_dp(directory: str, tag: str) -> int:
     """Data-parallel ranks that wrote the checkpoint `tag` (its ZeRO optimizer files); 0 if none."""
     return len(glob.glob(os.path.join(directory, tag, "*optim_states.pt")))
@@ -33,7 +45,7 @@ def ensure_universal(directory: str, tag: str, rank: int) -> str:
         args = argparse.Namespace(input_folder=os.path.join(directory, tag),
                                   output_folder=os.path.join(directory, universal), num_extract_workers=1,
                                   num_merge_workers=1, keep_temp_folder=False, strict=True,
-                                  inject_missing_state=False)
+                                  inject_missing_state=True)  # checkpoints written before `client_state` had it
         ds_to_universal.main(args)
         with open(os.path.join(directory, "latest_universal"), "w") as f:
             f.write(universal)

@@ -83,8 +83,8 @@ class Elastic:
         for n in reversed([n for n in self.ranges[group].sizes if n <= largest]):
             try:
                 await asyncio.to_thread(models.place, group, n, cfg)
-            except PlacementError:
-                log.warning("elastic: %s: %d devices not granted; trying fewer", group, n)
+            except PlacementError as exc:
+                log.warning("elastic: %s: %d devices not granted (%s); trying fewer", group, n, exc)
                 continue
             self.resizes += n != before
             self.sized_at[group] = time.monotonic() if n != before else self.sized_at[group]
