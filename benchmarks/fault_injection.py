@@ -1,23 +1,29 @@
 """Goodput of a synchronous PPO run that loses Workhorses and a node, against the same run unharmed.
 
     .venv/bin/python benchmarks/fault_injection.py [--steps 200] [--backend megatron-vllm] [--seed 0]
-                                                   [--stall-steps 40] [--config FILE] [--a.b=VALUE ...]
+        [--faults-every 100] [--grace 1.0] [--stall-steps 40] [--config FILE] [--a.b=VALUE ...]
 
 The default job (`python -m xray.train ppo`'s preparation, configs/ppo_tiny_cpu.yaml) lengthened
 to `--steps` steps, a snapshot in memory after every step (`trainer.memory_snapshots`) and a
 checkpoint on disk every 10 (`--trainer.save_every`; `--trainer.standby_workhorses=1` adds warm
 standby processes, see docs/runs.md), on two Ray nodes of this machine
-(`ray.cluster_utils.Cluster`): the train group (actor, critic, reference) is elastic over two
-devices, one per node (`elasticity` {max_train_batch_size: 32, micro_batch_sizes: [16]}: the
-default job's mini-batch of 32 at dp=2 and dp=1), the rollout on the head node. Run twice in one
-process, uninterrupted, then faulted, at steps drawn (seeded) from stretches of the run: the
-actor's rank-0 Workhorse SIGKILLed at a random moment of a step in the 15%-35% stretch; the critic's
-rank-0 Workhorse SIGTERMed as a preemption notice would be (SIGKILLed 5 s later if still alive) as
-a step of the 40%-50% stretch begins; the second node removed as a step of the 55%-75% stretch
-begins (the group shrinks to dp=1, `xray/run/recovery/elastic.py`) and added back 10 steps later (it
+(`ray.cluster_utils.Cluster`), each holding its own half of the machine's cores: every process of
+a node (its raylet, and the Workhorses it starts) is pinned to its cores, the driver to the head's,
+so a lost node takes its compute with it. The train group (actor, critic, reference) is elastic
+over two devices, one per node (`elasticity` {max_train_batch_size: 32, micro_batch_sizes: [16]}:
+the default job's mini-batch of 32 at dp=2 and dp=1), the rollout on the head node. Run twice in
+one process, uninterrupted and faulted, in an order drawn from `--seed`. Per `--faults-every`
+steps of the run (at least one round), three faults at steps drawn (seeded) from the round's
+stretches: the actor's rank-0 Workhorse SIGKILLed at a random moment of a step in its 15%-35%; the
+critic's rank-0 Workhorse SIGTERMed as a preemption notice would be, with `--grace` seconds
+(`trainer.drain_grace_s`) shorter than a step (the step is then aborted and run again, as a
+preemption that will not wait for it), and SIGKILLed once the grace is over, as a step of its
+40%-50% begins; the second node removed as a step of its 55%-75% begins (the group shrinks to
+dp=1 on the head's cores alone, `xray/run/recovery/elastic.py`) and added back 10 steps later (it
 grows to dp=2 at the next step boundary). Every time is taken in the driver. Figures:
 - goodput = wall seconds of the uninterrupted run / of the faulted one (first step's end to the
   last step's end);
+- seconds_per_fault = (wall of the faulted run - wall of the uninterrupted one) / faults;
 - recovery_s = the slowest fault's seconds from the fault to the end of the step that was in
   flight when it hit, done again;
 - lost_steps = the most steps that had finished before one fault and ran again after it;
@@ -26,7 +32,8 @@ grows to dp=2 at the next step boundary). Every time is taken in the driver. Fig
 - checkpoint_stall = median driver step time of the steps that follow a per-step snapshot / of the
   steps that follow none, minus 1: `--stall-steps` more steps of the uninterrupted run, with the
   snapshot taken after every other step (a snapshot's copy and hand-out run during the next step).
-Last line: `goodput=<x> recovery_s=<y> lost_steps=<n> eval_gap=<z> checkpoint_stall=<w>`.
+Last line: `goodput=<x> recovery_s=<y> lost_steps=<n> eval_gap=<z> checkpoint_stall=<w>
+seconds_per_fault=<s>`.
 """
 from __future__ import annotations
 
@@ -100,23 +107,25 @@ async def steps_with_fault(trainer, data, run: RunDir, cluster, faults: dict | N
         times.append((time.perf_counter(), trainer.state.step + 1))
 
     async def injector() -> None:
-        await at_step(faults["kill"])
-        await asyncio.sleep(faults["kill_delay"])
-        pid = await trainer.models.actor.shard_handles()[0].pid.remote()
-        hit()
-        os.kill(pid, signal.SIGKILL)
-        await at_step(faults["term"])
-        pid = await trainer.models.critic.shard_handles()[0].pid.remote()
-        hit()
-        os.kill(pid, signal.SIGTERM)
-        await asyncio.sleep(5.0)
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-        await at_step(faults["remove"])
-        hit()
-        await asyncio.to_thread(cluster.remove_node, next(iter(cluster.worker_nodes)))
-        await at_step(faults["add"])
-        cluster.add_node(**WORKER)  # blocking the run's loop, as a node that joins between steps
+        for kind, step, delay in faults["events"]:
+            await at_step(step)
+            if kind == "kill":
+                await asyncio.sleep(delay)
+                pid = await trainer.models.actor.shard_handles()[0].pid.remote()
+                hit()
+                os.kill(pid, signal.SIGKILL)
+            elif kind == "term":  # a preemption notice, then the kill once its grace is over
+                pid = await trainer.models.critic.shard_handles()[0].pid.remote()
+                hit()
+                os.kill(pid, signal.SIGTERM)
+                await asyncio.sleep(faults["grace"])
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            elif kind == "remove":
+                hit()
+                await asyncio.to_thread(cluster.remove_node, next(iter(cluster.worker_nodes)))
+            else:  # the node back, blocking the run's loop, as a node that joins between steps
+                on_cores(WORKER_CORES, lambda: cluster.add_node(**WORKER))
 
     trainer.state.eval_before = await trainer.evaluate(data.eval_rows)
     task = asyncio.ensure_future(injector()) if faults else None
@@ -151,19 +160,39 @@ def measure(args, overrides: list[str], cluster, faults: dict | None) -> dict:
                                                 0 if faults else args.stall_steps))
 
 
+_CORES = sorted(os.sched_getaffinity(0))
+HEAD_CORES = set(_CORES[:max(1, len(_CORES) // 2)])
+"""The head node's cores (its processes, and the driver's): the first half of this machine's."""
+WORKER_CORES = set(_CORES[len(_CORES) // 2:]) or HEAD_CORES
+"""The worker node's: the other half."""
+
+
+def on_cores(cores: set[int], start):
+    """`start()` with this thread pinned to `cores`: the processes it starts (a Ray node's raylet,
+    and the workers that raylet forks) inherit them."""
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cores)
+    try:
+        return start()
+    finally:
+        os.sched_setaffinity(0, before)
+
+
 def two_nodes():
-    """A head node (the rollout's device and one train device) and a worker (one train device)."""
+    """A head node (the rollout's device and one train device) and a worker (one train device),
+    each on its own cores; the driver then on the head's."""
     import ray
     from ray.cluster_utils import Cluster
 
     from xray.wholemodel.cluster import bind_loopback, ensure_ray
 
     bind_loopback()
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 6, "resources": {"xray_trainer": 1, "xray_head": 1}})
-    cluster.add_node(**WORKER)
+    cluster = on_cores(HEAD_CORES, lambda: Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 6, "resources": {"xray_trainer": 1, "xray_head": 1}}))
+    on_cores(WORKER_CORES, lambda: cluster.add_node(**WORKER))
     cluster.wait_for_nodes()
     ensure_ray(address=cluster.address)
+    os.sched_setaffinity(0, HEAD_CORES)
     return cluster, ray
 
 
@@ -190,26 +219,40 @@ def main() -> None:
     parser.add_argument("--backend", default="megatron-vllm")
     parser.add_argument("--seed", type=int, default=0, help="draws the steps of the faults")
     parser.add_argument("--stall-steps", type=int, default=40, help="steps measuring checkpoint_stall")
+    parser.add_argument("--faults-every", type=int, default=100, help="steps per round of three faults")
+    parser.add_argument("--grace", type=float, default=1.0, help="trainer.drain_grace_s, shorter than a step")
     parser.add_argument("--config", default=str(default_config("ppo")))
     parser.add_argument("--timeline", help="also write both runs' step end times and the faults to this JSON file")
     args, overrides = parser.parse_known_args()
     if not any(o.startswith("--trainer.save_every") for o in overrides):
         overrides.insert(0, "--trainer.save_every=10")
-    if not any(o.startswith("--trainer.max_restarts") for o in overrides):
-        overrides.insert(0, "--trainer.max_restarts=5")  # three faults, each a recovery
-    logging.basicConfig(level=logging.WARNING)
     rng = random.Random(args.seed)
-    n = args.steps
-    faults = {"kill": rng.randint(int(n * 0.15), int(n * 0.35)), "kill_delay": rng.uniform(0.0, 1.0),
-              "term": rng.randint(int(n * 0.4), int(n * 0.5)), "remove": rng.randint(int(n * 0.55), int(n * 0.75))}
-    faults["add"] = faults["remove"] + 10
+    events, n = [], args.steps
+    rounds = max(1, n // args.faults_every)
+    for r in range(rounds):  # each round's faults in its own stretch of the run
+        first, size = r * n // rounds, n // rounds
+        remove = first + rng.randint(int(size * 0.55), int(size * 0.75))
+        events += [("kill", first + rng.randint(max(1, int(size * 0.15)), int(size * 0.35)), rng.uniform(0.0, 1.0)),
+                   ("term", first + rng.randint(int(size * 0.4), int(size * 0.5)), 0.0),
+                   ("remove", remove, 0.0), ("add", remove + 10, 0.0)]
+    faults = {"events": events, "grace": args.grace}
+    if not any(o.startswith("--trainer.max_restarts") for o in overrides):
+        overrides.insert(0, f"--trainer.max_restarts={3 * rounds + 2}")  # each fault a recovery
+    if not any(o.startswith("--trainer.drain_grace_s") for o in overrides):
+        overrides.insert(0, f"--trainer.drain_grace_s={args.grace}")
+    logging.basicConfig(level=logging.WARNING)
+    clean_first = rng.random() < 0.5  # the order of the two runs, drawn
     cluster, ray = two_nodes()
     try:
-        clean = measure(args, overrides, cluster, None)
-        faulted = measure(args, overrides, cluster, faults)
+        runs = {}
+        for name in (("clean", "faulted") if clean_first else ("faulted", "clean")):
+            runs[name] = measure(args, overrides, cluster, faults if name == "faulted" else None)
+            if not cluster.worker_nodes:  # the faulted run ended before its node came back
+                on_cores(WORKER_CORES, lambda: cluster.add_node(**WORKER))  # the next run starts on both nodes
     finally:
         ray.shutdown()
         cluster.shutdown()
+    clean, faulted = runs["clean"], runs["faulted"]
     f = figures(clean, faulted)
     if args.timeline:
         import json
@@ -218,15 +261,17 @@ def main() -> None:
                                                    "faults": faulted["faults"]}))
     stall = statistics.median(clean["after_snapshot"]) / statistics.median(clean["after_none"]) - 1
     start = faulted["ends"][0][1]
-    print(f"faults (s into the run, step in flight): {[(round(t - start, 1), s) for t, s in faulted['faults']]} "
-          f"(actor SIGKILL {faults['kill_delay']:.2f} s after step {faults['kill'] - 1} ended, critic SIGTERM as step "
-          f"{faults['term']} began, node removed as step {faults['remove']} began, back as {faults['add']} began; final actor dp "
+    print(f"cores: head {sorted(HEAD_CORES)}, worker {sorted(WORKER_CORES)}; {'uninterrupted' if clean_first else 'faulted'} "
+          f"run first; faults (s into the run, step in flight): "
+          f"{[(round(t - start, 1), s) for t, s in faulted['faults']]} ({', '.join(f'{k} at step {s}' for k, s, _ in events)}; "
+          f"grace {args.grace} s; final actor dp "
           f"{faulted['dp']}); wall {wall(clean):.1f} s uninterrupted, {wall(faulted):.1f} s faulted; steps run "
           f"{len(faulted['ends'])} for {n}; step after a snapshot {statistics.median(clean['after_snapshot']):.3f} s, "
           f"after none {statistics.median(clean['after_none']):.3f} s (medians of {len(clean['after_snapshot'])} and "
           f"{len(clean['after_none'])}); eval {clean['eval']:.3f} uninterrupted, {faulted['eval']:.3f} faulted")
+    per_fault = (wall(faulted) - wall(clean)) / len(faulted["faults"])
     print(f"goodput={f['goodput']:.3f} recovery_s={f['recovery_s']:.1f} lost_steps={f['lost_steps']} "
-          f"eval_gap={clean['eval'] - faulted['eval']:.3f} checkpoint_stall={stall:.3f}")
+          f"eval_gap={clean['eval'] - faulted['eval']:.3f} checkpoint_stall={stall:.3f} seconds_per_fault={per_fault:.1f}")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""A synchronous PPO run survives losing Workhorses: the dead model is replaced and the run goes on.
+"""A synchronous PPO run survives losing Workhorses: the dead model is replaced and the run goes on,
+with the numbers of the same run uninterrupted.
 
 In one 10-step run per backend pair (the e2e tier's tiny model and layout, a snapshot in memory
 after every step, checkpoints on disk every 3), a training Workhorse's process is SIGKILLed at a
@@ -11,6 +12,8 @@ it is replaced and step 8 runs again without going back (steps 6 and 7 ran once)
 Workhorse gets SIGTERM during step 9: it is replaced when the step ends (or the next, when the
 notice reaches the run after the step's end), from that step's snapshot, and no step runs again. The megatron-vllm run keeps a warm standby process per model
 (`trainer.standby_workhorses: 1`): the actor's and the critic's replacements are built in them.
+Each such run is compared with the same run uninterrupted: every step's metrics (time aside) and the
+exported actor are equal, bit for bit.
 An asynchronous run whose trainer is lost (slow tier) goes back to its checkpoint, restored from memory.
 A run that fails for good writes its newest snapshot in memory as a checkpoint (save at
 breakpoint), synchronous and asynchronous.
@@ -82,8 +85,12 @@ def steps_logged(run) -> collections.Counter:
     ("megatron-vllm", "actor"), pytest.param("deepspeed-dsinfer", "critic", marks=pytest.mark.slow)])
 def test_dead_workhorses_are_replaced(tmp_path, tiny_model, backend, trained, caplog, local_ray):
     import ray
+    import torch
+    from safetensors.torch import load_file
 
     from algorithms.rl import rl_trainer
+    from tests.e2e.test_ppo_e2e import metrics, stable
+    from xray.run.loop import train
     from xray.run.outputs import RunDir
     from xray.train import resolve
 
@@ -93,6 +100,9 @@ def test_dead_workhorses_are_replaced(tmp_path, tiny_model, backend, trained, ca
     _, cfg, plan, _, _ = resolve(["ppo", "--backend", backend, "--config", str(path), "--trainer.steps=10",
                                   "--trainer.save_every=3", f"--trainer.standby_workhorses={standby}",
                                   *(["--trainer.drain_grace_s=1.0", "--trainer.max_restarts=1"] if aborting else [])])
+    whole = RunDir(tmp_path / "whole")  # the same run, uninterrupted: the faulted one's numbers must equal it
+    with rl_trainer(cfg, plan, whole) as (trainer, data):
+        asyncio.run(train(trainer, whole, data, None))
     run = RunDir(tmp_path / "run")
     caplog.set_level(logging.WARNING)
     delay = random.uniform(0.0, 1.0)  # a step of this run takes about 1.5 s
@@ -125,6 +135,12 @@ def test_dead_workhorses_are_replaced(tmp_path, tiny_model, backend, trained, ca
     # the kill when the dead shard's part of it was done, and its snapshot is then the one cut)
     redone = {step: n - 1 for step, n in rows.items() if n > 1}
     assert set(redone) <= {int(back.group(1)) + 1} and max(redone.values(), default=1) == 1, (delay, rows)
+    # recovered by numbers: every step (as last logged) and the exported actor equal the uninterrupted run's
+    faulted, uninterrupted = metrics(run.path), metrics(whole.path)
+    for step in range(1, 11):
+        assert stable(faulted[step]) == stable(uninterrupted[step]), (step, faulted[step], uninterrupted[step])
+    a, b = (load_file(str(next((r.path / "final/actor").glob("*.safetensors")))) for r in (run, whole))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert f"{trained}: replaced" in log
     if aborting:  # the step (about 1.5 s) would outlast the 1 s grace: aborted at once, the actor replaced, every
         # trained model back at step 7's snapshot, step 8 run again (once logged) and no restart charged (max 1)
@@ -197,14 +213,26 @@ def test_async_run_recovers(tmp_path, tiny_model, caplog, local_ray):
     assert "experience maker 0 failed" not in log and "critic: replaced" in log
 
 
+def fails_after_actor_kill(cfg, plan, run, step: int, match: str):
+    """Run with the actor's first Workhorse SIGKILLed as `step` begins and no restart budget: the
+    run fails (its error matching `match`); the latest complete checkpoint then (save at breakpoint)."""
+    import ray
+
+    from algorithms.rl import rl_trainer
+
+    with rl_trainer(cfg, plan, run) as (trainer, data):
+        kills = [(step, "actor", ray.get(trainer.models.actor.shard_handles()[0].pid.remote()), 0.0)]
+        with pytest.raises(Exception, match=match):
+            train_with_kills(trainer, run, data, kills)
+    return run.latest_checkpoint()
+
+
 def test_a_fatal_failure_saves_its_newest_snapshot_and_the_resume_is_exact(tmp_path, tiny_model, caplog, local_ray):
     """Save at breakpoint (xray/run/breakpoint.py): a 3-step megatron-vllm run with no checkpoint on
     disk (`save_every: 0`) and no restart budget loses its actor Workhorse as step 3 begins and
     fails; its newest snapshot in memory (step 2's, or step 1's when the kill cut step 2's copy)
     is then on disk as a complete checkpoint, and `--resume` from it gives the steps after it with
     the same metrics as an uninterrupted run of the same seed."""
-    import ray
-
     from algorithms.rl import rl_trainer
     from tests.e2e.test_ppo_e2e import metrics, stable
     from xray.run.loop import train
@@ -220,11 +248,7 @@ def test_a_fatal_failure_saves_its_newest_snapshot_and_the_resume_is_exact(tmp_p
         asyncio.run(train(trainer, whole, data, None))
     run = RunDir(tmp_path / "run")
     caplog.set_level(logging.WARNING)
-    with rl_trainer(cfg, plan, run) as (trainer, data):
-        kills = [(3, "actor", ray.get(trainer.models.actor.shard_handles()[0].pid.remote()), 0.0)]
-        with pytest.raises(Exception, match="actor"):
-            train_with_kills(trainer, run, data, kills)
-    saved = run.latest_checkpoint()
+    saved = fails_after_actor_kill(cfg, plan, run, 3, "actor")
     assert saved is not None and saved.name in ("step-000001", "step-000002"), sorted(run.checkpoints.iterdir())
     assert f"save at breakpoint: the run failed; its newest snapshot in memory (step {int(saved.name[5:])})" in caplog.text
     with rl_trainer(cfg, plan, run) as (trainer, data):
@@ -244,8 +268,6 @@ def test_an_asynchronous_run_saves_its_trainers_newest_snapshot_at_a_fatal_failu
     prompt drawn (trained by its step, queued, or to be made again: the groups the trainer took
     since, and those sampled by its later versions, are back among them), and `--resume` from it
     finishes the run."""
-    import ray
-
     from algorithms.rl import rl_trainer
     from tests.e2e.test_async_e2e import async_config, check_nothing_lost
     from xray.run.loop import train
@@ -257,11 +279,7 @@ def test_an_asynchronous_run_saves_its_trainers_newest_snapshot_at_a_fatal_failu
                                   "--trainer.save_every=0", "--trainer.max_restarts=0"])
     run = RunDir(tmp_path / "run")
     caplog.set_level(logging.WARNING)
-    with rl_trainer(cfg, plan, run) as (trainer, data):
-        kills = [(4, "actor", ray.get(trainer.models.actor.shard_handles()[0].pid.remote()), 0.0)]
-        with pytest.raises(Exception, match="max_restarts"):
-            train_with_kills(trainer, run, data, kills)
-    saved = run.latest_checkpoint()
+    saved = fails_after_actor_kill(cfg, plan, run, 4, "max_restarts")
     assert saved is not None and saved.name in ("step-000002", "step-000003"), sorted(run.checkpoints.iterdir())
     assert (f"the trainer's newest snapshot in memory (step {int(saved.name[5:])}) is now the checkpoint"
             in caplog.text), caplog.text[-3000:]
@@ -269,6 +287,57 @@ def test_an_asynchronous_run_saves_its_trainers_newest_snapshot_at_a_fatal_failu
     with rl_trainer(cfg, plan, run) as (trainer, data):
         asyncio.run(train(trainer, run, data, str(run.path)))
     assert trainer.state.step == 6 and sorted(steps_logged(run)) == list(range(1, 7))
+
+
+async def kill_trainer_actor(trainer, step: int, killed: list) -> None:
+    """SIGKILL the asynchronous run's trainer actor (`AsyncTrainer`, its own process) once step
+    `step - 1` has ended."""
+    import psutil
+
+    while trainer.state.step < step - 1:
+        await asyncio.sleep(0.002)
+    found = [p for p in psutil.process_iter(["pid", "cmdline", "create_time"])
+             if "AsyncTrainer" in " ".join(p.info["cmdline"] or [])]
+    assert found, "no AsyncTrainer process"
+    os.kill(max(found, key=lambda p: p.info["create_time"]).info["pid"], signal.SIGKILL)  # this run's
+    killed.append(trainer.state.step)
+
+
+def test_an_asynchronous_run_goes_on_when_its_trainer_actor_dies(tmp_path, tiny_model, caplog, local_ray):
+    """The trainer actor itself (not a Workhorse: the process that runs the trainer's loop) is
+    SIGKILLed once step 3 has ended: a new trainer actor takes over from the newest snapshot the
+    trained Workhorses still hold of a step the driver saw end (step 3's, or 2's), the buffer gives
+    back the groups the dead one had taken since (it keeps them), and the makers go on; the run
+    finishes with every step logged, at most the lost ones again, and its last checkpoint accounts
+    for every prompt drawn (none skipped)."""
+    from algorithms.rl import rl_trainer
+    from tests.e2e.test_async_e2e import async_config, check_nothing_lost
+    from xray.run.loop import train
+    from xray.run.outputs import RunDir
+    from xray.train import resolve
+
+    path = async_config(tmp_path, tiny_model, "megatron-vllm", 1)
+    _, cfg, plan, _, _ = resolve(["ppo", "--backend", "megatron-vllm", "--config", str(path),
+                                  "--trainer.max_restarts=1"])
+    run = RunDir(tmp_path / "run")
+    caplog.set_level(logging.WARNING)
+    killed: list = []
+    with rl_trainer(cfg, plan, run) as (trainer, data):
+        async def main() -> float:
+            killer = asyncio.ensure_future(kill_trainer_actor(trainer, 4, killed))
+            try:
+                return await train(trainer, run, data, None)
+            finally:
+                killer.cancel()
+        asyncio.run(main())
+    log = caplog.text
+    assert killed and trainer.state.step == 6, (killed, log[-3000:])
+    took = re.search(r"the trainer actor died \(\w+\); a new one took over at step (\d+) from the snapshot", log)
+    assert took and int(took.group(1)) in (killed[0] - 1, killed[0]), log[-3000:]
+    assert "async run back at the checkpoint" not in log  # no rollback to the disk, no new buffer
+    rows = steps_logged(run)
+    assert sorted(rows) == list(range(1, 7)) and max(rows.values()) <= 2 and sum(rows.values()) <= 8, rows
+    check_nothing_lost(run.path / "checkpoints/step-000006", yaml.safe_load(path.read_text()))
 
 
 class _Listening:

@@ -143,6 +143,31 @@ def test_a_rollback_makes_again_what_discarded_versions_sampled():
     assert buf.stats()["async/requeued_rollback"] == 2.0
 
 
+def test_the_buffer_keeps_the_takes_in_hand_and_gives_them_back_when_the_trainer_goes_back():
+    """Steps 1-3 take two groups each; the trainer (or a new one: the buffer outlives it) goes back
+    to step 1's snapshot: steps 2 and 3's groups go back to the front of the queue in their order
+    (trained again, nothing skipped) and nothing counts as unaccepted; the takes kept are the last
+    HELD_TAKES, and a step older than those counts as never accepted (its prompts made again)."""
+    from xray.run.detached.buffer import HELD_TAKES
+
+    buf = ExperienceBuffer(share=2, feeds=[[0]], draw=prompts(), max_staleness=9, capacity=9)
+    buf.put([group(k, r, 0) for k, r in buf.lease(0, 8, 0)])
+    taken = [buf.take(v) for v in range(3)]
+    assert [[g.row["n"] for g in t[0]] for t in taken] == [[0, 1], [2, 3], [4, 5]]
+    assert sorted(buf.in_hand) == [1, 2, 3] and buf.last_taken == 3 and buf.accepted == [8]
+    assert buf.back_to(1, epoch=1) == 2
+    assert [g.row["n"] for g in buf.queues[0]] == [2, 3, 4, 5, 6, 7] and buf.accepted == [8]
+    assert sorted(buf.in_hand) == [1] and buf.last_taken == 1 and buf.epoch == 1
+    for v in range(1, HELD_TAKES + 2):  # more takes than kept: the oldest go
+        buf.put([group(k, r, v) for k, r in buf.lease(0, 2, v)])
+        buf.take(v)
+    assert sorted(buf.in_hand) == list(range(HELD_TAKES + 2 - HELD_TAKES + 1, HELD_TAKES + 3))
+    before, queued = buf.accepted[0], len(buf.queues[0])
+    assert buf.back_to(1, epoch=2) == HELD_TAKES  # steps 3..10 given back; step 2's take is no longer in hand:
+    assert len(buf.queues[0]) == queued + 2 * HELD_TAKES and buf.accepted[0] == before - 2  # made again
+    assert buf.last_taken == 1 and not buf.in_hand
+
+
 def test_a_rollback_cuts_the_discarded_tokens_of_the_samples_in_the_making():
     from types import SimpleNamespace
 

@@ -10,7 +10,7 @@ Workhorse): a Ray task per shard writes its files where its Workhorse would have
 trainer's state of the same instant marks the checkpoint complete, so `--resume` goes on from it.
 An asynchronous run's trainer keeps its snapshots itself: it writes the newest the same way
 (`AsyncTrainer.breakpoint`) and the driver adds the buffer's state brought back to that step
-(`Detached.save_at_breakpoint`) before the run's actors stop, whenever the detached run ends in
+(`save_async_at_breakpoint`) before the run's actors stop, whenever the detached run ends in
 an error: a recovery that goes back to the disk (`recover_async`) then starts from it too.
 DLRover's `--save_at_breakpoint` does this for a torch job's flash checkpoint.
 """
@@ -77,3 +77,38 @@ async def save_at_breakpoint(checkpoints: FlashCheckpoints, run: RunDir) -> Path
     log.warning("save at breakpoint: the run failed; its newest snapshot in memory (step %d) is now the "
                 "checkpoint %s (resume with --resume)", held.step, held.directory)
     return held.directory
+
+
+async def save_async_at_breakpoint(detached) -> str | None:
+    """An asynchronous run's `Detached` (`xray/run/detached/supervisor.py`) ends in an error: stop
+    its makers (their prompts queued again), have its trainer write its newest snapshot in memory as
+    a checkpoint when newer than the latest on disk (`AsyncTrainer.breakpoint`, which brings the
+    buffer back to its step), then write the buffer's snapshot and the trainer's state beside it
+    (the latter marks it complete), as `xray.run.resume.save_checkpoint` would have at that step.
+    Its directory; None when there is nothing newer or it cannot be written (logged: the run's
+    error is the one raised)."""
+    from xray.backends.snapshot import write_atomically
+    from xray.run.resume import ASYNC_STATE
+
+    if detached.run_path is None or detached.learner is None:
+        return None
+    run = RunDir(Path(detached.run_path))
+    latest = run.latest_checkpoint()
+    try:
+        await detached.stop_makers(list(range(len(detached.makers))))
+        saved = await detached.learner.breakpoint.remote(int(latest.name.split("-")[1]) if latest else -1)
+        if saved is None:
+            return None
+        snapshot = await detached.state_dict()
+        sampler, directory = snapshot.pop("sampler"), Path(saved["directory"])
+        await asyncio.to_thread(write_atomically, snapshot, str(directory / ASYNC_STATE))
+        run.write_trainer_state(directory, {"step": saved["step"], "kl": saved["kl"], "sampler": sampler,
+                                            "eval_before": detached.trainer.state.eval_before,
+                                            "model_dir": detached.data.model_dir})
+    except Exception as exc:  # noqa: BLE001 - the run's own error is the one to report
+        log.warning("save at breakpoint: the trainer's newest snapshot could not be written (%s); the latest "
+                    "checkpoint on disk stays %s", str(exc).splitlines()[0] if str(exc) else exc, latest)
+        return None
+    log.warning("save at breakpoint: the asynchronous run failed; the trainer's newest snapshot in memory "
+                "(step %d) is now the checkpoint %s, with the buffer as at that step", saved["step"], directory)
+    return str(directory)

@@ -180,6 +180,21 @@ class FlashCheckpoints:
             self._replicas = await asyncio.to_thread(Replicator)
         return await asyncio.to_thread(self._replicas.refresh, models)
 
+    async def adopt(self, step: int, trainer_state: dict[str, Any]) -> bool:
+        """Take over the snapshot of `step` that the trained Workhorses still hold, taken by an owner
+        that is gone (an asynchronous run's trainer actor: its answers went with it), as this one's
+        newest complete snapshot in memory (unreplicated; `trainer_state` is the gone owner's of that
+        step). False when a Workhorse no longer holds it."""
+        directory = self.run.checkpoint_dir(step)
+        models = self.models
+        if not all(await asyncio.gather(*[m.holds_snapshot(str(directory / role)) for role, m in models.items()])):
+            return False
+        handed = {role: (m.parallel, m.hand_snapshot(str(directory / role)), m.handed()) for role, m in models.items()}
+        await asyncio.gather(*[ack for _, _, ack in handed.values()])  # the answers are in, not fetched
+        roles = {role: (parallel, list(pending.refs)) for role, (parallel, pending, _) in handed.items()}
+        self.in_memory = self._held[directory] = Held(step, directory, roles, trainer_state)
+        return True
+
     def follow(self, models: Any) -> None:
         """Snapshot `models` from now on (they replaced the ones given at construction)."""
         self._models = models

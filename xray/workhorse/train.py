@@ -397,6 +397,12 @@ class TrainWorkhorse(Workhorse):
         return to_wire(self._snapshot_of(directory, "hand_snapshot").held())
 
     @fanout(dispatch="all", collect=lambda layout, results: all(results))
+    def holds_snapshot(self, directory: str) -> bool:
+        """Whether this shard still holds the snapshot of `directory` (the newest `KEPT_SNAPSHOTS`
+        are): a new owner can then have it handed (`FlashCheckpoints.adopt`). Collected: all shards."""
+        return directory in getattr(self, "_snapshots", {})
+
+    @fanout(dispatch="all", collect=lambda layout, results: all(results))
     def handed(self) -> bool:
         """True: called after `hand_snapshot`, its answer says that one is in the object store
         without fetching it (a Workhorse runs a caller's calls in order)."""

@@ -82,6 +82,11 @@ class Lease:
     version: int
 
 
+HELD_TAKES = 8
+"""Takes the buffer keeps in hand (`ExperienceBuffer.in_hand`): more than a trainer ever goes back
+(its newest complete snapshot in memory, at most a step or two behind its last take)."""
+
+
 @dataclass
 class ExperienceBuffer:
     """Prompts, leases and per-trainer queues of scored groups; admission and staleness counted."""
@@ -120,6 +125,12 @@ class ExperienceBuffer:
     requeued_rollback: int = 0
     requeued_lost: int = 0
     """Taken groups whose experience was gone from the object store, queued again as prompts."""
+    in_hand: dict = field(default_factory=dict)
+    """Trainer step -> the groups its take returned, for the last `HELD_TAKES` takes: a trainer that
+    goes back to a snapshot (its models lost, or the trainer actor itself) has them given back
+    (`back_to`), trained again, not skipped; the buffer outlives the trainer."""
+    last_taken: int = 0
+    """The step of the last take."""
 
     def __post_init__(self) -> None:
         if self.share < 1 or self.max_staleness < 0 or self.capacity < 1:
@@ -129,6 +140,7 @@ class ExperienceBuffer:
         self.queues = [[] for _ in range(trainers)]
         self.accepted = [self.version * self.share] * trainers
         self.running = [0] * trainers
+        self.last_taken = self.version
 
     @property
     def trainers(self) -> int:
@@ -197,7 +209,25 @@ class ExperienceBuffer:
         for queue in self.queues:
             taken.append(queue[:self.share])
             del queue[:self.share]
+        self.last_taken = trainer_version + 1  # a take retried after a loss replaces the step's entry
+        self.in_hand[self.last_taken] = taken
+        for step in [s for s in self.in_hand if s <= self.last_taken - HELD_TAKES]:
+            del self.in_hand[step]
         return taken
+
+    def back_to(self, step: int, epoch: int) -> int:
+        """The trainer went back to the snapshot of `step` (its rollback number `epoch`): the groups
+        of its takes since (`in_hand`) go back to the front of their queues, in their order; then
+        `rewind` (the steps taken whose groups are no longer in hand count as never accepted, the
+        versions above `step` are discarded). How many steps' groups were given back."""
+        steps = sorted(s for s in self.in_hand if s > step)
+        if steps:
+            self.give_back([[g for s in steps for g in self.in_hand[s][d]] for d in range(self.trainers)], set())
+        for s in steps:
+            del self.in_hand[s]
+        self.rewind(step, max(0, self.last_taken - step - len(steps)), epoch)
+        self.last_taken = step
+        return len(steps)
 
     def give_back(self, taken: list[list[Group]], lost: set[tuple[int, int]]) -> int:
         """Undo a `take` whose groups at `lost` ((trainer, index) in `taken`) could not be fetched: the
@@ -319,11 +349,16 @@ class BufferActor:
             changed.notify_all()
             return gone
 
-    async def rewind(self, version: int, steps: int, epoch: int) -> None:
+    async def back_to(self, step: int, epoch: int) -> int:
         changed = self._condition()
         async with changed:
-            self.buffer.rewind(version, steps, epoch)
+            back = self.buffer.back_to(step, epoch)
             changed.notify_all()
+            return back
+
+    def epoch(self) -> int:
+        """The trainer's rollbacks so far: a new trainer's first is the next."""
+        return self.buffer.epoch
 
     async def requeue(self, maker: int) -> int:
         changed = self._condition()
@@ -359,6 +394,7 @@ class BufferActor:
         b = self.buffer
         self.sampler.load_state_dict(state["sampler"])
         b.version, b.rows, b.drawn, b.leases = version, deque(state["rows"]), [], {}
+        b.in_hand, b.last_taken = {}, version
         b.queues = [[] for _ in range(b.trainers)]
         b.accepted, b.running = [version * b.share] * b.trainers, [0] * b.trainers
         for e in state["entries"]:

@@ -19,9 +19,12 @@ No experience byte passes through the driver (a checkpoint's snapshot excepted, 
 When the trainer loses its actor or critic, the driver replaces those models and the trainer
 restores the snapshot in memory it took after its last step (`trainer.memory_snapshots`;
 `AsyncTrainer.recover`) while the makers and the buffer go on: at most the step in flight runs
-again, on the groups it had taken (given back to the buffer, not skipped). Without a complete
-snapshot the error ends `run`, and the run's recovery (`xray.run.recovery.recover.recover_async`)
-goes back to the latest checkpoint. Interleaving is not
+again, on the groups it had taken (given back by the buffer, which keeps the last takes, not
+skipped). When the trainer actor itself dies, a new one takes over from the newest snapshot the
+trained Workhorses still hold of a step the driver saw end (`recover_learner`), the makers and the
+buffer going on. Without a complete snapshot the error ends `run`, and the run's recovery
+(`xray.run.recovery.recover.recover_async`) goes back to the latest checkpoint (written from the
+trainer's newest snapshot first, when it is newer: save at breakpoint). Interleaving is not
 deterministic: runs are not bitwise repeatable.
 """
 from __future__ import annotations
@@ -34,7 +37,9 @@ import time
 
 from xray.config.graph import build_graph
 from xray.run.recovery.policy import RestartsExhausted
+from xray.run.detached.trainer import TRAINER_STATE
 from xray.run.rollout_log import ROLLOUT_ROWS
+from xray.workhorse.train import KEPT_SNAPSHOTS
 from xray.wholemodel.errors import WholeModelError
 from xray.wholemodel.handle import control_plane_placement
 
@@ -71,7 +76,10 @@ class Detached:
         self.runs: list = []
         self.learner = None
         self.trainer_runs = 0
-        """Calls of the trainer's `run` so far."""
+        """Calls of the trainer's `run` so far (of the trainer actor now running)."""
+        self.kl_states: dict[int, dict] = {}
+        """Step -> the trainer's KL state after it, for the last steps this driver saw end: a trainer
+        taking over from one that died restores it with the step's snapshot (`recover_learner`)."""
         self.run_path = run_path
         """The run's directory: the trainer's snapshots in memory are named under it (None: none taken)."""
         self.handed: dict[str, set[int]] = {}
@@ -102,18 +110,24 @@ class Detached:
 
     def start(self) -> None:
         """Start the makers' loops and the trainer (from the driver's trainer state)."""
+        t = self.trainer
+        self.makers = [self._maker(i, t.state.step) for i in range(len(self.graph.feeds))]
+        self.runs = [asyncio.ensure_future(m.run.remote()) for m in self.makers]
+        self.start_learner()
+
+    def start_learner(self, publish: bool = True) -> None:
+        """Start the trainer actor from the driver's trainer state (`publish`: see `AsyncTrainer`)."""
         import ray
 
         from xray.run.detached.trainer import AsyncTrainer
 
         t = self.trainer
-        self.makers = [self._maker(i, t.state.step) for i in range(len(self.graph.feeds))]
-        self.runs = [asyncio.ensure_future(m.run.remote()) for m in self.makers]
         models = dataclasses.replace(t.models, starter=None)
         self.learner = ray.remote(AsyncTrainer).options(num_cpus=0, max_concurrency=1000,
                                                         **control_plane_placement()).remote(
             t.cfg, models, t.pad_id, t.stop_ids, self.buffer, self.makers, list(self.graph.pusher), t.state.step,
-            t.kl.state_dict(), self.data.model_dir, self.run_path, t.algorithm)
+            t.kl.state_dict(), self.data.model_dir, self.run_path, t.algorithm, publish)
+        self.trainer_runs = 0
 
     async def stop(self) -> None:
         """Stop the makers and the trainer, and free the buffer."""
@@ -135,6 +149,8 @@ class Detached:
         (the last checkpoint) while the buffer still stands. `settle()` is awaited before a trained
         model told to drain is replaced (the driver's checkpoint being taken from it completes).
         The makers end holding the trainer's last weights (for the evaluation)."""
+        from ray.exceptions import RayActorError
+
         self.settle_driver = settle
         cfg = self.trainer.cfg
         self.start()
@@ -149,6 +165,12 @@ class Detached:
                     await self.recover_trainer(exc)
                     first = self.trainer.state.step + 1
                     continue
+                except RayActorError as exc:
+                    if not await self.learner_died(exc):
+                        raise
+                    await self.recover_learner(exc)
+                    first = self.trainer.state.step + 1
+                    continue
                 if self.draining:  # the trainer stopped after its step for a drain notice
                     await self.replace_drained_trained()
                     first = self.trainer.state.step + 1
@@ -160,9 +182,11 @@ class Detached:
                 await self.pull_state()
                 await on_stop()
             else:
-                await _unwrapped(self.learner.finish.remote())
+                await unwrapped(self.learner.finish.remote())
         except Exception:
-            await self.save_at_breakpoint()
+            from xray.run.breakpoint import save_async_at_breakpoint
+
+            await save_async_at_breakpoint(self)
             raise
         finally:
             await self.stop()
@@ -183,11 +207,13 @@ class Detached:
                     break  # the trainer stopped before this step: a signal, or its error (raised below)
                 self.trainer.state.step = step
                 self.trainer.rollout_rows = metrics.pop(ROLLOUT_ROWS, [])  # the loop writes them, not a metric
+                self.kl_states = {**{s: kl for s, kl in self.kl_states.items() if s > step - KEPT_SNAPSHOTS},
+                                  step: metrics.pop(TRAINER_STATE)["kl"]}
                 if step == until:
-                    await _unwrapped(running)
+                    await unwrapped(running)
                     await self.pull_state()
                 await on_step(step, metrics)
-            await _unwrapped(running)
+            await unwrapped(running)
         except BaseException:  # the trainer may wait on the buffer for makers that are gone: do not wait long
             await self._stop_trainer(running, STOP_GRACE_S)
             raise
@@ -213,7 +239,7 @@ class Detached:
             if notices := await self.inbox.take.remote():  # every step too: steps may be shorter than 0.5 s
                 await self.drained(notices)
             if got.done():
-                return await _unwrapped(got)
+                return await unwrapped(got)
 
     async def drained(self, notices: list[tuple[str, int, int]]) -> None:
         """Workhorses told to drain (SIGTERM: a preemption notice; each goes on serving for its grace,
@@ -247,12 +273,12 @@ class Detached:
         (nothing runs again) while the makers and the buffer went on."""
         roles, self.draining = sorted(self.draining), set()
         t0 = time.perf_counter()
-        await _unwrapped(self.learner.settle.remote())  # the last step's snapshot, from the draining Workhorses
+        await unwrapped(self.learner.settle.remote())  # the last step's snapshot, from the draining Workhorses
         if self.settle_driver is not None:  # and a checkpoint the driver is taking from them
             await self.settle_driver()
         for role in roles:
             await asyncio.to_thread(self.trainer.models.replace, role)
-        state = await _unwrapped(self.learner.recover.remote(dataclasses.replace(self.trainer.models, starter=None)))
+        state = await unwrapped(self.learner.recover.remote(dataclasses.replace(self.trainer.models, starter=None)))
         self.trainer.state.step = state["step"]
         self.trainer.kl.load_state_dict(state["kl"])
         log.warning("%s replaced after a drain notice in %.1f s; the trainer is at step %d, restored from %s; the "
@@ -304,7 +330,7 @@ class Detached:
         """Stop `makers` (their prompts queued again), restart the rollout `replicas` alone on their
         devices, start the scoring models `scorers` anew for the makers that go on, and start new
         `makers` at the latest published version; that version, per maker."""
-        await self._stop_makers(makers)
+        await self.stop_makers(makers)
         for replica in replicas:
             await asyncio.to_thread(self.trainer.models.rollout.restart_replica, replica)
         await self._replace_scorers(scorers, [i for i in range(len(self.makers)) if i not in makers])
@@ -330,7 +356,47 @@ class Detached:
             self.handed[role] = set(others)
         given = {k: v for k, v in new.items() if k in ("reference", "teacher", "reward")}
         if given and others:
-            await asyncio.gather(*[_unwrapped(self.makers[i].use_models.remote(**given)) for i in others])
+            await asyncio.gather(*[unwrapped(self.makers[i].use_models.remote(**given)) for i in others])
+
+    async def learner_died(self, exc) -> bool:
+        """Whether the actor error `exc` is the trainer actor's death (it names it, or, naming none,
+        the trainer does not answer)."""
+        if exc.actor_id is not None:
+            return exc.actor_id == self.learner._actor_id.hex()
+        try:
+            await asyncio.wait_for(self.learner.state.remote(), 10.0)
+        except Exception:  # noqa: BLE001 - gone, or not answering: dead to this run
+            return True
+        return False
+
+    async def recover_learner(self, exc: BaseException) -> None:
+        """The trainer actor died (its process, or the head node's): a new one takes over from the
+        newest snapshot of a step this driver saw end that the trained Workhorses still hold
+        (`AsyncTrainer.adopt`: restored as after a lost Workhorse, the groups taken since given back
+        by the buffer, which kept them), while the makers and the buffer go on. Re-raises `exc`
+        when trained Workhorses died too, or none holds such a snapshot (the run's recovery then
+        goes back to its checkpoint)."""
+        from xray.run.recovery.dead import dead_models
+
+        t0 = time.perf_counter()
+        self.trainer.restarts.spend("the trainer actor died", exc, error=MakerLost)
+        dead = await asyncio.to_thread(dead_models, self.trainer.models)
+        if self.run_path is None or set(dead) & set(self.trainer.trained):
+            raise exc
+        self.start_learner(publish=False)
+        steps = sorted(self.kl_states.items(), reverse=True)
+        state = await unwrapped(self.learner.adopt.remote(steps, dataclasses.replace(self.trainer.models,
+                                                                                      starter=None)))
+        if state is None:
+            log.warning("the trainer actor died and the Workhorses hold no snapshot of steps %s; going back to "
+                        "the latest checkpoint", [s for s, _ in steps])
+            raise exc
+        self.trainer.state.step = state["step"]
+        self.trainer.kl.load_state_dict(state["kl"])
+        log.warning("the trainer actor died (%s); a new one took over at step %d from the snapshot the Workhorses "
+                    "held, in %.1f s; the groups of %d step%s it had taken given back to the buffer to train again; "
+                    "the makers and the buffer went on", type(exc).__name__, state["step"], time.perf_counter() - t0,
+                    state["given_back"], "" if state["given_back"] == 1 else "s")
 
     async def recover_trainer(self, exc: WholeModelError) -> None:
         """The trainer's step failed: replace the dead models (the rollout's replicas are the makers'
@@ -351,7 +417,7 @@ class Detached:
         scorers = sorted(set(dead) - {"rollout"} - set(self.trainer.trained))  # handed to the makers, which go on
         await self._replace_scorers(scorers, list(range(len(self.makers))))
         try:
-            state = await _unwrapped(self.learner.recover.remote(dataclasses.replace(self.trainer.models, starter=None)))
+            state = await unwrapped(self.learner.recover.remote(dataclasses.replace(self.trainer.models, starter=None)))
         except RuntimeError as why:
             log.warning("the trainer cannot restore from memory (%s); going back to the latest checkpoint", why)
             raise exc from None
@@ -369,12 +435,12 @@ class Detached:
         latest, rollback = await self.learner.latest.remote(), await self.learner.epoch.remote()
         for i in which:
             self.makers[i] = self._maker(i, -1)
-            await _unwrapped(self.makers[i].load.remote(latest[i], *rollback))
+            await unwrapped(self.makers[i].load.remote(latest[i], *rollback))
             self.runs[i] = asyncio.ensure_future(self.makers[i].run.remote())
         await self.learner.set_makers.remote(self.makers)
         return latest
 
-    async def _stop_makers(self, which: list[int]) -> None:
+    async def stop_makers(self, which: list[int]) -> None:
         """Stop makers `which` and queue their prompts again."""
         import ray
 
@@ -387,42 +453,6 @@ class Detached:
             log.info("maker %d stopped; its %d prompts in the making queued again", i, requeued)
 
     # -- checkpoints -----------------------------------------------------------------------------
-    async def save_at_breakpoint(self) -> str | None:
-        """The run ends in an error: stop the makers (their prompts queued again), have the trainer
-        write its newest snapshot in memory as a checkpoint when newer than the latest on disk
-        (`AsyncTrainer.breakpoint`, which brings the buffer back to its step), then write the
-        buffer's snapshot and the trainer's state beside it (the latter marks it complete), as
-        `xray.run.resume.save_checkpoint` would have at that step. Its directory; None when there
-        is nothing newer or it cannot be written (logged: the run's error is the one raised)."""
-        from pathlib import Path
-
-        from xray.backends.snapshot import write_atomically
-        from xray.run.outputs import RunDir
-        from xray.run.resume import ASYNC_STATE
-
-        if self.run_path is None or self.learner is None:
-            return None
-        run = RunDir(Path(self.run_path))
-        latest = run.latest_checkpoint()
-        try:
-            await self._stop_makers(list(range(len(self.makers))))
-            saved = await _unwrapped(self.learner.breakpoint.remote(int(latest.name.split("-")[1]) if latest else -1))
-            if saved is None:
-                return None
-            snapshot = await self.state_dict()
-            sampler, directory = snapshot.pop("sampler"), Path(saved["directory"])
-            await asyncio.to_thread(write_atomically, snapshot, str(directory / ASYNC_STATE))
-            run.write_trainer_state(directory, {"step": saved["step"], "kl": saved["kl"], "sampler": sampler,
-                                                "eval_before": self.trainer.state.eval_before,
-                                                "model_dir": self.data.model_dir})
-        except Exception as exc:  # noqa: BLE001 - the run's own error is the one to report
-            log.warning("save at breakpoint: the trainer's newest snapshot could not be written (%s); the latest "
-                        "checkpoint on disk stays %s", str(exc).splitlines()[0] if str(exc) else exc, latest)
-            return None
-        log.warning("save at breakpoint: the asynchronous run failed; the trainer's newest snapshot in memory "
-                    "(step %d) is now the checkpoint %s, with the buffer as at that step", saved["step"], directory)
-        return str(directory)
-
     async def state_dict(self) -> dict:
         """The buffer's snapshot, read at one instant: the sampler's state, the prompts to make
         again and the ready groups with their experiences."""
@@ -441,7 +471,7 @@ def _cause(exc: BaseException) -> BaseException:
     return exc.cause if isinstance(exc, RayTaskError) and exc.cause is not None else exc
 
 
-async def _unwrapped(ref):
+async def unwrapped(ref):
     try:
         return await ref
     except Exception as exc:  # noqa: BLE001 - re-raised unwrapped

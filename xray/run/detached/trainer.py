@@ -33,12 +33,19 @@ from xray.run.detached.episode_maker import episode_metrics
 from xray.run.rollout_log import ROLLOUT_ROWS, pick_rollouts
 from xray.run.step import RLTrainer
 
+TRAINER_STATE = "trainer_state"
+"""A step's answer carries the trainer's state after it (its KL controller's) under this key, for
+the driver (not a metric): a new trainer taking over from one that died restores it (`adopt`)."""
+
 
 class AsyncTrainer:
     """The trainer's loop (a Ray actor: `ray.remote(AsyncTrainer)`)."""
 
     def __init__(self, cfg, models, pad_id: int, stop_ids: list[int], buffer, makers: list, pusher: list[int],
-                 step: int, kl_state: dict, model_dir: str, run_path: str | None, algorithm: Algorithm):
+                 step: int, kl_state: dict, model_dir: str, run_path: str | None, algorithm: Algorithm,
+                 publish: bool = True):
+        """`publish`: publish the models' weights now (the run's start); a trainer taking over from
+        one that died publishes the weights it restores instead (`adopt`)."""
         self.t = RLTrainer(cfg, models, None, pad_id, stop_ids, algorithm)
         self.snapshots = None
         """The actor's and critic's snapshots in memory after every step (`trainer.memory_snapshots`;
@@ -65,15 +72,11 @@ class AsyncTrainer:
         self.rollback = (0, -1)
         """(rollbacks so far, the version the last went back to): versions above it were discarded
         (`recover`); every load names it (`ExperienceMaker.load`)."""
-        self.taken = step
-        """The last step whose groups were taken from the buffer."""
         self.checked = step
         """The newest version checked end to end: by the makers' fresh tokens (`check_fresh`) or by a
         probe its push carried (`push`): a version pushed `sync.probe_every` after it probes."""
-        self.in_hand: dict[int, list] = {}
-        """Step -> the groups it took, for the steps after the newest snapshot in memory: a recovery
-        gives them back to the buffer (the buffer owns their experience), trained again, not skipped."""
-        self.publish_start()
+        if publish:
+            self.publish_start()
 
     def _condition(self) -> asyncio.Condition:
         if self.changed is None:
@@ -146,15 +149,27 @@ class AsyncTrainer:
         return {"step": held.step, "kl": self.t.kl.state_dict(), "given_back": back,
                 "source": "memory" if set(sources) == {"memory"} else "disk"}
 
+    async def adopt(self, steps: list[tuple[int, dict]], models) -> dict | None:
+        """Take over from a trainer actor that died: the newest of `steps` ((step, its KL state),
+        newest first: those the driver saw end) whose snapshot every trained Workhorse still holds
+        becomes this trainer's (`FlashCheckpoints.adopt`), and is restored as after a lost Workhorse
+        (`recover`: the models, the buffer brought back to its step, its weights published to the
+        makers under a new rollback). What `recover` returns; None when no snapshot is held."""
+        if self.snapshots is None:
+            return None
+        self.rollback = (await self.buffer.epoch.remote(), -1)  # this trainer's rollbacks follow the last one's
+        for step, kl in steps:
+            if await self.snapshots.adopt(step, {"step": step, "kl": kl}):
+                return await self.recover(models)
+        return None
+
     async def buffer_back_to(self, step: int) -> int:
-        """Bring the buffer back to the trainer's `step` (a snapshot's): the groups taken since
-        given back (`give_back`), the versions above it discarded, the groups they sampled made
-        again (`ExperienceBuffer.rewind`); how many lost steps' groups were given back."""
+        """Bring the buffer back to the trainer's `step` (a snapshot's): the groups it took since
+        given back to the front of their queues, trained again, not skipped; the versions above it
+        discarded, the groups they sampled made again (`ExperienceBuffer.back_to`); how many lost
+        steps' groups were given back."""
         self.rollback = (self.rollback[0] + 1, step)  # versions above it now name other weights
-        back = await self.give_back(step)
-        await self.buffer.rewind.remote(step, self.taken - step - back, self.rollback[0])
-        self.taken = step
-        return back
+        return await self.buffer.back_to.remote(step, self.rollback[0])
 
     async def breakpoint(self, on_disk: int) -> dict | None:
         """The run ends in an error (its makers stopped): write the newest complete snapshot in
@@ -173,19 +188,6 @@ class AsyncTrainer:
         await write_snapshot(held)
         await self.buffer_back_to(held.step)
         return {"step": held.step, "kl": held.trainer_state["kl"], "directory": str(held.directory)}
-
-    async def give_back(self, restored: int) -> int:
-        """Return the groups of the steps after `restored` (lost with the trainer's weights) to the
-        front of the buffer's queues, in their order: trained again, not skipped (those sampled by
-        weights the rollback discards are then made again from their prompts: `rewind`). How many
-        of those steps' groups were still in hand (an older snapshot's steps are no longer)."""
-        held, self.in_hand = self.in_hand, {}
-        steps = [s for s in sorted(held) if s > restored]
-        if not steps:
-            return 0
-        merged = [[g for s in steps for g in held[s][d]] for d in range(len(held[steps[0]]))]
-        await self.buffer.give_back.remote(merged, [])
-        return len(steps)
 
     def set_makers(self, makers: list) -> None:
         """Replaced makers (the pushes go to them from now on)."""
@@ -217,11 +219,6 @@ class AsyncTrainer:
         t, acfg = self.t, self.t.cfg.async_
         start = time.time()
         taken, batches = await take_experience(self.buffer, t.state.step)  # a group lost: made again
-        self.taken = step
-        if self.snapshots is not None:  # what a recovery gives back: the steps after the newest snapshot
-            newest = self.snapshots.in_memory.step if self.snapshots.in_memory is not None else -1
-            self.in_hand = {s: g for s, g in self.in_hand.items() if s > newest}
-            self.in_hand[step] = taken
         parts = [Batch.concat(groups, pad_width=True) for groups in batches]
         exp = Batch.concat(parts, pad_width=True)
         waited_s = time.time() - start
@@ -255,7 +252,7 @@ class AsyncTrainer:
                 **({"sync/versions_since_e2e": float(step - self.checked)} if t.cfg.sync.verify else {}),
                 "async/experience_bytes": float(sum(b.nbytes() for b in parts)),
                 **(await self.maker_busy(start, end)), "samples_per_s": len(exp) / (end - start), **self.loaded(),
-                **(await self.buffer.stats.remote()), ROLLOUT_ROWS: picked}
+                **(await self.buffer.stats.remote()), ROLLOUT_ROWS: picked, TRAINER_STATE: {"kl": t.kl.state_dict()}}
 
     async def recompute(self, exp: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The actor's log-probs of `exp` with the weights it holds now (the proximal policy) and the
