@@ -72,6 +72,20 @@ def with_teacher_dir(cfg: RunConfig, plan: Plan, run: RunDir, ray_address: str |
     return dataclasses.replace(cfg, teacher=dataclasses.replace(cfg.teacher, model_path=directory))
 
 
+def warm_start_config(cfg: RunConfig) -> RunConfig:
+    """The run's config as its warm start trains with it: every weight (no LoRA), at the built-in
+    constant rate after its warm-up (the run's own lr schedule is not in the cache key), no
+    episodes, on the actor's group at its configured size (the run's `elasticity` blocks size the
+    run's batches, not the warm start's `sft.batch_size`), and as a job of seconds, cached: no
+    snapshots, checkpoints, standby processes or restarts."""
+    constant = dataclasses.replace(cfg.actor.optim, lr_schedule="constant", min_lr=0.0, decay_steps=None)
+    quiet = dataclasses.replace(cfg.trainer, save_every=0, memory_snapshots=False, standby_workhorses=0,
+                                max_restarts=0)
+    fixed = {role: dataclasses.replace(getattr(cfg, role), elasticity=None) for role in ("critic", "reference", "teacher")}
+    return dataclasses.replace(cfg, actor=dataclasses.replace(cfg.actor, lora=None, optim=constant, elasticity=None),
+                               env=EnvConfig(), trainer=quiet, **fixed)
+
+
 def build_builtin_model(cfg: RunConfig, plan: Plan, run: RunDir, ray_address: str | None,
                         spec: TinySpec | None = None, name: str = "tiny-llama") -> Path:
     """The warm-started tiny model (`spec`: another than the built-in student; cached)."""
@@ -82,14 +96,7 @@ def build_builtin_model(cfg: RunConfig, plan: Plan, run: RunDir, ray_address: st
     if (target / "model.safetensors").is_file():
         log.info("warm-started model from cache: %s", target)
         return target
-    # the warm start trains every weight, also for a LoRA run (which then trains adapters on it), at
-    # the built-in constant rate after its warm-up: the run's own lr schedule is not in the cache key
-    constant = dataclasses.replace(cfg.actor.optim, lr_schedule="constant", min_lr=0.0, decay_steps=None)
-    # no episodes; and a job of seconds, cached: no snapshots, checkpoints, standby processes or restarts
-    quiet = dataclasses.replace(cfg.trainer, save_every=0, memory_snapshots=False, standby_workhorses=0,
-                                max_restarts=0)
-    cfg = dataclasses.replace(cfg, actor=dataclasses.replace(cfg.actor, lora=None, optim=constant),
-                              env=EnvConfig(), trainer=quiet)
+    cfg = warm_start_config(cfg)
     base = build_base_model(run.path / ("base-model" if spec is None else f"{name}-base"), cfg.seed, spec)
     tokenizer = load_tokenizer(str(base))
     train, _ = load_prompt_splits(cfg.data, tokenizer, run.path / "data")

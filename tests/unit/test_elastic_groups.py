@@ -208,3 +208,16 @@ def test_elastic_sft_takes_deepspeeds_batch_from_the_seeds_block_verbatim():
         plan_run(sft_cfg(block=strict, extra=[("actor.micro_batch_size", 2)]), "megatron-vllm", command_spec("sft"))
     plan_run(sft_cfg(block=strict, extra=[("actor.micro_batch_size", 2), ("sft.batch_size", 8)]), "megatron-vllm",
              command_spec("sft"))
+
+
+def test_an_elastic_rl_runs_warm_start_plans_at_the_groups_size():
+    """The built-in model's warm start is an SFT job on the RL config: the run's elasticity blocks
+    size the run's batches, not the warm start's sft.batch_size (64, where the block's batch is 32),
+    so its config drops them (`warm_start_config`); kept, the plan would refuse the warm start."""
+    from algorithms.warm_start import warm_start_config
+
+    cfg = elastic_cfg()
+    with pytest.raises(ConfigError, match=r"sft.batch_size=32 \(the config has 64\)"):
+        plan_run(cfg, "megatron-vllm", command_spec("sft"))
+    plan = plan_run(warm_start_config(cfg), "megatron-vllm", command_spec("sft"))
+    assert plan.role("actor").parallel.dp == 2 and not plan.elastic
