@@ -201,6 +201,7 @@ def test_an_asynchronous_run_hands_its_trainers_rollouts_to_the_driver():
     from types import SimpleNamespace
 
     from xray.run.detached.supervisor import Detached
+    from xray.run.detached.trainer import TRAINER_STATE
     from xray.run.rollout_log import ROLLOUT_ROWS
 
     picked = {1: [{"group": 0}], 2: [{"group": 0}, {"group": 1}]}
@@ -213,7 +214,7 @@ def test_an_asynchronous_run_hands_its_trainers_rollouts_to_the_driver():
         return until
 
     async def next_metrics(step, _):
-        return {"reward/mean": 0.5 * step, ROLLOUT_ROWS: picked[step]}
+        return {"reward/mean": 0.5 * step, ROLLOUT_ROWS: picked[step], TRAINER_STATE: {"kl": {"value": step}}}
 
     async def state():
         return {"step": 2, "kl": {}}
@@ -226,6 +227,7 @@ def test_an_asynchronous_run_hands_its_trainers_rollouts_to_the_driver():
         return []
 
     detached.runs, detached.trainer_runs, detached.inbox = [], 0, SimpleNamespace(take=Remote(no_notices))
+    detached.kl_states = {}
     seen = []
 
     async def on_step(step, metrics):
@@ -233,3 +235,4 @@ def test_an_asynchronous_run_hands_its_trainers_rollouts_to_the_driver():
 
     asyncio.run(detached.segment(1, 2, on_step, None))
     assert seen == [(1, {"reward/mean": 0.5}, picked[1]), (2, {"reward/mean": 1.0}, picked[2])]
+    assert detached.kl_states == {1: {"value": 1}, 2: {"value": 2}}  # each step's KL state, for a takeover
