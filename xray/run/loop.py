@@ -16,6 +16,7 @@ import asyncio
 import logging
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Awaitable, Callable, Iterator
@@ -32,7 +33,7 @@ from xray.run.evaluate import Evaluations
 from xray.run.final import export_actor
 from xray.run.graceful import GracefulStop, RunInterrupted
 from xray.run.inputs import BUILTIN_MODEL, RunData, prepare
-from xray.run.models import build_models, check_layouts
+from xray.run.models import build_models, check_layouts, join_cluster
 from xray.run.outputs import RunDir
 from xray.run.progress import StepProgress
 from xray.run.resume import resume_from, save_checkpoint
@@ -70,7 +71,12 @@ def started(cfg: RunConfig, plan: Plan, run: RunDir, algorithm: Algorithm, warm:
     for `algorithm`; the WholeModels are shut down on the way out (the run, the benchmarks and
     the tests use it)."""
     model_dir, cfg = warm(cfg, plan, run, ray_address)
-    data = prepare(cfg, run, model_dir)
+    with ThreadPoolExecutor(max_workers=1) as pool:  # the tokenizer and prompts load while Ray starts
+        preparing = pool.submit(prepare, cfg, run, model_dir)
+        try:
+            join_cluster(cfg, plan, ray_address)  # the main thread's: Ray's start sets signal handlers
+        finally:
+            data = preparing.result()  # a bad input fails here, before any model starts
     models = build_models(cfg, plan, data.model_dir, ray_address)
     try:
         score = data.score or ModelScorer(models.reward, cfg.reward.on_nonfinite)

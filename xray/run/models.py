@@ -315,12 +315,17 @@ def start_model(cfg: RunConfig, nproc_per_node: int, model_dir: str, role_plan: 
                       threads=cfg.threads_per_worker, init_kwargs=kwargs)
 
 
-def build_models(cfg: RunConfig, plan: Plan, model_dir: str, ray_address: str | None = None) -> Models:
-    """Start every role's WholeModel on its device group."""
+def join_cluster(cfg: RunConfig, plan: Plan, ray_address: str | None = None) -> None:
+    """Join the Ray cluster at `ray_address`, or start a local one with a CPU slot per device thread."""
     from xray.wholemodel.cluster import ensure_ray
 
-    check_layouts(cfg, plan, model_dir)
     ensure_ray(ray_address, num_cpus=plan.nproc_per_node * plan.nnodes * cfg.threads_per_worker)
+
+
+def build_models(cfg: RunConfig, plan: Plan, model_dir: str, ray_address: str | None = None) -> Models:
+    """Start every role's WholeModel on its device group."""
+    check_layouts(cfg, plan, model_dir)
+    join_cluster(cfg, plan, ray_address)
     from xray.wholemodel.handle import control_plane_placement
     from xray.workhorse.drain import open_inbox
 

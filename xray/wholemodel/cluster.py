@@ -5,6 +5,12 @@ new one, even where another cluster runs on this machine), bound to 127.0.0.1, w
 off unless asked for. On a CPU machine a "device" is one Workhorse process with a fixed number of
 torch threads, so the local cluster offers at least `MIN_LOCAL_CPU_SLOTS` CPU slots: Ray counts
 slots, the OS shares the cores.
+
+The job carries no runtime environment: a worker started for a job with one goes through Ray's
+setup process first (about 0.6 s of CPU a worker: every WholeModel actor, inbox and holder of a
+run). A local cluster's processes inherit `PYTHONUNBUFFERED` from this one instead; Workhorses
+set it in their own environment (`xray.workhorse.quiet.WORKHORSE_ENV`), so their prints reach the
+console as they are made on any cluster.
 """
 from __future__ import annotations
 
@@ -25,17 +31,17 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None, dashboar
         return
     quiet_driver()  # Ray's and DeepSpeed's start-up notices (xray.workhorse.quiet), in notebooks too
     address = address or os.environ.get("RAY_ADDRESS") or None
-    env = {"env_vars": {"PYTHONUNBUFFERED": "1"}}
     if address:
         log.info("joining Ray cluster at %s", address)
-        ray.init(address=address, runtime_env=env, log_to_driver=True, configure_logging=False)
+        ray.init(address=address, log_to_driver=True, configure_logging=False)
         return
     bind_loopback()
     slots = max(num_cpus or 0, os.cpu_count() or 1, MIN_LOCAL_CPU_SLOTS)
     log.info("starting a local Ray cluster on 127.0.0.1 with %d CPU slots", slots)
     # address="local": a new cluster, as documented, even where another runs on this machine (without
     # an address, Ray joins any cluster whose GCS it finds running here)
-    ray.init(address="local", num_cpus=slots, include_dashboard=dashboard, runtime_env=env, log_to_driver=True,
+    os.environ["PYTHONUNBUFFERED"] = "1"  # the cluster's processes inherit it (no runtime environment)
+    ray.init(address="local", num_cpus=slots, include_dashboard=dashboard, log_to_driver=True,
              configure_logging=False)
 
 

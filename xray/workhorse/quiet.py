@@ -42,6 +42,7 @@ WORKHORSE_ENV = {
     "PYTHONWARNINGS": "ignore::UserWarning,ignore::FutureWarning,ignore::DeprecationWarning",
     "VLLM_LOGGING_LEVEL": "ERROR",
     "TQDM_DISABLE": "1",  # a Workhorse's bars reach the console as broken fragments; the driver shows progress
+    "PYTHONUNBUFFERED": "1",  # its prints reach the console as they are made (`xray.wholemodel.cluster`)
     IN_WORKHORSE_ENV: "1",
 }
 """Every Workhorse's environment (on top of the thread counts `xray.wholemodel.handle` sets)."""
