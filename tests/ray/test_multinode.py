@@ -62,36 +62,46 @@ def test_wholemodel_actor_sits_on_the_head_node(two_nodes):
         ray.util.remove_placement_group(pg)
 
 
-def test_a_restart_builds_its_shards_in_the_standby_processes_of_their_nodes(two_nodes):
-    """`WholeModel.keep_standby` (`xray/wholemodel/standby.py`): one warm process per node; a rank
-    killed, the restart builds both shards in the standbys of their own nodes (no new process), the
-    group works, and the pool is refilled with new processes; a serving Workhorse refuses `become`."""
+def test_a_restart_keeps_the_live_shards_and_builds_the_others_in_standby_processes(two_nodes):
+    """`WholeModel.restart` after a loss: the live rank rebuilds in its own process (`Workhorse.rejoin`),
+    the lost one in the warm standby of its node (`WholeModel.keep_standby`, one per node; no new
+    process), the group works, and the pool is refilled with a new process; a survivor that does not
+    answer (busy in a call, as one stuck in a collective) is replaced too; a serving Workhorse refuses
+    `become`."""
     import time
 
     import ray
 
     wm = WholeModel(EchoWorkhorse, role="standing", parallel=ParallelDims(dp=2))
+
+    def standbys_warm(what: str) -> set[int]:
+        deadline = time.monotonic() + 60
+        while not wm.standby_ready():
+            assert time.monotonic() < deadline, f"the standby processes never {what}"
+            time.sleep(0.1)
+        return set(ray.get(wm._actor.standby_pids.remote()))
+
     try:
         nodes = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])
         assert wm.keep_standby(1, nodes) == {node: 1 for node in nodes}
-        deadline = time.monotonic() + 60
-        while not wm.standby_ready():
-            assert time.monotonic() < deadline, "the standby processes never warmed"
-            time.sleep(0.1)
-        standby = set(ray.get(wm._actor.standby_pids.remote()))
+        standby = standbys_warm("warmed")
         before = [r["node"] for r in wm.all_reduce(0.0).get()]
-        old = {p["pid"] for p in wm.ping().get()}
+        old = [p["pid"] for p in wm.ping().get()]
         ray.kill(wm.shard_handles()[1])
         wm.restart()
-        assert {p["pid"] for p in wm.ping().get()} == standby and not standby & old
+        now = [p["pid"] for p in wm.ping().get()]
+        assert wm.rejoined == [0] and now[0] == old[0] and now[1] in standby
         results = wm.all_reduce(5.0).get()
         assert [r["sum"] for r in results] == [11.0, 11.0] and [r["node"] for r in results] == before
-        deadline = time.monotonic() + 60
-        while not wm.standby_ready():
-            assert time.monotonic() < deadline, "the standby pool was not refilled"
-            time.sleep(0.1)
-        refilled = set(ray.get(wm._actor.standby_pids.remote()))
-        assert len(refilled) == 2 and not refilled & standby
+        refilled = standbys_warm("refilled")
+        assert len(refilled) == 2 and refilled & standby == standby - {now[1]}
+        busy = wm.sleep(30.0, ranks=[0])  # rank 0 busy for 30 s: it does not answer the restart's 5 s question
+        ray.kill(wm.shard_handles()[1])
+        wm.restart()
+        assert wm.rejoined == [] and not {p["pid"] for p in wm.ping().get()} & set(now)
+        assert [r["sum"] for r in wm.all_reduce(1.0).get()] == [3.0, 3.0]
+        with pytest.raises(Exception):
+            busy.get()
         with pytest.raises(Exception, match="serving Workhorse"):
             ray.get(wm.shard_handles()[0].become.remote(rank=0, parallel=ParallelDims(dp=2)))
     finally:

@@ -12,6 +12,7 @@ it is replaced and step 8 runs again without going back (steps 6 and 7 ran once)
 Workhorse gets SIGTERM during step 9: it is replaced when the step ends (or the next, when the
 notice reaches the run after the step's end), from that step's snapshot, and no step runs again. The megatron-vllm run keeps a warm standby process per model
 (`trainer.standby_workhorses: 1`): the actor's and the critic's replacements are built in them.
+The killed model's other shard (rank 1) is no new process: it rebuilds in its own and rejoins.
 Each such run is compared with the same run uninterrupted: every step's metrics (time aside) and the
 exported actor are equal, bit for bit.
 An asynchronous run whose trainer is lost (slow tier) goes back to its checkpoint, restored from memory.
@@ -109,6 +110,7 @@ def test_dead_workhorses_are_replaced(tmp_path, tiny_model, backend, trained, ca
     with rl_trainer(cfg, plan, run) as (trainer, data):
         pid = {role: ray.get(getattr(trainer.models, role).shard_handles()[0].pid.remote())
                for role in (trained, "rollout", "critic", "actor")}
+        survivor = ray.get(getattr(trainer.models, trained).shard_handles()[1].pid.remote())  # rank 1: kept
         deadline = time.monotonic() + 120
         while standby and not trainer.models.keep_standby(check=True):
             assert time.monotonic() < deadline, "the standby processes never warmed"
@@ -122,6 +124,9 @@ def test_dead_workhorses_are_replaced(tmp_path, tiny_model, backend, trained, ca
             kills += [(8, "actor", pid["actor"], 0.2, signal.SIGTERM)]
         _, killed = train_with_kills(trainer, run, data, kills)
         now = {role: {p["pid"] for p in getattr(trainer.models, role).ping().get()} for role in warm}
+        model = getattr(trainer.models, trained)  # its rank 0 killed: rank 1 rebuilt in its own process
+        assert ray.get(model.shard_handles()[1].pid.remote()) == survivor
+        assert ray.get(model._actor.last_rejoined.remote()) == [1]
     if standby:  # the replacements (the killed actor, the drained critic) were built in the warm standbys
         assert all(len(warm[role]) == 1 and warm[role] <= now[role] for role in warm), (warm, now)
     assert [role for role, _ in killed] == [k[1] for k in kills] and trainer.state.step == 10

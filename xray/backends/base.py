@@ -144,6 +144,12 @@ class TrainEngine(ABC):
         disk. `complete`: `held` has every rank's files (a snapshot of another layout), else only
         this rank's and rank 0's."""
 
+    def close(self) -> None:
+        """Leave the process groups this engine's library built over the default group (its own
+        module-level state), so that the process can join a new default group and build again: a
+        survivor of a lost shard re-forming its model's groups (`Workhorse.rejoin`). The default
+        group itself is left by the caller. Default: the engine keeps no such state."""
+
 
 class GenerationEngine(ABC):
     """One data-parallel replica of a rollout engine (vLLM, DeepSpeed-Inference)."""

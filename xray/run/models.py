@@ -60,13 +60,16 @@ class Models:
 
     def replace(self, role: str) -> WholeModel:
         """Start `role`'s Workhorses anew on the same devices (one died: its replacement joins fresh
-        process groups with the surviving shards' replacements, which may have hung in a
-        collective). The model holds the initial weights then: the caller restores its state."""
+        process groups with the surviving shards, which rebuild in their own processes, or are
+        replaced too when they hang in a collective or cannot rejoin: `WholeModel.restart`). The
+        model holds the initial weights then: the caller restores its state."""
         if self.starter is None:
             raise RuntimeError("these models were not built by build_models; rebuild them yourself")
         new = self.starter(self.plan.role(role), self.bundles[role], getattr(self, role))
         setattr(self, role, new)
-        log.warning("%s: replaced (%d new Workhorses on the same devices)", role, len(new.layout))
+        kept = len(new.rejoined)
+        log.warning("%s: replaced (%d new Workhorses, %d rebuilt in their own processes, on the same devices)", role,
+                    len(new.layout) - kept, kept)
         return new
 
     def release(self, group: str) -> None:

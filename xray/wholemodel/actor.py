@@ -51,15 +51,24 @@ class WholeModelActor:
         self.init_kwargs = init_kwargs
         self.from_standby: list[int] = []
         """The ranks of the last start that took a standby process (`xray/wholemodel/standby.py`)."""
+        self.rejoined: list[int] = []
+        """The ranks of the last restart that kept their process (`restart`)."""
+        self.slots: list[tuple[Any, int]] = []
         self._spawn(parallel, init_kwargs, slots)
         self.layout: list[ShardInfo] = []
 
-    def _spawn(self, parallel: ParallelDims, init_kwargs: dict, slots: list[tuple[Any, int]]) -> None:
+    def _spawn(self, parallel: ParallelDims, init_kwargs: dict, slots: list[tuple[Any, int]],
+               kept: dict[int, Any] | None = None) -> None:
         """Create one Workhorse per slot, (placement group, bundle index) in rank order, or take a
-        standby process on the slot's node (they build in `start`)."""
+        standby process on the slot's node, or keep the survivor `kept` holds for the rank (they
+        build in `start`)."""
         remote_cls = ray.remote(self.cls)
         self.parallel, self.shards, self.init_kwargs, self.from_standby = parallel, [], init_kwargs, []
+        self.slots = list(slots)
         for rank, (placement_group, bundle) in enumerate(slots):
+            if kept and rank in kept:
+                self.shards.append(kept[rank])
+                continue
             spare = self.standby.take(slot_node(placement_group, bundle)) if self.standby.per_node else None
             if spare is not None:
                 spare.become.remote(rank=rank, parallel=parallel, **init_kwargs)
@@ -71,6 +80,25 @@ class WholeModelActor:
                                placement_group=placement_group, placement_group_bundle_index=bundle))
             self.shards.append(remote_cls.options(**options).remote(
                 role=self.role, rank=rank, parallel=parallel, **init_kwargs))
+
+    async def _survivors(self, parallel: ParallelDims, init_kwargs: dict, slots: list[tuple[Any, int]],
+                         wait_s: float = 5.0) -> dict[int, Any]:
+        """rank -> Workhorse for the shards a restart keeps (`Workhorse.rejoin`): the layout and
+        build arguments unchanged, the rank on the same device, and the process alive, free within
+        `wait_s` (one stuck in a collective with a lost peer is not) and able to rejoin
+        (`Workhorse.survives`)."""
+        if not getattr(self.cls, "REJOINS", False) or parallel != self.parallel or init_kwargs != self.init_kwargs:
+            return {}
+        same = [r for r, ((pg, b), (old_pg, old_b)) in enumerate(zip(slots, self.slots))
+                if r < len(self.shards) and b == old_b and pg.id == old_pg.id]
+        futures = {r: asyncio.ensure_future(_as_future(self.shards[r].survives.remote())) for r in same}
+        if not futures:
+            return {}
+        done, pending = await asyncio.wait(list(futures.values()), timeout=wait_s)
+        for f in pending:
+            f.cancel()
+        return {r: self.shards[r] for r, f in futures.items()
+                if f in done and f.exception() is None and f.result() is not None}
 
     def keep_standby(self, per_node: int, nodes: list[str]) -> dict[str, int]:
         """Keep `per_node` warm standby Workhorses on each of `nodes` (`xray/wholemodel/standby.py`);
@@ -95,12 +123,21 @@ class WholeModelActor:
 
     async def restart(self, parallel: ParallelDims, init_kwargs: dict, slots: list[tuple[Any, int]],
                       timeout_s: float = 600.0) -> tuple[list[ShardInfo], list]:
-        """Kill this model's Workhorses (dead, alive or stuck in a collective) and start new ones on
-        the given slots (`Bundles.slots()`), in a fresh process group: a replacement without a new
-        control plane. The new shards hold the initial weights."""
-        self.kill_workhorses()
+        """Start this model anew on the given slots (`Bundles.slots()`), in a fresh process group: a
+        replacement without a new control plane. A shard whose process lives on and keeps its rank,
+        device and build arguments rejoins in its own process (`_survivors`, `Workhorse.rejoin`:
+        no process start, no imports); every other one (dead, stuck in a collective, draining, of
+        a class that cannot rejoin) is killed and a new one starts. All hold the initial weights."""
+        kept = await self._survivors(parallel, init_kwargs, slots) if self.shards else {}
+        for rank, shard in enumerate(self.shards):
+            if rank not in kept:
+                ray.kill(shard)
         await self.standby.prune()
-        self._spawn(parallel, init_kwargs, slots)
+        self._spawn(parallel, init_kwargs, slots, kept)
+        self.rejoined = sorted(kept)
+        if kept:
+            log.info("%s: ranks %s keep their processes and rejoin; %d new", self.role, self.rejoined,
+                     len(self.shards) - len(kept))
         started = await self.start(timeout_s)
         if self.standby.per_node:
             log.info("%s: ranks %s took standby processes; refilling the standbys", self.role, self.from_standby)
@@ -135,14 +172,20 @@ class WholeModelActor:
     def kill_workhorses(self) -> None:
         for s in self.shards:
             ray.kill(s)
-        self.shards, self.layout = [], []
+        self.shards, self.layout, self.rejoined = [], [], []
+
+    def last_rejoined(self) -> list[int]:
+        """The ranks that kept their process in the last restart (tests and the run's log)."""
+        return list(self.rejoined)
 
     async def start(self, timeout_s: float = 600.0) -> tuple[list[ShardInfo], list]:
         """Rendezvous, join the process group, build the shards; returns their shard infos and
         the Workhorse handles, in rank order."""
         t0 = time.perf_counter()
         ((addr, port),) = await self._gather("address", [self.shards[0].address.remote()], timeout_s)
-        self.layout = await self._gather("start", [s.start.remote(addr, port) for s in self.shards], timeout_s)
+        calls = [(s.rejoin if rank in self.rejoined else s.start).remote(addr, port)
+                 for rank, s in enumerate(self.shards)]
+        self.layout = await self._gather("start", calls, timeout_s)
         check_layout(self.role, self.layout, self.parallel)
         log.info("%s: %d Workhorses ready in %.1f s", self.role, len(self.shards), time.perf_counter() - t0)
         return self.layout, list(self.shards)

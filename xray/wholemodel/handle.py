@@ -142,6 +142,8 @@ class WholeModel:
         self._actor = ray.remote(WholeModelActor).options(
             num_cpus=0, max_concurrency=1000, **control_plane_placement()).remote(
             role, workhorse_cls, parallel, kwargs, bundles.slots(), resources, env)
+        self.rejoined: list[int] = []
+        """The ranks that kept their process in the last `restart`."""
         try:
             self.layout, self.shards = _unwrapped(self._actor.start.remote(start_timeout_s), start_timeout_s + 30)
         except BaseException:
@@ -283,10 +285,12 @@ class WholeModel:
 
     def restart(self, parallel: ParallelDims | None = None, bundles: Bundles | None = None,
                 init_kwargs: dict | None = None, timeout_s: float = 600.0) -> None:
-        """Replace every Workhorse (a dead one, and the survivors that shared its process groups)
-        with a new one, on the same devices or on `bundles` with layout `parallel` (elastic
-        resizing; `init_kwargs` replaces what the shards are built with). The WholeModel actor
-        stays; the new shards hold the initial weights. Raises `ray.exceptions.RayActorError`
+        """Start the model anew in a fresh process group, on the same devices or on `bundles` with
+        layout `parallel` (elastic resizing; `init_kwargs` replaces what the shards are built
+        with): a dead Workhorse is replaced by a new process; a live one that keeps its rank and
+        device rejoins in its own process when its class can (`Workhorse.rejoin`; training
+        Workhorses), else it is replaced too. The WholeModel actor stays; every shard holds the
+        initial weights. Raises `ray.exceptions.RayActorError`
         when the WholeModel actor itself is gone (its node left): build a new WholeModel then."""
         parallel, bundles = parallel or self.parallel, bundles or self.bundles
         if len(bundles.indices) != parallel.world_size:
@@ -296,9 +300,10 @@ class WholeModel:
         kwargs = dict(seed=self._seed, device=self.device.lower(), threads=self._threads, **self.init_kwargs)
         ref = self._actor.restart.remote(parallel, kwargs, bundles.slots(), timeout_s)
         self.layout, self.shards = _unwrapped(ref, timeout_s + 30)
+        self.rejoined = _unwrapped(self._actor.last_rejoined.remote(), 30)
         self.parallel, self.bundles = parallel, bundles
-        log.info("%s restarted: %d Workhorses, tp=%d pp=%d dp=%d", self.role, len(self.layout),
-                 parallel.tp, parallel.pp, parallel.dp)
+        log.info("%s restarted: %d Workhorses (ranks %s in their own processes), tp=%d pp=%d dp=%d", self.role,
+                 len(self.layout), self.rejoined, parallel.tp, parallel.pp, parallel.dp)
 
     def restart_replica(self, dp_rank: int, timeout_s: float = 600.0) -> None:
         """Replace the Workhorses of data-parallel replica `dp_rank` alone (one died), on the same

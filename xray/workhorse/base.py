@@ -105,6 +105,11 @@ def pin_to_cpu_device(index: int, threads: int) -> list[int]:
 class Workhorse(BusyRecorder):
     """One shard of one model. Subclasses add `setup()` and `@fanout` methods."""
 
+    REJOINS = False
+    """Whether a live shard of this class can leave its model's process group and build again in
+    a new one, in its own process (`rejoin`): its model's restart after another shard's loss then
+    keeps it instead of starting a new process (`WholeModelActor.restart`)."""
+
     def __init__(self, role: str, rank: int, parallel: ParallelDims, seed: int = 0,
                  device: str = "cpu", threads: int = 1, standby: bool = False, **config: Any):
         install_filters()  # the libraries' start-up noise stays out of the console (xray.workhorse.quiet)
@@ -128,6 +133,10 @@ class Workhorse(BusyRecorder):
         except Exception as exc:  # noqa: BLE001 - outside Ray (a unit test's engine): SIGTERM as usual
             self.log.debug("no drain listener: %s", exc)
         torch.set_num_threads(threads)
+        self._seed_all()
+
+    def _seed_all(self) -> None:
+        """torch, numpy and random seeded from this shard's seed (`shard_seed`)."""
         random.seed(self.seed)
         torch.manual_seed(self.seed)
         try:
@@ -185,6 +194,33 @@ class Workhorse(BusyRecorder):
 
     def setup(self) -> None:
         """Build this shard (subclasses: the backend engine). Runs after `init_dist`."""
+
+    # -- survivors: a restart that keeps this process (`WholeModelActor.restart`) --------------
+    def survives(self) -> int | None:
+        """This process's pid when it can take part in its model's restart as itself (its class
+        rejoins, it is no standby and got no drain notice: a SIGTERMed process exits at its
+        grace); None when it must be replaced."""
+        from xray.workhorse.drain import draining
+
+        return None if not self.REJOINS or self.standby or draining() else os.getpid()
+
+    def rejoin(self, master_addr: str, master_port: int) -> ShardInfo:
+        """A survivor's `start`: release the shard it holds and its model's old process groups
+        (`teardown`; the old group may have lost a peer mid-collective), reseed as a new process
+        would be, then join the new group and build again (`start`). The caller restores the
+        state (a snapshot every shard can read)."""
+        import torch.distributed as dist
+
+        with portable_errors():
+            self.teardown()
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            self._seed_all()
+            self.log.info("%s rank %d rejoins its model in process %d", self.role, self.rank, os.getpid())
+        return self.start(master_addr, master_port)
+
+    def teardown(self) -> None:
+        """Free what `setup` built and leave the process groups it made (subclasses that rejoin)."""
 
     @property
     def torch_device(self) -> str:

@@ -79,6 +79,15 @@ def open_inbox(placement: dict | None = None, grace_s: float | None = None):
     return _held[0]
 
 
+_TOLD: list[bool] = []
+"""Set once this process got SIGTERM (`draining`)."""
+
+
+def draining() -> bool:
+    """Whether this process got a SIGTERM and will exit at its grace's end."""
+    return bool(_TOLD)
+
+
 def listen(role: str, rank: int) -> None:
     """In a Workhorse's process: if a run opened the job's inbox, SIGTERM tells it and the process
     exits the inbox's grace later (`trainer.drain_grace_s`; a second SIGTERM: at once). Otherwise, and off the main thread,
@@ -96,7 +105,7 @@ def listen(role: str, rank: int) -> None:
     except Exception as exc:  # noqa: BLE001 - an inbox that does not answer: the default grace
         log.warning("%s rank %d: the run's drain inbox did not give its grace (%s); %.0f s", role, rank, exc, GRACE_S)
         grace_s = GRACE_S
-    told: list[bool] = []
+    told = _TOLD
 
     def notify() -> None:
         try:

@@ -19,6 +19,8 @@ from xray.workhorse.base import Workhorse
 class EchoWorkhorse(Workhorse):
     """Protocol and transport checks without a model."""
 
+    REJOINS = True  # it holds nothing but its process group: a live shard rejoins a restart as itself
+
     @fanout(dispatch="slice", collect="flatten")
     def echo(self, batch: Batch) -> Batch:
         """This shard's slice, tagged with the shard's dp_rank and rank."""

@@ -80,6 +80,7 @@ class TrainWorkhorse(Workhorse):
     """A shard of an actor, critic or reference model on `megatron` or `deepspeed`."""
 
     engine: TrainEngine
+    REJOINS = True
     SELF_TIMED = Workhorse.SELF_TIMED | {"push_weights"}  # busy while exporting, not while waiting
 
     def __init__(self, role: str, rank: int, parallel, seed: int = 0, **kwargs: Any):
@@ -110,6 +111,24 @@ class TrainWorkhorse(Workhorse):
 
     def shard_info(self) -> ShardInfo:
         return self.engine.shard_info()
+
+    def teardown(self) -> None:
+        """A survivor's shard released before it rejoins (`Workhorse.rejoin`): a snapshot write under
+        way finishes (from its own host copy), the engine leaves its library's groups and is
+        dropped. The snapshots held, the weight-sync groups with rollout shards (their own stores)
+        and the transfer buffers stay."""
+        import gc
+
+        writer = getattr(self, "_writer", None)
+        if writer is not None:
+            writer.join()
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.close()
+            del self.engine, engine
+        gc.collect()
+        if self.device == "gpu":
+            torch.cuda.empty_cache()
 
     @fanout(dispatch="slice", collect="flatten", reads=forward_columns)
     def forward(self, batch: Batch, entropy: bool = False, adapters: bool = True,

@@ -167,6 +167,15 @@ class DeepSpeedEngine(TrainEngine):
     def state_bytes(self) -> dict[str, int]:
         return optim_state_bytes(self.engine.module.parameters(), self.optimizer)
 
+    def close(self) -> None:
+        """DeepSpeed's engine released (its optimizer's buffers and hooks) and the default group
+        left through DeepSpeed's own `destroy_process_group`, which drops the groups it cached over
+        it (`deepspeed.utils.groups`: the world clone, data and expert groups); ZeRO-3's numbering
+        starts again (`_restart_zero3_numbering`)."""
+        self.engine.destroy()
+        deepspeed.comm.destroy_process_group()
+        _restart_zero3_numbering()
+
     def export_adapter(self, replica: int = 0) -> dict[str, torch.Tensor] | None:
         if self.lora is None:
             return super().export_adapter(replica)
@@ -327,6 +336,20 @@ def _mean_over_ranks(values: dict[str, float]) -> dict[str, float]:
     dist.all_reduce(t)
     t /= dist.get_world_size()
     return dict(zip(keys, t.cpu().tolist()))
+
+
+def _restart_zero3_numbering() -> None:
+    """ZeRO-3 numbers the parameters it partitions (`Init.param_id`) and the modules it hooks (the
+    counter that `DeepSpeedZeRoOffload._register_deepspeed_module` keeps in its default argument)
+    process-wide, and ranks compare those ids when they fetch: both start again at 0, as in a new
+    process, or a rebuilt shard's ids would disagree with a new peer's (`TrainEngine.close`). Should
+    a DeepSpeed release move them, this fails here (and the recovery tests with it)."""
+    from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
+    from deepspeed.runtime.zero.partition_parameters import Init
+
+    Init.param_id = 0
+    (modules,) = DeepSpeedZeRoOffload._register_deepspeed_module.__defaults__
+    modules[0] = 0
 
 
 def build_engine(model_dir: str, parallel: ParallelDims, role: str, optim: OptimConfig, seed: int,

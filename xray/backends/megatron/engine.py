@@ -298,6 +298,13 @@ class MegatronEngine(TrainEngine):
     def state_bytes(self) -> dict[str, int]:
         return optim_state_bytes(self.model.parameters(), self.optimizer)
 
+    def close(self) -> None:
+        """Megatron's module-level groups (tensor, pipeline, data, expert) are destroyed: the next
+        build in this process initialises them over the new default group."""
+        from megatron.core import parallel_state as ps
+
+        ps.destroy_model_parallel()
+
     def exports(self, replica: int = 0) -> bool:
         return self.rank == self.parallel.rank_of(0, 0, replica)
 

@@ -78,8 +78,8 @@ class Detached:
         self.trainer_runs = 0
         """Calls of the trainer's `run` so far (of the trainer actor now running)."""
         self.kl_states: dict[int, dict] = {}
-        """Step -> the trainer's KL state after it, for the last steps this driver saw end: a trainer
-        taking over from one that died restores it with the step's snapshot (`recover_learner`)."""
+        """Step -> the trainer's KL state after it, for the last steps this driver saw end and logged: a
+        trainer taking over from one that died restores it with the step's snapshot (`recover_learner`)."""
         self.run_path = run_path
         """The run's directory: the trainer's snapshots in memory are named under it (None: none taken)."""
         self.handed: dict[str, set[int]] = {}
@@ -207,12 +207,15 @@ class Detached:
                     break  # the trainer stopped before this step: a signal, or its error (raised below)
                 self.trainer.state.step = step
                 self.trainer.rollout_rows = metrics.pop(ROLLOUT_ROWS, [])  # the loop writes them, not a metric
-                self.kl_states = {**{s: kl for s, kl in self.kl_states.items() if s > step - KEPT_SNAPSHOTS},
-                                  step: metrics.pop(TRAINER_STATE)["kl"]}
+                kl = metrics.pop(TRAINER_STATE)["kl"]
                 if step == until:
                     await unwrapped(running)
                     await self.pull_state()
                 await on_step(step, metrics)
+                # a step a new trainer may take over from (`recover_learner`) once its metrics are logged: one
+                # whose end failed (its trainer died first) runs again rather than go unlogged
+                kept = {s: state for s, state in self.kl_states.items() if s > step - KEPT_SNAPSHOTS}
+                self.kl_states = {**kept, step: kl}
             await unwrapped(running)
         except BaseException:  # the trainer may wait on the buffer for makers that are gone: do not wait long
             await self._stop_trainer(running, STOP_GRACE_S)

@@ -2,8 +2,9 @@
 
 When a step fails with a WholeModel error, `recover` pings every model's Workhorses
 (`WholeModel.dead_ranks`; a call can fail on a live model because another died), replaces each
-model with a dead Workhorse on the same devices (`Models.replace`: its surviving shards are
-killed too, and the new ones form fresh process groups under the same WholeModel actor; an
+model with a dead Workhorse on the same devices (`Models.replace`: a new process for each dead
+shard, and the model's surviving shards, alive and free, rebuild in their own processes: all form
+fresh process groups under the same WholeModel actor, `WholeModelActor.restart`; an
 elastic device group that lost a device, its node gone, is placed again on what the cluster
 grants, `xray.run.recovery.elastic`), then, in a synchronous run:
 - a rollout, reference, teacher or reward model that died before the step trained (generation or
