@@ -109,11 +109,12 @@ def check(steps: dict[int, dict], expected: list[int], trainers: int, backend: s
 
 
 def check_episodes(steps: dict[int, dict], trained: int) -> None:
-    """The makers played every sample as an episode (at least the `trained` samples ended by the
-    last step), some over several turns, none ended by a failure; their model tokens were checked
-    end to end by `check` (`sync/fresh_gap_max`), the observations out of it."""
+    """The makers played every sample as an episode: the steps' counts add up to the `trained`
+    samples exactly (each group's counts travel with it, a maker lost or not), some over several
+    turns, none ended by a failure; their model tokens were checked end to end by `check`
+    (`sync/fresh_gap_max`), the observations out of it."""
     rows = list(steps.values())
-    assert sum(row.get("episode/episodes", 0) for row in rows) >= trained, rows
+    assert sum(row.get("episode/episodes", 0) for row in rows) == trained, rows
     assert sum(row.get(k, 0) for row in rows for k in ("episode/ends_error", "episode/ends_timeout")) == 0, rows
     assert any(row.get("episode/turns", 0) > 1 for row in rows), rows
     assert sum(row["sync/fresh_tokens"] for row in rows) > 0, rows

@@ -76,10 +76,11 @@ def maker(engine, segment_tokens: int = 0, max_in_flight: int = 2, n_samples: in
     m = ExperienceMaker(0, engine, None, None, buffer, cfg, [EOS_ID], 0, share=2, version=3, tokenizer=TOK)
     m.episodes = EpisodeMaking(m, TOK)
     m.episodes.runner.make_env = Tool
-    m.puts = []
+    m.puts, m.counts = [], []
 
-    async def put(batch, ref, groups, scores, keep, which):
+    async def put(batch, ref, groups, scores, keep, which, counts=None):
         m.puts.append((time.perf_counter(), [g[0].key for g in groups], [s.versions for g in groups for s in g]))
+        m.counts.extend(counts)
         m.in_flight -= len(groups)
         m._freed().set()
     m._put = put
@@ -116,7 +117,8 @@ def test_a_group_is_put_before_a_slow_episode_of_its_lease_ends_and_its_slot_is_
     assert b_ended - t_a > 0.8, b_ended - t_a  # put ~1 s before the slow episode of its lease ends
     assert leases[1][1] == 1 and leases[1][0] < b_ended - 0.8  # its slot leased again meanwhile
     assert t_b >= max(Tool.ENDED["b"]) and m.in_flight == 0
-    assert m.episodes.counts["episodes"] == 6
+    assert [c["episodes"] for c in m.counts] == [2, 2, 2]  # each group's counts go with it
+    assert sum(c["ends_done"] for c in m.counts) == 6 and all(c["turns"] == 2 for c in m.counts), m.counts
 
 
 def test_a_turn_is_generated_in_segments_with_each_tokens_version_and_stops_at_its_stop_string():

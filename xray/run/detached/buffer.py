@@ -70,6 +70,9 @@ class Group:
     epoch: int = 0
     """The trainer's rollbacks its maker had loaded when its tokens were last sampled: a version
     number names other weights after a rollback (`ExperienceBuffer.rewind`)."""
+    counts: dict = field(default_factory=dict)
+    """Its episodes' counts (`xray.run.detached.episode_maker.count`; empty without episodes): they
+    travel with it, so the step that trains it reports them whichever maker played it."""
 
 
 @dataclass
@@ -383,7 +386,7 @@ class BufferActor:
         lost = [g for _, g in groups if isinstance(fetched[id(g.item[0])], BaseException)]
         state["rows"] += [g.row for g in lost]  # made again on a resume (the trainer gives them back meanwhile)
         state["entries"] = [{"trainer": d, "version": g.version, "maker": g.maker, "tokens": g.tokens, "row": g.row,
-                             "batch": fetched[id(g.item[0])].index(slice(g.item[1], g.item[2]))}
+                             "counts": g.counts, "batch": fetched[id(g.item[0])].index(slice(g.item[1], g.item[2]))}
                             for d, g in groups if not isinstance(fetched[id(g.item[0])], BaseException)]
         return state
 
@@ -399,7 +402,8 @@ class BufferActor:
         b.accepted, b.running = [version * b.share] * b.trainers, [0] * b.trainers
         for e in state["entries"]:
             item = [ray.put(e["batch"]), 0, len(e["batch"])]
-            b.queues[e["trainer"]].append(Group(item, e["version"], e["maker"], e["tokens"], e["row"]))
+            b.queues[e["trainer"]].append(Group(item, e["version"], e["maker"], e["tokens"], e["row"],
+                                                  counts=e.get("counts", {})))
             b.accepted[e["trainer"]] += 1
 
 

@@ -24,8 +24,10 @@ buffer, reference, engine lock and weight loads it uses) over the run machinery'
   and go into the buffer as one object: nothing passes through the driver;
 - after a rollback an episode is not cut (its environment cannot go back): the buffer makes again
   every group with tokens of discarded weights (`ExperienceBuffer.discarded`).
-The episodes' counts since the trainer last asked (`take_counts`) become its step's `episode/*`
-metrics (`episode_metrics`): the episodes that ended during the step, of every maker.
+Each group carries its episodes' counts (turns, tool calls, how they ended) into the buffer, so
+the trainer's `episode/*` metrics (`episode_metrics`) count the episodes it trained in the step,
+whichever maker played them and whether or not that maker still lives; the makers' environment
+wait and generate calls since the trainer last asked (`take_counts`) are added beside them.
 """
 from __future__ import annotations
 
@@ -165,7 +167,6 @@ class EpisodeMaking:
         sampling = dict(rollout_sampling(maker.cfg, maker.stop_ids, maker.index + 1), n=1)
         self.runner = EpisodeRunner(TurnBatcher(maker), tokenizer, env_factory(maker.cfg), limits, sampling,
                                     e.timeout_s, chat=ChatFormat.of(maker.cfg.data))
-        self.counts: collections.Counter = collections.Counter()
         self.ended: list[tuple[tuple[int, dict], list, int]] = []
         """Groups whose episodes have all ended, not yet put: (lease entry, trajectories, epoch)."""
         self.flushing: asyncio.Future | None = None
@@ -246,33 +247,34 @@ class EpisodeMaking:
                           [v for v, model in zip(t.versions, t.mask) if model], True, epochs[k // n])
                    for k, ((key, row), t) in enumerate(zip([x for x in leased for _ in range(n)], trajectories))]
         ref = m._reference(batch)
-        self._count(trajectories)
         groups = [samples[i * n:(i + 1) * n] for i in range(len(leased))]
-        await m._put(batch, await ref, groups, batch[C.SCORES], keep, range(len(groups)))
-
-    def _count(self, trajectories: list) -> None:
-        c = self.counts
-        for t in trajectories:
-            calls = int(t.info.get("tool_calls", 0))
-            c["episodes"] += 1
-            c["turns"] += len(t.turns)
-            c["tool_calls"] += calls
-            c["tool_episodes"] += calls > 0
-            c[f"ends_{t.end}"] += 1
+        counts = [count(trajectories[i * n:(i + 1) * n]) for i in range(len(leased))]
+        await m._put(batch, await ref, groups, batch[C.SCORES], keep, range(len(groups)), counts)
 
     def take_counts(self) -> dict[str, float]:
-        """The counts since the last call (and the runner's environment wait and generate calls)."""
+        """The runner's environment wait and generate calls since the last call."""
         stats = self.runner.stats
-        out = {**{k: float(v) for k, v in self.counts.items()}, "env_wait_s": float(stats["env_wait_s"]),
-               "generate_calls": float(stats["generate_calls"])}
-        self.counts = collections.Counter()
+        out = {"env_wait_s": float(stats["env_wait_s"]), "generate_calls": float(stats["generate_calls"])}
         stats["env_wait_s"], stats["generate_calls"] = 0.0, 0
         return out
 
 
+def count(trajectories: list) -> dict[str, int]:
+    """One group's episode counts (they travel with it: `Group.counts`)."""
+    c: collections.Counter = collections.Counter()
+    for t in trajectories:
+        calls = int(t.info.get("tool_calls", 0))
+        c["episodes"] += 1
+        c["turns"] += len(t.turns)
+        c["tool_calls"] += calls
+        c["tool_episodes"] += calls > 0
+        c[f"ends_{t.end}"] += 1
+    return dict(c)
+
+
 def episode_metrics(counts: list[dict[str, float]]) -> dict[str, float]:
-    """A step's `episode/*` metrics from its makers' counts (`EpisodeMaking.take_counts`); none
-    when no episode ended during the step."""
+    """A step's `episode/*` metrics from the counts of the groups it trained (`count`) and its
+    makers' runtime counts (`EpisodeMaking.take_counts`); none when the step trained no episode."""
     total: collections.Counter = collections.Counter()
     for c in counts:
         total.update(c)

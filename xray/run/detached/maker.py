@@ -304,9 +304,10 @@ class ExperienceMaker:
             return scores[:len(batch)], None if keep is None else keep[:len(batch)]
         return await asyncio.to_thread(self.score_fn, rows, list(batch[C.RESPONSE_IDS]))
 
-    async def _put(self, batch, ref, groups: list[list[Sample]], scores, keep, which) -> None:
+    async def _put(self, batch, ref, groups: list[list[Sample]], scores, keep, which,
+                   counts: list[dict] | None = None) -> None:
         """The groups' rows into the object store as one Batch (cut to its longest row), and the
-        groups into the buffer."""
+        groups into the buffer (`counts`: each group's episode counts, which go with it)."""
         import ray
 
         from xray.run.detached.buffer import Group
@@ -338,7 +339,8 @@ class ExperienceMaker:
             self.partial += sum(len(set(s.versions)) > 1 for s in group)
             entries.append(Group([ref, *rows], min(versions, default=self.version), self.index,
                                  int(mask[rows[0]:rows[1]].sum()), group[0].row, group[0].key,
-                                 newest=max(versions, default=self.version), epoch=min(s.epoch for s in group)))
+                                 newest=max(versions, default=self.version), epoch=min(s.epoch for s in group),
+                                 counts=counts[i] if counts else {}))
         self.bytes += whole.nbytes()
         self.samples += first
         self.in_flight -= len(entries)

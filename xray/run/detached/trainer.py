@@ -251,7 +251,8 @@ class AsyncTrainer:
                 "async/trainer_busy": 1.0 - waited_s / (end - start), "async/publish_s": publish_s,
                 **({"sync/versions_since_e2e": float(step - self.checked)} if t.cfg.sync.verify else {}),
                 "async/experience_bytes": float(sum(b.nbytes() for b in parts)),
-                **(await self.maker_busy(start, end)), "samples_per_s": len(exp) / (end - start), **self.loaded(),
+                **(await self.maker_busy(start, end, [g.counts for groups in taken for g in groups])),
+                "samples_per_s": len(exp) / (end - start), **self.loaded(),
                 **(await self.buffer.stats.remote()), ROLLOUT_ROWS: picked, TRAINER_STATE: {"kl": t.kl.state_dict()}}
 
     async def recompute(self, exp: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -275,15 +276,15 @@ class AsyncTrainer:
         return {C.INPUT_IDS: exp[C.INPUT_IDS], C.ATTENTION_MASK: exp[C.ATTENTION_MASK], C.LOSS_MASK: mask,
                 C.OLD_LOGPROBS: logprobs, C.BEHAVIOUR_LOGPROBS: exp[C.BEHAVIOUR_LOGPROBS], **columns}, measured
 
-    async def maker_busy(self, start: float, end: float) -> dict[str, float]:
+    async def maker_busy(self, start: float, end: float, counts: list[dict]) -> dict[str, float]:
         """The makers' mean busy share of [start, end], from their measured intervals; with episodes,
-        those that ended meanwhile (`episode/*`); each reward function's mean over the samples the
+        the `counts` of those trained (`episode/*`, with the makers' runtime counts); each reward function's mean over the samples the
         makers scored meanwhile (`reward/<name>`)."""
         stats = await asyncio.gather(*[m.stats.remote() for m in self.makers], return_exceptions=True)
         live = [s for s in stats if isinstance(s, dict)]
         busy = sum(max(0.0, min(b, end) - max(a, start)) for s in live for a, b in s["busy"])
         return {"async/maker_busy": busy / ((end - start) * max(1, len(live))),
-                **episode_metrics([s["episodes"] for s in live if "episodes" in s]),
+                **episode_metrics(counts + [s["episodes"] for s in live if "episodes" in s]),
                 **means(s["rewards"] for s in live if "rewards" in s)}
 
     def check_fresh(self, proximal: torch.Tensor, exp: Batch, mask: torch.Tensor,
