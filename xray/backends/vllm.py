@@ -270,6 +270,29 @@ def _caller_state_kept() -> Iterator[None]:
         torch.set_num_threads = set_num_threads
 
 
+@contextlib.contextmanager
+def _one_collection(device: str) -> Iterator[None]:
+    """On CPU, one full garbage collection for building the engine instead of vLLM's five (it
+    measures device memory around loading the model, and collects before freezing its heap:
+    together about 1.3 s of a 7.6 s build of the tiny model on 2 cores, more in a process holding
+    more objects); its CPU KV cache is sized by `kv_cache_gib`, not by a measurement. The
+    heap ends as vLLM leaves it, frozen, with the build's garbage collected first. On CUDA,
+    vLLM's own."""
+    import gc
+
+    collect = gc.collect
+    if device == "cpu":
+        gc.collect = lambda generation=2: 0
+    try:
+        yield
+    finally:
+        gc.collect = collect
+        if device == "cpu" and gc.get_freeze_count():
+            gc.unfreeze()
+            gc.collect()
+            gc.freeze()
+
+
 class VllmEngine(GenerationEngine):
     """One rollout replica backed by an in-process `vllm.LLM`."""
 
@@ -279,7 +302,7 @@ class VllmEngine(GenerationEngine):
 
         self.config = config
         self._vllm = vllm
-        with _caller_state_kept():
+        with _caller_state_kept(), _one_collection(config.device):
             self.llm = vllm.LLM(**config.llm_kwargs())
         self.names = sorted(checkpoint_names(config.model_dir))
         self.routing = Routing.of(config.model_dir)
