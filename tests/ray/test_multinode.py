@@ -108,6 +108,35 @@ def test_a_restart_keeps_the_live_shards_and_builds_the_others_in_standby_proces
         wm.shutdown()
 
 
+class _RejoinFails(EchoWorkhorse):
+    """A survivor whose rebuild in its own process fails (as a library's teardown might)."""
+
+    def rejoin(self, master_addr: str, master_port: int):
+        raise RuntimeError("this survivor cannot rejoin")
+
+
+def test_a_survivor_that_fails_to_rejoin_gives_way_to_new_processes(two_nodes):
+    """A restart whose survivor fails to rejoin does not wait for the group (the new rank would sit
+    in the rendezvous until its 300 s timeout): every rank starts in a new process, and the group
+    works."""
+    import time
+
+    import ray
+
+    wm = WholeModel(_RejoinFails, role="failing", parallel=ParallelDims(dp=2))
+    try:
+        old = {p["pid"] for p in wm.ping().get()}
+        ray.kill(wm.shard_handles()[1])
+        t0 = time.monotonic()
+        wm.restart()
+        took = time.monotonic() - t0
+        assert wm.rejoined == [] and not {p["pid"] for p in wm.ping().get()} & old
+        assert [r["sum"] for r in wm.all_reduce(2.0).get()] == [5.0, 5.0]
+        assert took < 60, took
+    finally:
+        wm.shutdown()
+
+
 def test_a_snapshot_replica_outlives_the_node_it_was_taken_on(two_nodes):
     """The in-memory snapshots' replicas (`xray/run/snapshot_holder.py`): a Workhorse's answer on a
     third node (tensors as numpy arrays, `to_wire`) is put again on another node (the driver's) by

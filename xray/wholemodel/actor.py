@@ -127,7 +127,9 @@ class WholeModelActor:
         replacement without a new control plane. A shard whose process lives on and keeps its rank,
         device and build arguments rejoins in its own process (`_survivors`, `Workhorse.rejoin`:
         no process start, no imports); every other one (dead, stuck in a collective, draining, of
-        a class that cannot rejoin) is killed and a new one starts. All hold the initial weights."""
+        a class that cannot rejoin) is killed and a new one starts. Should a survivor fail to
+        rejoin, the group is not waited for: every rank then starts in a new process. All hold
+        the initial weights."""
         kept = await self._survivors(parallel, init_kwargs, slots) if self.shards else {}
         for rank, shard in enumerate(self.shards):
             if rank not in kept:
@@ -138,7 +140,18 @@ class WholeModelActor:
         if kept:
             log.info("%s: ranks %s keep their processes and rejoin; %d new", self.role, self.rejoined,
                      len(self.shards) - len(kept))
-        started = await self.start(timeout_s)
+        try:
+            started = await self.start(timeout_s, fail_fast=bool(kept))
+        except WholeModelError as exc:
+            if not kept:
+                raise
+            log.warning("%s: a rank failed to rejoin (%s); every rank starts in a new process", self.role, exc)
+            for shard in self.shards:
+                ray.kill(shard)
+            await self.standby.prune()
+            self._spawn(parallel, init_kwargs, slots)
+            self.rejoined = []
+            started = await self.start(timeout_s)
         if self.standby.per_node:
             log.info("%s: ranks %s took standby processes; refilling the standbys", self.role, self.from_standby)
             self.standby.refill(parallel, init_kwargs)
@@ -178,30 +191,35 @@ class WholeModelActor:
         """The ranks that kept their process in the last restart (tests and the run's log)."""
         return list(self.rejoined)
 
-    async def start(self, timeout_s: float = 600.0) -> tuple[list[ShardInfo], list]:
+    async def start(self, timeout_s: float = 600.0, fail_fast: bool = False) -> tuple[list[ShardInfo], list]:
         """Rendezvous, join the process group, build the shards; returns their shard infos and
-        the Workhorse handles, in rank order."""
+        the Workhorse handles, in rank order. `fail_fast`: raise at the first rank's failure
+        (the others then wait in the rendezvous until its timeout)."""
         t0 = time.perf_counter()
         ((addr, port),) = await self._gather("address", [self.shards[0].address.remote()], timeout_s)
         calls = [(s.rejoin if rank in self.rejoined else s.start).remote(addr, port)
                  for rank, s in enumerate(self.shards)]
-        self.layout = await self._gather("start", calls, timeout_s)
+        self.layout = await self._gather("start", calls, timeout_s, fail_fast)
         check_layout(self.role, self.layout, self.parallel)
         log.info("%s: %d Workhorses ready in %.1f s", self.role, len(self.shards), time.perf_counter() - t0)
         return self.layout, list(self.shards)
 
-    async def _gather(self, method: str, refs: list, deadline_s: float) -> list:
-        """Await shard calls; raise one error naming failing or unfinished ranks."""
+    async def _gather(self, method: str, refs: list, deadline_s: float, fail_fast: bool = False) -> list:
+        """Await shard calls; raise one error naming failing or unfinished ranks (`fail_fast`: the
+        ranks failed by the first failure, the unfinished ones cancelled)."""
         futures = [asyncio.ensure_future(_as_future(r)) for r in refs]
-        done, pending = await asyncio.wait(futures, timeout=deadline_s)
-        if pending:
-            for f in pending:
-                f.cancel()
+        done, pending = await asyncio.wait(futures, timeout=deadline_s,
+                                           return_when=asyncio.FIRST_EXCEPTION if fail_fast else asyncio.ALL_COMPLETED)
+        for f in pending:
+            f.cancel()
+        if pending and not any(f.exception() is not None for f in done):
             ranks = [i for i, f in enumerate(futures) if f in pending]
             raise CallDeadlineExceeded(self.role, method, deadline_s, ranks)
         failures, died = [], False
         results = []
         for rank, f in enumerate(futures):
+            if f in pending:  # fail_fast: a rank failed first; this one's answer is not awaited
+                continue
             exc = f.exception()
             if exc is None:
                 results.append(f.result())
