@@ -25,12 +25,11 @@ means the library (this file is `xray.backends.vllm`).
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import torch
 
@@ -43,6 +42,7 @@ from xray.backends import vllm_moe
 from xray.backends.vllm_held import ReloadLedger, check_model, fused_layer_of, held_units
 from xray.backends.expert_names import moe_block_of
 from xray.backends.vllm_moe import Routing
+from xray.backends.vllm_process import caller_state_kept, one_collection
 from xray.backends.vllm_tied import check as check_heads
 from xray.backends.vllm_tied import refresh as refresh_heads
 from xray.backends.vllm_tied import tied_heads, written
@@ -250,49 +250,6 @@ class FusedLayerStager:
         return sorted(n for parts in self.pending.values() for n in parts)
 
 
-@contextlib.contextmanager
-def _caller_state_kept() -> Iterator[None]:
-    """Undo what building a vLLM engine does to the process it runs in: it seeds Python's,
-    NumPy's and torch's global RNGs, and its CPU worker replaces `torch.set_num_threads` with a
-    no-op (meant for its own pinned worker processes, not for a shared one)."""
-    import random
-
-    import numpy as np
-
-    states = random.getstate(), np.random.get_state(), torch.random.get_rng_state()
-    set_num_threads = torch.set_num_threads
-    try:
-        yield
-    finally:
-        random.setstate(states[0])
-        np.random.set_state(states[1])
-        torch.random.set_rng_state(states[2])
-        torch.set_num_threads = set_num_threads
-
-
-@contextlib.contextmanager
-def _one_collection(device: str) -> Iterator[None]:
-    """On CPU, one full garbage collection for building the engine instead of vLLM's five (it
-    measures device memory around loading the model, and collects before freezing its heap:
-    together about 1.3 s of a 7.6 s build of the tiny model on 2 cores, more in a process holding
-    more objects); its CPU KV cache is sized by `kv_cache_gib`, not by a measurement. The
-    heap ends as vLLM leaves it, frozen, with the build's garbage collected first. On CUDA,
-    vLLM's own."""
-    import gc
-
-    collect = gc.collect
-    if device == "cpu":
-        gc.collect = lambda generation=2: 0
-    try:
-        yield
-    finally:
-        gc.collect = collect
-        if device == "cpu" and gc.get_freeze_count():
-            gc.unfreeze()
-            gc.collect()
-            gc.freeze()
-
-
 class VllmEngine(GenerationEngine):
     """One rollout replica backed by an in-process `vllm.LLM`."""
 
@@ -302,7 +259,7 @@ class VllmEngine(GenerationEngine):
 
         self.config = config
         self._vllm = vllm
-        with _caller_state_kept(), _one_collection(config.device):
+        with caller_state_kept(), one_collection(config.device):
             self.llm = vllm.LLM(**config.llm_kwargs())
         self.names = sorted(checkpoint_names(config.model_dir))
         self.routing = Routing.of(config.model_dir)
