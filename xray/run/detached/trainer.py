@@ -278,8 +278,8 @@ class AsyncTrainer:
 
     async def maker_busy(self, start: float, end: float, counts: list[dict]) -> dict[str, float]:
         """The makers' mean busy share of [start, end], from their measured intervals; with episodes,
-        the `counts` of those trained (`episode/*`, with the makers' runtime counts); each reward function's mean over the samples the
-        makers scored meanwhile (`reward/<name>`)."""
+        the `counts` of those trained (`episode/*`, with the makers' runtime counts); each reward
+        function's mean over the samples the makers scored meanwhile (`reward/<name>`)."""
         stats = await asyncio.gather(*[m.stats.remote() for m in self.makers], return_exceptions=True)
         live = [s for s in stats if isinstance(s, dict)]
         busy = sum(max(0.0, min(b, end) - max(a, start)) for s in live for a, b in s["busy"])
