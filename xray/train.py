@@ -12,7 +12,9 @@ Loads and checks the config (defaults: `configs/ppo_tiny_cpu.yaml`,
 `configs/critic_free_tiny_cpu.yaml`, `configs/opd_tiny_cpu.yaml`, `configs/sample_tiny_cpu.yaml`),
 builds the placement plan, and runs the algorithm: a command the algorithms layer registered
 (`xray.commands`). `--dry-run` prints the resolved config and the plan without starting Ray. User
-mistakes end with a one-line message on stderr and exit code 2, no traceback. `-v` adds DEBUG lines,
+mistakes end with a one-line message on stderr and exit code 2, no traceback; a node that ran out
+of memory ends with its largest processes and the overrides that lower them (`xray.run.out_of_memory`),
+exit code 1. `-v` adds DEBUG lines,
 `--quiet` keeps only warnings, errors and the result line (`xray.run.console`).
 """
 from __future__ import annotations
@@ -32,6 +34,7 @@ from xray.config import CONFIG_DIR, ConfigError, LayoutError, load_config, to_di
 from xray.config.engines import PAIRS
 from xray.config.plan import plan_run
 from xray.run.console import console_flags, console_level, setup_console
+from xray.run import out_of_memory
 from xray.run.graceful import RunInterrupted
 from xray.run.loggers import check_loggers
 
@@ -110,6 +113,13 @@ def main(argv: list[str] | None = None) -> int:
                 shutdown_ray()
             out.write(f"stopped: the latest checkpoint is step {stop.step}; continue with:\n  {stop.resume}\n")
             return 0
+        except Exception as exc:
+            if (message := out_of_memory.explain(exc, cfg, plan)) is None:
+                raise
+            with contextlib.redirect_stdout(sys.stderr):
+                shutdown_ray()
+            sys.stderr.write(f"error: {message}\n")  # Ray's own 60 lines are above it, on stderr
+            return 1
         with contextlib.redirect_stdout(sys.stderr):
             shutdown_ray()  # no Workhorse log line may land after the result
         out.write(result + "\n")

@@ -20,6 +20,7 @@ from xray.data.batch import Batch
 from xray.protocol import fanout
 from xray.transport import faults, ipc, pg, shm
 from xray.transport.wire import manifest_of, pack_bucket
+from xray.workhorse import heap
 from xray.workhorse.base import Workhorse, train_step_columns
 
 TRANSPORTS = ("auto", "objstore", "shm", "ipc", "pg")
@@ -141,6 +142,7 @@ class TrainWorkhorse(Workhorse):
             raise ValueError(f"forward(adapters=False): the {self.role} trains no LoRA adapters; "
                              "score the reference with a reference model instead")
         out = self.engine.forward(batch, entropy=entropy, adapters=adapters)
+        self._give_back_heap()
         return None if out is None else Batch(dict(out))
 
     @fanout(dispatch="slice", collect=_replica_metrics, reads=train_step_columns)
@@ -148,7 +150,14 @@ class TrainWorkhorse(Workhorse):
         """One optimizer step over the whole batch (each replica takes its slice), in micro-batches
         of `micro_batch_size` rows (default: the whole slice). `loss_fn(outputs, batch)` returns
         the loss, or (loss, metrics); give it a `reads` attribute to ship fewer columns."""
-        return self.engine.train_step(batch, loss_fn, micro_batch_size or len(batch))
+        metrics = self.engine.train_step(batch, loss_fn, micro_batch_size or len(batch))
+        self._give_back_heap()
+        return metrics
+
+    def _give_back_heap(self) -> None:
+        """On the CPU, the activations' freed pages back to the node (`xray/workhorse/heap.py`)."""
+        if self.device != "gpu":
+            heap.give_back()
 
     @fanout(dispatch="all", collect=_exported)
     def state_dict(self) -> dict | None:
@@ -391,9 +400,9 @@ class TrainWorkhorse(Workhorse):
         t0 = time.perf_counter()
         snapshots = getattr(self, "_snapshots", {})
         snapshots.pop(directory, None)
-        snapshots[directory] = self.engine.snapshot(directory)
-        while len(snapshots) > KEPT_SNAPSHOTS:
+        while len(snapshots) >= KEPT_SNAPSHOTS:  # freed before the copy: never one more in memory
             snapshots.pop(next(iter(snapshots)))
+        snapshots[directory] = self.engine.snapshot(directory)
         self._snapshots = snapshots
         return time.perf_counter() - t0
 

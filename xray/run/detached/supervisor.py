@@ -112,7 +112,7 @@ class Detached:
         """Start the makers' loops and the trainer (from the driver's trainer state)."""
         t = self.trainer
         self.makers = [self._maker(i, t.state.step) for i in range(len(self.graph.feeds))]
-        self.runs = [asyncio.ensure_future(m.run.remote()) for m in self.makers]
+        self.runs = [_retrieved(asyncio.ensure_future(m.run.remote())) for m in self.makers]
         self.start_learner()
 
     def start_learner(self, publish: bool = True) -> None:
@@ -198,7 +198,7 @@ class Detached:
         trained is logged before the run's last checkpoint. Makers that fail meanwhile are
         replaced; a failure of the trainer is raised, as is `MakerLost` once makers failed too
         often (the trainer, maybe waiting for their experience, is then given `STOP_GRACE_S`)."""
-        running = asyncio.ensure_future(self.learner.run.remote(until))
+        running = _retrieved(asyncio.ensure_future(self.learner.run.remote(until)))
         self.trainer_runs += 1
         try:
             for step in range(first, until + 1):
@@ -231,7 +231,7 @@ class Detached:
     async def metrics_of(self, step: int, stop) -> dict | None:
         """Step `step`'s metrics from the trainer (None: it stopped before it), replacing the
         makers that fail while it trains and passing a signal on to it."""
-        got = asyncio.ensure_future(self.learner.next_metrics.remote(step, self.trainer_runs))
+        got = _retrieved(asyncio.ensure_future(self.learner.next_metrics.remote(step, self.trainer_runs)))
         while True:
             done, _ = await asyncio.wait([got, *self.runs], return_when=asyncio.FIRST_COMPLETED, timeout=0.5)
             if stop is not None and stop.requested:
@@ -439,7 +439,7 @@ class Detached:
         for i in which:
             self.makers[i] = self._maker(i, -1)
             await unwrapped(self.makers[i].load.remote(latest[i], *rollback))
-            self.runs[i] = asyncio.ensure_future(self.makers[i].run.remote())
+            self.runs[i] = _retrieved(asyncio.ensure_future(self.makers[i].run.remote()))
         await self.learner.set_makers.remote(self.makers)
         return latest
 
@@ -479,3 +479,11 @@ async def unwrapped(ref):
         return await ref
     except Exception as exc:  # noqa: BLE001 - re-raised unwrapped
         raise _cause(exc) from None
+
+
+def _retrieved(future: asyncio.Future) -> asyncio.Future:
+    """`future`, its failure marked as seen: the run handles it where it waits (a failed maker is
+    replaced, a failed trainer ends or recovers the run), and an error that ends the run leaves no
+    "Task exception was never retrieved" with Ray's text behind the run's own message."""
+    future.add_done_callback(lambda f: f.cancelled() or f.exception())
+    return future
