@@ -56,19 +56,19 @@ def _trained_roles(plan: Any) -> list[str]:
 
 
 def advice(cfg: Any, plan: Any) -> list[str]:
-    """The settings of this run that lower its processes' memory, each as the override that changes it."""
-    lines = []
-    for role in _trained_roles(plan):
-        rc = getattr(cfg, role)
-        if not rc.activation_checkpointing:
-            lines.append(f"--{role}.activation_checkpointing=true (keeps one decoder layer's activations "
-                         "in a train step instead of all; about one more forward's compute)")
-        if rc.max_tokens_per_micro_batch is None and rc.micro_batch_size > 1:
-            lines.append(f"--{role}.micro_batch_size={max(1, rc.micro_batch_size // 2)} (now {rc.micro_batch_size}; "
-                         "a train step's activations grow with its rows x their length)")
+    """The settings of this run that lower its processes' memory, each as the override that changes
+    it, the largest effect first (measured on SmolLM2-135M in fp32, docs/runs.md "Host memory": the
+    activations, then the snapshots in the object store, then the rest)."""
+    roles = [(role, getattr(cfg, role)) for role in _trained_roles(plan)]
+    lines = [f"--{role}.activation_checkpointing=true (keeps one decoder layer's activations in a train step "
+             "instead of all; about one more forward's compute)"
+             for role, rc in roles if not rc.activation_checkpointing]
     if cfg.trainer.memory_snapshots:
-        lines.append("--trainer.memory_snapshots=false (the trained models' state is copied into memory "
+        lines.append("--trainer.memory_snapshots=false (the trained models' state is copied into the object store "
                      "after every step; off, a recovery goes back to the latest checkpoint)")
+    lines += [f"--{role}.micro_batch_size={rc.micro_batch_size // 2} (now {rc.micro_batch_size}; a train step's "
+              "activations grow with its rows x their length)"
+              for role, rc in roles if rc.max_tokens_per_micro_batch is None and rc.micro_batch_size > 1]
     if cfg.model.dtype == "float32":
         lines.append("--model.dtype=bfloat16 (half the weights' and activations' memory)")
     lines.append(f"--rollout.kv_cache_gib (now {cfg.rollout.kv_cache_gib:g}, per generation replica on the CPU)")
