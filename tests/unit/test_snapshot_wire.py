@@ -34,3 +34,21 @@ def test_tensors_travel_as_numpy_and_come_back_bit_for_bit():
     again = from_wire(wire)["optimizer"]["state"][0]["exp_avg"]
     again.add_(1.0)  # its own writable memory: an optimizer may update it in place
     assert torch.equal(again, kept + 1.0) and torch.equal(original, kept)
+
+
+def test_a_disk_write_reads_the_mapped_arrays_in_place():
+    """`from_wire(copy=False)`: tensors over the arrays' memory, read-only as Ray maps them, written
+    by torch.save as they are (`TrainWorkhorse.persist_snapshot` writes a handed snapshot so)."""
+    import io
+
+    bf16 = torch.randn(4, 3).to(torch.bfloat16)
+    wire = to_wire({"w": bf16, "n": torch.arange(6.0)})
+    for value in wire.values():
+        value.array.setflags(write=False)
+    view = from_wire(wire, copy=False)
+    assert view["w"].dtype == torch.bfloat16 and torch.equal(view["w"], bf16)
+    assert view["n"].data_ptr() == wire["n"].array.ctypes.data  # no copy
+    buffer = io.BytesIO()
+    torch.save(view, buffer)
+    buffer.seek(0)
+    assert torch.equal(torch.load(buffer)["w"], bf16)

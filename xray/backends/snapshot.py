@@ -111,15 +111,21 @@ def to_wire(value: Any) -> Any:
     return _rebuilt(value, to_wire)
 
 
-def from_wire(value: Any) -> Any:
-    """`to_wire`'s inverse: every `WireTensor` a tensor in fresh, writable memory."""
+def from_wire(value: Any, copy: bool = True) -> Any:
+    """`to_wire`'s inverse: every `WireTensor` a tensor in fresh, writable memory, or with
+    `copy=False` one over the array's own memory (read-only where Ray mapped it: to be written to
+    disk, not trained)."""
     if isinstance(value, WireTensor):
+        import warnings
+
         import numpy as np
 
-        tensor = torch.from_numpy(np.array(value.array, copy=True))
+        with warnings.catch_warnings():  # from_numpy warns of a read-only array; nothing writes it
+            warnings.simplefilter("ignore", UserWarning)
+            tensor = torch.from_numpy(np.array(value.array, copy=True) if copy else value.array)
         dtype = getattr(torch, value.dtype)
         return tensor if tensor.dtype == dtype else tensor.view(dtype)
-    return _rebuilt(value, from_wire)
+    return _rebuilt(value, lambda v: from_wire(v, copy))
 
 
 def _rebuilt(value: Any, each: Callable[[Any], Any]) -> Any:

@@ -387,7 +387,7 @@ class TrainerConfig:
     another node where there is one): a lost Workhorse then costs at most the step in flight, and
     an asynchronous run's makers and buffer go on while its trainer restores. Off: recovery goes
     back to the latest checkpoint. Costs host memory: the trained state (weights and optimizer)
-    once more in each trained Workhorse and at least once in the object store."""
+    in the object store: the newest snapshot's, the one being taken and the latest checkpoint's."""
     standby_workhorses: int = 0
     """Warm standby processes each trained model (and each model sharing its devices) keeps on every
     node that can host its device group (CPU Workhorses; GPU ones start cold): a replacement after a

@@ -3,8 +3,9 @@
 After every step (`trainer.memory_snapshots`; else at checkpoints only) the algorithm calls
 `FlashCheckpoints.take` (a synchronous run's driver; an asynchronous run's trainer actor, whose
 calls it orders): each trained WholeModel's Workhorses copy their state into host memory
-(`TrainWorkhorse.snapshot`, the only time training stops) and hand the copy out as a call's answer
-(`hand_snapshot`), which the object store keeps for the caller after the Workhorse dies; on a
+(`TrainWorkhorse.snapshot`, the only time training stops), then hand it over as a call's answer
+owned by their WholeModel actor (`WholeModel.hand_snapshot`), which the object store keeps after
+the Workhorse and the caller die, the Workhorse keeping no copy of its own; on a
 cluster of several nodes, a `SnapshotHolder` on another node keeps a replica of each shard's
 answer (`xray/run/snapshot_holder.py`), which `held_for` reads in place of a shard lost with its
 node, and a node's loss loses none of it. `take` only submits the
@@ -18,11 +19,11 @@ layout or of another (resharded by the engine from the files in memory), whether
 reached the disk.
 
 At a checkpoint step the Workhorses also write that snapshot to `checkpoints/step-N/<role>/` from
-a background thread (`persist_snapshot`), while the run's own files (the async buffer, for
-instance) are written off the event loop. The checkpoint becomes the run's latest on disk only
-when all of it is there: a watcher polls the writers (`poll`), or `finish` waits for them (before
-the run ends), and then writes `trainer_state.json`, the marker `RunDir.latest_checkpoint` looks
-for, atomically. A crash while writing leaves the previous checkpoint the latest. One checkpoint
+a background thread (`persist_snapshot`, reading the handed answer where it lies), while the run's
+own files (the async buffer, for instance) are written off the event loop. The checkpoint becomes
+the run's latest on disk only when all of it is there: a watcher polls the writers (`poll`), or
+`finish` waits for them (before the run ends), and then writes `trainer_state.json`, the marker
+`RunDir.latest_checkpoint` looks for, atomically. A crash while writing leaves the previous checkpoint the latest. One checkpoint
 is written at a time: a new one first finishes the last. Memory holds the newest complete
 snapshot, the one being taken and the latest checkpoint's; older ones are freed. Once a
 checkpoint is complete, those on disk older than the newest `keep_last` (`trainer.keep_last`,
@@ -121,9 +122,7 @@ class FlashCheckpoints:
         t0 = time.perf_counter()
         models = self.models
         copies = [m.snapshot(str(directory / role)) for role, m in models.items()]  # in order, now
-        handed = {role: (m.parallel, m.hand_snapshot(str(directory / role)), m.handed())  # right behind
-                  for role, m in models.items()}
-        snapshots = asyncio.ensure_future(self._copied(step, directory, models, copies, handed, trainer_state, persist))
+        snapshots = asyncio.ensure_future(self._copied(step, directory, models, copies, trainer_state, persist))
         snapshots.add_done_callback(lambda f: f.cancelled() or f.exception())  # a loss: recovery's to handle
         self._taking = [f for f in self._taking if not f.done()] + [snapshots]
         if persist:
@@ -135,17 +134,17 @@ class FlashCheckpoints:
             self._watcher = asyncio.ensure_future(self._watch())
         return snapshots
 
-    async def _copied(self, step: int, directory: Path, models: dict[str, Any], copies: list, handed: dict,
+    async def _copied(self, step: int, directory: Path, models: dict[str, Any], copies: list,
                       trainer_state: dict[str, Any], persist: bool) -> float:
-        """Once every Workhorse's copy is done, have them write it (with `persist`: started only
-        then, the writes do not slow a copy down); once every answer is in (and replicated), the
-        snapshot is complete."""
+        """Once every Workhorse's copy is done, have them hand it over (to the WholeModel actors,
+        which own the answers) and, with `persist`, write it from there; once every answer is in
+        (and replicated), the snapshot is complete."""
         self.stall_s = max(await asyncio.gather(*copies))
+        handed = await asyncio.gather(*[m.hand_snapshot(str(directory / role)) for role, m in models.items()])
+        roles = {role: (m.parallel, refs) for (role, m), refs in zip(models.items(), handed)}
         if persist:
             for role, m in models.items():
-                m.persist_snapshot(str(directory / role))
-        await asyncio.gather(*[ack for _, _, ack in handed.values()])  # the answers are in, not fetched
-        roles = {role: (parallel, list(pending.refs)) for role, (parallel, pending, _) in handed.items()}
+                m.persist_snapshot(str(directory / role), roles[role][1])
         replicas = await self._replicate(str(directory), models, roles)
         held = self._held[directory] = Held(step, directory, roles, trainer_state, replicas)
         if self.in_memory is None or step >= self.in_memory.step:
@@ -181,17 +180,16 @@ class FlashCheckpoints:
         return await asyncio.to_thread(self._replicas.refresh, models)
 
     async def adopt(self, step: int, trainer_state: dict[str, Any]) -> bool:
-        """Take over the snapshot of `step` that the trained Workhorses still hold, taken by an owner
-        that is gone (an asynchronous run's trainer actor: its answers went with it), as this one's
-        newest complete snapshot in memory (unreplicated; `trainer_state` is the gone owner's of that
-        step). False when a Workhorse no longer holds it."""
+        """Take over the snapshot of `step` that the trained models' WholeModel actors still keep
+        (`WholeModel.kept_snapshot`), taken by a caller that is gone (an asynchronous run's trainer
+        actor), as this one's newest complete snapshot in memory (unreplicated; `trainer_state` is
+        the gone caller's of that step). False when one no longer keeps it."""
         directory = self.run.checkpoint_dir(step)
         models = self.models
-        if not all(await asyncio.gather(*[m.holds_snapshot(str(directory / role)) for role, m in models.items()])):
+        kept = await asyncio.gather(*[m.kept_snapshot(str(directory / role)) for role, m in models.items()])
+        if any(refs is None for refs in kept):
             return False
-        handed = {role: (m.parallel, m.hand_snapshot(str(directory / role)), m.handed()) for role, m in models.items()}
-        await asyncio.gather(*[ack for _, _, ack in handed.values()])  # the answers are in, not fetched
-        roles = {role: (parallel, list(pending.refs)) for role, (parallel, pending, _) in handed.items()}
+        roles = {role: (m.parallel, refs) for (role, m), refs in zip(models.items(), kept)}
         self.in_memory = self._held[directory] = Held(step, directory, roles, trainer_state)
         return True
 

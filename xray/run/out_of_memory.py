@@ -44,8 +44,8 @@ def _top_users(text: str) -> list[str]:
         found = re.match(r"\s*(\d+)\s+([\d.]+)\s+(\S+)", line)
         if not found:
             break
-        command = found.group(3)
-        command = command.removeprefix("ray::").split(".")[0] if command.startswith("ray::") else command.rsplit("/", 1)[-1]
+        command = found.group(3)  # a Ray actor's class, or a program's name
+        command = command[5:].split(".")[0] if command.startswith("ray::") else command.rsplit("/", 1)[-1]
         rows.append(f"{found.group(2)} GB {command} (pid {found.group(1)})")
     return rows[:TOP_USERS]
 

@@ -6,7 +6,8 @@ that the shard infos they report agree. It is placed on the Ray head node, outsi
 reservation: it outlives any Workhorse's node and a release of the devices, and `restart` starts
 new Workhorses under it. It is not on the data path: callers hold the Workhorse handles it
 returns and call them directly (`xray.wholemodel.handle`), so arguments and answers never pass
-through this process.
+through this process. It owns one kind of answer, by reference only: the trained shards' flash
+snapshots (`hand_snapshot`), which must outlive both the Workhorses and their caller.
 """
 from __future__ import annotations
 
@@ -236,6 +237,26 @@ class WholeModelActor:
     def shard_handles(self) -> list:
         """The Workhorse Ray actors, in rank order: what callers submit shard tasks to."""
         return list(self.shards)
+
+    async def hand_snapshot(self, directory: str, keep: int = 2, deadline_s: float = 600.0) -> list:
+        """Have every shard hand over its snapshot of `directory` (`TrainWorkhorse.hand_snapshot`:
+        its files as the call's answer, the shard's own copy then freed) with this actor as the
+        answers' owner: they outlive the Workhorses, and the caller too (an asynchronous run's
+        trainer actor, whose successor reads them: `kept_snapshot`). Returns every rank's
+        reference once all are in (not fetched); the newest `keep` are kept here."""
+        refs = [s.call.remote("hand_snapshot", ((directory,), {})) for s in self.shards]
+        await self._gather("handed", [s.call.remote("handed", ((), {})) for s in self.shards], deadline_s)
+        kept = getattr(self, "_kept", {})
+        kept.pop(directory, None)
+        kept[directory] = refs
+        while len(kept) > keep:
+            kept.pop(next(iter(kept)))
+        self._kept = kept
+        return refs
+
+    def kept_snapshot(self, directory: str) -> list | None:
+        """Every rank's reference to its snapshot of `directory` when still kept (`hand_snapshot`)."""
+        return getattr(self, "_kept", {}).get(directory)
 
     def get_layout(self) -> list[ShardInfo]:
         return list(self.layout)

@@ -335,6 +335,18 @@ class WholeModel:
         (`xray/wholemodel/standby.py`). Returns node id -> standbys held there."""
         return _unwrapped(self._actor.keep_standby.remote(per_node, list(nodes)), 60)
 
+    def hand_snapshot(self, directory: str, keep: int = 2):
+        """Have every shard hand over its snapshot of `directory` (`TrainWorkhorse.hand_snapshot`),
+        the WholeModel actor owning the answers (they outlive the caller and the Workhorses): an
+        awaitable of every rank's reference, resolved once all are in; the actor keeps the newest
+        `keep` for `kept_snapshot`."""
+        return self._actor.hand_snapshot.remote(directory, keep)
+
+    def kept_snapshot(self, directory: str):
+        """An awaitable of every rank's reference to its snapshot of `directory`, if the WholeModel
+        actor still keeps it (else None): a caller taking over from one that died reads them."""
+        return self._actor.kept_snapshot.remote(directory)
+
     def standby_ready(self) -> bool:
         """Whether every standby process asked for by `keep_standby` is started and warm."""
         return _unwrapped(self._actor.standby_ready.remote(), 60)

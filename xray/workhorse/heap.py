@@ -8,8 +8,8 @@ in the process. The process then holds its peak, not its live state, between ste
 that model's actor: 5.8-7.2 GB held after each step against 2.5 GB live), and the node's other
 processes (the critic's step, vLLM, the reference) cannot have it: on a 24 GB machine Ray's
 memory monitor killed the run. `give_back` asks glibc to return every free page (`malloc_trim`,
-~0.3 s after such a step, 1% of it). Used by `TrainWorkhorse` after each forward and train step on
-the CPU; elsewhere (not glibc, or macOS) it does nothing.
+~0.3 s after such a step, 1% of it; next to nothing where little was freed, as on a GPU). Used
+by `TrainWorkhorse` after each forward and train step; without glibc (macOS, musl) it does nothing.
 """
 from __future__ import annotations
 

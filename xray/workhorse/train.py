@@ -25,8 +25,7 @@ from xray.workhorse.base import Workhorse, train_step_columns
 
 TRANSPORTS = ("auto", "objstore", "shm", "ipc", "pg")
 KEPT_SNAPSHOTS = 2
-"""Flash snapshots a training Workhorse holds, the newest, by directory: an asynchronous run's
-trainer may take the next step's while the driver's checkpoint of this one is still being written."""
+"""Flash snapshots a training Workhorse holds until they are handed over, the newest, by directory."""
 
 
 def choose_transport(transport: str, gpu: bool, same_node: bool, same_gpu: list[bool], shm_room) -> str:
@@ -50,14 +49,15 @@ def choose_transport(transport: str, gpu: bool, same_node: bool, same_gpu: list[
     return "shm" if shm_room() else "objstore"
 
 
-def _fetch(ref) -> dict:
+def _fetch(ref, copy: bool = True) -> dict:
     """A snapshot's files behind `ref` (`hand_snapshot`'s answer; where its node was lost, Ray reads
-    the copy a replica holder pinned on another node)."""
+    the copy a replica holder pinned on another node); `copy=False`: tensors over the object
+    store's memory (read-only), to write to disk."""
     import ray
 
     from xray.backends.snapshot import from_wire
 
-    return from_wire(ray.get(ref, timeout=60))
+    return from_wire(ray.get(ref, timeout=60), copy)
 
 
 def _replica_metrics(layout: list[ShardInfo], results: list) -> dict[str, float]:
@@ -115,7 +115,7 @@ class TrainWorkhorse(Workhorse):
 
     def teardown(self) -> None:
         """A survivor's shard released before it rejoins (`Workhorse.rejoin`): a snapshot write under
-        way finishes (from its own host copy), the engine leaves its library's groups and is
+        way finishes (from its copy or the handed answer), the engine leaves its library's groups and is
         dropped. The snapshots held, the weight-sync groups with rollout shards (their own stores)
         and the transfer buffers stay."""
         import gc
@@ -142,7 +142,7 @@ class TrainWorkhorse(Workhorse):
             raise ValueError(f"forward(adapters=False): the {self.role} trains no LoRA adapters; "
                              "score the reference with a reference model instead")
         out = self.engine.forward(batch, entropy=entropy, adapters=adapters)
-        self._give_back_heap()
+        heap.give_back()  # the step's freed pages back to the node
         return None if out is None else Batch(dict(out))
 
     @fanout(dispatch="slice", collect=_replica_metrics, reads=train_step_columns)
@@ -151,13 +151,8 @@ class TrainWorkhorse(Workhorse):
         of `micro_batch_size` rows (default: the whole slice). `loss_fn(outputs, batch)` returns
         the loss, or (loss, metrics); give it a `reads` attribute to ship fewer columns."""
         metrics = self.engine.train_step(batch, loss_fn, micro_batch_size or len(batch))
-        self._give_back_heap()
+        heap.give_back()  # the step's freed pages back to the node
         return metrics
-
-    def _give_back_heap(self) -> None:
-        """On the CPU, the activations' freed pages back to the node (`xray/workhorse/heap.py`)."""
-        if self.device != "gpu":
-            heap.give_back()
 
     @fanout(dispatch="all", collect=_exported)
     def state_dict(self) -> dict | None:
@@ -392,11 +387,9 @@ class TrainWorkhorse(Workhorse):
     @fanout(dispatch="all", collect=lambda layout, results: max(results))
     def snapshot(self, directory: str) -> float:
         """A flash snapshot: this shard's state copied into host memory now, kept by `directory`
-        (the newest `KEPT_SNAPSHOTS`) for `hand_snapshot` to answer and `persist_snapshot` to write
-        there (a disk write under way goes on with its own copy). Keyed, because two callers take
+        (the newest `KEPT_SNAPSHOTS`) until `hand_snapshot` hands it over. Keyed: two callers take
         snapshots of the same Workhorse (an asynchronous run's trainer every step, the driver at a
-        checkpoint) and their calls interleave. Returns the seconds the copy blocked (the slowest
-        shard's, collected)."""
+        checkpoint). Returns the seconds the copy blocked (the slowest shard's, collected)."""
         t0 = time.perf_counter()
         snapshots = getattr(self, "_snapshots", {})
         snapshots.pop(directory, None)
@@ -415,20 +408,17 @@ class TrainWorkhorse(Workhorse):
 
     @fanout(dispatch="all", collect=lambda layout, results: None)
     def hand_snapshot(self, directory: str) -> dict:
-        """The last snapshot's files (path -> object) as this call's answer: the object store keeps
-        it for the caller, who holds the reference, after this process dies (a replacement reads it
-        in `load`). The caller collects no value (it keeps the references). Tensors travel as
-        numpy arrays (`to_wire`): no copy beyond the object store's, and a replica holder's read
-        maps them (`xray/run/snapshot_holder.py`)."""
-        from xray.backends.snapshot import to_wire
+        """The snapshot's files (path -> object) as this call's answer, after which this process
+        keeps no copy of them (only what `persist_snapshot` runs after writing them: DeepSpeed's
+        `latest` and recovery scripts): the object store keeps the answer for its owner (the
+        WholeModel actor, `WholeModelActor.hand_snapshot`) after this process dies, a replacement
+        reads it in `load`, a disk write reads it in place. Tensors travel as numpy arrays
+        (`to_wire`): no copy beyond the object store's, and a reader on this node maps them."""
+        from xray.backends.snapshot import Snapshot, to_wire
 
-        return to_wire(self._snapshot_of(directory, "hand_snapshot").held())
-
-    @fanout(dispatch="all", collect=lambda layout, results: all(results))
-    def holds_snapshot(self, directory: str) -> bool:
-        """Whether this shard still holds the snapshot of `directory` (the newest `KEPT_SNAPSHOTS`
-        are): a new owner can then have it handed (`FlashCheckpoints.adopt`). Collected: all shards."""
-        return directory in getattr(self, "_snapshots", {})
+        snapshot = self._snapshot_of(directory, "hand_snapshot")
+        self._snapshots[directory] = Snapshot([], snapshot.finish, snapshot.markers)
+        return to_wire(snapshot.held())
 
     @fanout(dispatch="all", collect=lambda layout, results: all(results))
     def handed(self) -> bool:
@@ -437,18 +427,25 @@ class TrainWorkhorse(Workhorse):
         return True
 
     @fanout(dispatch="all", collect=lambda layout, results: None)
-    def persist_snapshot(self, directory: str) -> None:
+    def persist_snapshot(self, directory: str, handed: list | None = None) -> None:
         """Write the snapshot of `directory` to disk from a background thread while training goes
-        on (after the previous write, if it is still going: one write at a time)."""
+        on (after the previous write, if it is still going: one write at a time): from `handed`
+        (every rank's `hand_snapshot` answer; this rank's is read where it lies, not copied) when
+        given, else from this process's copy."""
         import threading
+
+        from xray.backends.snapshot import Snapshot
 
         snapshot = self._snapshot_of(directory, "persist_snapshot")
         self.wait_persisted()
         self._persist_error: BaseException | None = None
 
-        def write() -> None:
+        def write() -> None:  # a failure, reading the answer included, is persisted()'s to report
             try:
-                snapshot()
+                if handed is None:
+                    return snapshot()
+                files = _fetch(handed[self.rank], copy=False).items()  # a marker (str) is finish's to write
+                Snapshot([(path, v) for path, v in files if not isinstance(v, str)], snapshot.finish)()
             except BaseException as exc:  # noqa: BLE001 - reported by persisted()
                 self._persist_error = exc
 
