@@ -23,12 +23,13 @@ a background thread (`persist_snapshot`, reading the handed answer where it lies
 own files (the async buffer, for instance) are written off the event loop. The checkpoint becomes
 the run's latest on disk only when all of it is there: a watcher polls the writers (`poll`), or
 `finish` waits for them (before the run ends), and then writes `trainer_state.json`, the marker
-`RunDir.latest_checkpoint` looks for, atomically. A crash while writing leaves the previous checkpoint the latest. One checkpoint
-is written at a time: a new one first finishes the last. Memory holds the newest complete
-snapshot, the one being taken and the latest checkpoint's; older ones are freed. Once a
-checkpoint is complete, those on disk older than the newest `keep_last` (`trainer.keep_last`,
-given by `take`) are deleted (`RunDir.prune_checkpoints`): never the one being written, nor the
-newest complete one, which a resume or a recovery loads, nor one whose snapshot memory holds.
+`RunDir.latest_checkpoint` looks for, atomically. A crash while writing leaves the previous
+checkpoint the latest. One checkpoint is written at a time: a new one first finishes the last.
+Memory holds the newest complete snapshot, the one being taken and the latest checkpoint's; older
+ones are freed. Once a checkpoint is complete, those on disk older than the newest `keep_last`
+(`trainer.keep_last`, given by `take`) are deleted (`RunDir.prune_checkpoints`): never the one
+being written, nor the newest complete one, which a resume or a recovery loads, nor one whose
+snapshot memory holds.
 """
 from __future__ import annotations
 
@@ -189,7 +190,7 @@ class FlashCheckpoints:
         kept = await asyncio.gather(*[m.kept_snapshot(str(directory / role)) for role, m in models.items()])
         if any(refs is None for refs in kept):
             return False
-        roles = {role: (m.parallel, refs) for (role, m), refs in zip(models.items(), kept)}
+        roles = dict(zip(models, kept))  # role -> (the layout it was taken in, every rank's reference)
         self.in_memory = self._held[directory] = Held(step, directory, roles, trainer_state)
         return True
 

@@ -248,14 +248,15 @@ class WholeModelActor:
         await self._gather("handed", [s.call.remote("handed", ((), {})) for s in self.shards], deadline_s)
         kept = getattr(self, "_kept", {})
         kept.pop(directory, None)
-        kept[directory] = refs
+        kept[directory] = (self.parallel, refs)
         while len(kept) > keep:
             kept.pop(next(iter(kept)))
         self._kept = kept
         return refs
 
-    def kept_snapshot(self, directory: str) -> list | None:
-        """Every rank's reference to its snapshot of `directory` when still kept (`hand_snapshot`)."""
+    def kept_snapshot(self, directory: str) -> tuple[ParallelDims, list] | None:
+        """The layout the snapshot of `directory` was taken in and every rank's reference to it,
+        when still kept (`hand_snapshot`; a resize since then leaves it to be resharded)."""
         return getattr(self, "_kept", {}).get(directory)
 
     def get_layout(self) -> list[ShardInfo]:

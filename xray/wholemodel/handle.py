@@ -343,8 +343,9 @@ class WholeModel:
         return self._actor.hand_snapshot.remote(directory, keep)
 
     def kept_snapshot(self, directory: str):
-        """An awaitable of every rank's reference to its snapshot of `directory`, if the WholeModel
-        actor still keeps it (else None): a caller taking over from one that died reads them."""
+        """An awaitable of (the layout it was taken in, every rank's reference) for the snapshot of
+        `directory`, if the WholeModel actor still keeps it (else None): a caller taking over from
+        one that died reads them."""
         return self._actor.kept_snapshot.remote(directory)
 
     def standby_ready(self) -> bool:

@@ -21,7 +21,7 @@ restores the snapshot in memory it took after its last step (`trainer.memory_sna
 `AsyncTrainer.recover`) while the makers and the buffer go on: at most the step in flight runs
 again, on the groups it had taken (given back by the buffer, which keeps the last takes, not
 skipped). When the trainer actor itself dies, a new one takes over from the newest snapshot the
-trained Workhorses still hold of a step the driver saw end (`recover_learner`), the makers and the
+trained models still keep of a step the driver saw end (`recover_learner`), the makers and the
 buffer going on. Without a complete snapshot the error ends `run`, and the run's recovery
 (`xray.run.recovery.recover.recover_async`) goes back to the latest checkpoint (written from the
 trainer's newest snapshot first, when it is newer: save at breakpoint). Interleaving is not
@@ -374,10 +374,10 @@ class Detached:
 
     async def recover_learner(self, exc: BaseException) -> None:
         """The trainer actor died (its process, or the head node's): a new one takes over from the
-        newest snapshot of a step this driver saw end that the trained Workhorses still hold
+        newest snapshot of a step this driver saw end that the trained models still keep
         (`AsyncTrainer.adopt`: restored as after a lost Workhorse, the groups taken since given back
         by the buffer, which kept them), while the makers and the buffer go on. Re-raises `exc`
-        when trained Workhorses died too, or none holds such a snapshot (the run's recovery then
+        when trained Workhorses died too, or none keeps such a snapshot (the run's recovery then
         goes back to its checkpoint)."""
         from xray.run.recovery.dead import dead_models
 
@@ -391,13 +391,13 @@ class Detached:
         state = await unwrapped(self.learner.adopt.remote(steps, dataclasses.replace(self.trainer.models,
                                                                                       starter=None)))
         if state is None:
-            log.warning("the trainer actor died and the Workhorses hold no snapshot of steps %s; going back to "
+            log.warning("the trainer actor died and the models keep no snapshot of steps %s; going back to "
                         "the latest checkpoint", [s for s, _ in steps])
             raise exc
         self.trainer.state.step = state["step"]
         self.trainer.kl.load_state_dict(state["kl"])
-        log.warning("the trainer actor died (%s); a new one took over at step %d from the snapshot the Workhorses "
-                    "held, in %.1f s; the groups of %d step%s it had taken given back to the buffer to train again; "
+        log.warning("the trainer actor died (%s); a new one took over at step %d from the snapshot its models "
+                    "kept, in %.1f s; the groups of %d step%s it had taken given back to the buffer to train again; "
                     "the makers and the buffer went on", type(exc).__name__, state["step"], time.perf_counter() - t0,
                     state["given_back"], "" if state["given_back"] == 1 else "s")
 

@@ -151,7 +151,7 @@ class AsyncTrainer:
 
     async def adopt(self, steps: list[tuple[int, dict]], models) -> dict | None:
         """Take over from a trainer actor that died: the newest of `steps` ((step, its KL state),
-        newest first: those the driver saw end) whose snapshot every trained Workhorse still holds
+        newest first: those the driver saw end) whose snapshot the trained models still keep
         becomes this trainer's (`FlashCheckpoints.adopt`), and is restored as after a lost Workhorse
         (`recover`: the models, the buffer brought back to its step, its weights published to the
         makers under a new rollback). What `recover` returns; None when no snapshot is held."""
