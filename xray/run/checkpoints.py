@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -122,8 +123,9 @@ class FlashCheckpoints:
         directory = self.run.checkpoint_dir(step)
         t0 = time.perf_counter()
         models = self.models
-        copies = [m.snapshot(str(directory / role)) for role, m in models.items()]  # in order, now
-        snapshots = asyncio.ensure_future(self._copied(step, directory, models, copies, trainer_state, persist))
+        key = f"{directory}@{uuid.uuid4().hex[:12]}"  # this take's: another caller may snapshot `directory` too
+        copies = [m.snapshot(str(directory / role), f"{role}:{key}") for role, m in models.items()]  # in order, now
+        snapshots = asyncio.ensure_future(self._copied(step, directory, models, copies, trainer_state, persist, key))
         snapshots.add_done_callback(lambda f: f.cancelled() or f.exception())  # a loss: recovery's to handle
         self._taking = [f for f in self._taking if not f.done()] + [snapshots]
         if persist:
@@ -136,16 +138,17 @@ class FlashCheckpoints:
         return snapshots
 
     async def _copied(self, step: int, directory: Path, models: dict[str, Any], copies: list,
-                      trainer_state: dict[str, Any], persist: bool) -> float:
+                      trainer_state: dict[str, Any], persist: bool, key: str) -> float:
         """Once every Workhorse's copy is done, have them hand it over (to the WholeModel actors,
         which own the answers) and, with `persist`, write it from there; once every answer is in
         (and replicated), the snapshot is complete."""
         self.stall_s = max(await asyncio.gather(*copies))
-        handed = await asyncio.gather(*[m.hand_snapshot(str(directory / role)) for role, m in models.items()])
+        handed = await asyncio.gather(*[m.hand_snapshot(str(directory / role), f"{role}:{key}")
+                                        for role, m in models.items()])
         roles = {role: (m.parallel, refs) for (role, m), refs in zip(models.items(), handed)}
         if persist:
             for role, m in models.items():
-                m.persist_snapshot(str(directory / role), roles[role][1])
+                m.persist_snapshot(f"{role}:{key}", roles[role][1])
         replicas = await self._replicate(str(directory), models, roles)
         held = self._held[directory] = Held(step, directory, roles, trainer_state, replicas)
         if self.in_memory is None or step >= self.in_memory.step:

@@ -238,13 +238,15 @@ class WholeModelActor:
         """The Workhorse Ray actors, in rank order: what callers submit shard tasks to."""
         return list(self.shards)
 
-    async def hand_snapshot(self, directory: str, keep: int = 2, deadline_s: float = 600.0) -> list:
+    async def hand_snapshot(self, directory: str, key: str | None = None, keep: int = 2,
+                            deadline_s: float = 600.0) -> list:
         """Have every shard hand over its snapshot of `directory` (`TrainWorkhorse.hand_snapshot`:
         its files as the call's answer, the shard's own copy then freed) with this actor as the
         answers' owner: they outlive the Workhorses, and the caller too (an asynchronous run's
         trainer actor, whose successor reads them: `kept_snapshot`). Returns every rank's
-        reference once all are in (not fetched); the newest `keep` are kept here."""
-        refs = [s.call.remote("hand_snapshot", ((directory,), {})) for s in self.shards]
+        reference once all are in (not fetched); the newest `keep` are kept here. `key`: the
+        caller's name of the snapshot (`TrainWorkhorse.snapshot`; default `directory`)."""
+        refs = [s.call.remote("hand_snapshot", ((key or directory,), {})) for s in self.shards]
         await self._gather("handed", [s.call.remote("handed", ((), {})) for s in self.shards], deadline_s)
         kept = getattr(self, "_kept", {})
         kept.pop(directory, None)

@@ -335,12 +335,12 @@ class WholeModel:
         (`xray/wholemodel/standby.py`). Returns node id -> standbys held there."""
         return _unwrapped(self._actor.keep_standby.remote(per_node, list(nodes)), 60)
 
-    def hand_snapshot(self, directory: str, keep: int = 2):
-        """Have every shard hand over its snapshot of `directory` (`TrainWorkhorse.hand_snapshot`),
-        the WholeModel actor owning the answers (they outlive the caller and the Workhorses): an
-        awaitable of every rank's reference, resolved once all are in; the actor keeps the newest
-        `keep` for `kept_snapshot`."""
-        return self._actor.hand_snapshot.remote(directory, keep)
+    def hand_snapshot(self, directory: str, key: str | None = None, keep: int = 2):
+        """Have every shard hand over its snapshot of `directory` taken under `key`
+        (`TrainWorkhorse.snapshot`), the WholeModel actor owning the answers (they outlive the
+        caller and the Workhorses): an awaitable of every rank's reference, resolved once all are
+        in; the actor keeps the newest `keep` for `kept_snapshot`."""
+        return self._actor.hand_snapshot.remote(directory, key, keep)
 
     def kept_snapshot(self, directory: str):
         """An awaitable of (the layout it was taken in, every rank's reference) for the snapshot of

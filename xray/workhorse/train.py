@@ -385,29 +385,30 @@ class TrainWorkhorse(Workhorse):
                 "export": self.engine.export_check()} if exports else None
 
     @fanout(dispatch="all", collect=lambda layout, results: max(results))
-    def snapshot(self, directory: str) -> float:
-        """A flash snapshot: this shard's state copied into host memory now, kept by `directory`
-        (the newest `KEPT_SNAPSHOTS`) until `hand_snapshot` hands it over. Keyed: two callers take
-        snapshots of the same Workhorse (an asynchronous run's trainer every step, the driver at a
-        checkpoint). Returns the seconds the copy blocked (the slowest shard's, collected)."""
+    def snapshot(self, directory: str, key: str | None = None) -> float:
+        """A flash snapshot: this shard's state copied into host memory now, kept under `key` (the
+        caller's, one per snapshot taken: two callers snapshot the same Workhorse, an asynchronous
+        run's trainer every step and the driver at a checkpoint, and may name one directory; default
+        `directory`) until `hand_snapshot` hands it over (the newest `KEPT_SNAPSHOTS` wait). Returns
+        the seconds the copy blocked (the slowest shard's, collected)."""
         t0 = time.perf_counter()
-        snapshots = getattr(self, "_snapshots", {})
-        snapshots.pop(directory, None)
+        key, snapshots = key or directory, getattr(self, "_snapshots", {})
+        snapshots.pop(key, None)
         while len(snapshots) >= KEPT_SNAPSHOTS:  # freed before the copy: never one more in memory
             snapshots.pop(next(iter(snapshots)))
-        snapshots[directory] = self.engine.snapshot(directory)
+        snapshots[key] = self.engine.snapshot(directory)
         self._snapshots = snapshots
         return time.perf_counter() - t0
 
-    def _snapshot_of(self, directory: str, call: str):
-        snapshot = getattr(self, "_snapshots", {}).get(directory)
+    def _snapshot_of(self, key: str, call: str):
+        snapshot = getattr(self, "_snapshots", {}).get(key) or getattr(self, "_handed", {}).get(key)
         if snapshot is None:
-            raise RuntimeError(f"{call}: no snapshot of {directory} is held (the newest {KEPT_SNAPSHOTS} are); "
-                               "call snapshot(directory) first")
+            raise RuntimeError(f"{call}: no snapshot {key} is held (the newest {KEPT_SNAPSHOTS} are); "
+                               "call snapshot(directory, key) first")
         return snapshot
 
     @fanout(dispatch="all", collect=lambda layout, results: None)
-    def hand_snapshot(self, directory: str) -> dict:
+    def hand_snapshot(self, key: str) -> dict:
         """The snapshot's files (path -> object) as this call's answer, after which this process
         keeps no copy of them (only what `persist_snapshot` runs after writing them: DeepSpeed's
         `latest` and recovery scripts): the object store keeps the answer for its owner (the
@@ -416,8 +417,13 @@ class TrainWorkhorse(Workhorse):
         (`to_wire`): no copy beyond the object store's, and a reader on this node maps them."""
         from xray.backends.snapshot import Snapshot, to_wire
 
-        snapshot = self._snapshot_of(directory, "hand_snapshot")
-        self._snapshots[directory] = Snapshot([], snapshot.finish, snapshot.markers)
+        snapshot = getattr(self, "_snapshots", {}).pop(key, None)
+        if snapshot is None:
+            raise RuntimeError(f"hand_snapshot: no snapshot {key} waits to be handed; take it first")
+        handed = self._handed = getattr(self, "_handed", {})
+        handed[key] = Snapshot([], snapshot.finish, snapshot.markers)
+        while len(handed) > 2 * KEPT_SNAPSHOTS:
+            handed.pop(next(iter(handed)))
         return to_wire(snapshot.held())
 
     @fanout(dispatch="all", collect=lambda layout, results: all(results))
@@ -427,16 +433,15 @@ class TrainWorkhorse(Workhorse):
         return True
 
     @fanout(dispatch="all", collect=lambda layout, results: None)
-    def persist_snapshot(self, directory: str, handed: list | None = None) -> None:
-        """Write the snapshot of `directory` to disk from a background thread while training goes
-        on (after the previous write, if it is still going: one write at a time): from `handed`
-        (every rank's `hand_snapshot` answer; this rank's is read where it lies, not copied) when
-        given, else from this process's copy."""
+    def persist_snapshot(self, key: str, handed: list | None = None) -> None:
+        """Write snapshot `key` to disk from a background thread while training goes on (after the
+        previous write: one at a time): from `handed` (every rank's `hand_snapshot` answer, this
+        rank's read where it lies) when given, else from this process's copy."""
         import threading
 
         from xray.backends.snapshot import Snapshot
 
-        snapshot = self._snapshot_of(directory, "persist_snapshot")
+        snapshot = self._snapshot_of(key, "persist_snapshot")
         self.wait_persisted()
         self._persist_error: BaseException | None = None
 
