@@ -2,7 +2,7 @@
 
 On the real pretrained model (SmolLM2-135M-Instruct, a Megatron critic in fp32: 1.5 GiB of weights
 and AdamW moments to copy), after a train step: each snapshot taken and handed over
-(`WholeModel.hand_snapshot`) leaves the Workhorse's own memory where it was (the Workhorse kept
+(`WholeModel.hand_snapshot`, right behind the copy) leaves the Workhorse's own memory where it was (the Workhorse kept
 each copy before, and held 3.0 GiB more after two: measured 2.3 -> 5.3 GiB), the WholeModel actor
 keeps the newest two (`kept_snapshot`: what a trainer taking over from a dead one reads), a disk
 write reads the handed answer in place, and the answer outlives the Workhorse: after it is killed
@@ -55,8 +55,9 @@ async def _steps(critic, batch, tmp_path):
     directories = [str(tmp_path / f"step-{i}" / "critic") for i in range(3)]
     handed = []
     for directory in directories:
-        await critic.snapshot(directory)
-        handed.append(await critic.hand_snapshot(directory))
+        copy = critic.snapshot(directory, directory)
+        await critic.hand_snapshot(directory, directory, copy)  # submitted right behind the copy
+        handed.append(await critic.handed_snapshot(directory))
         grown = anon_bytes(critic.shard_handles()[0]) - base
         assert grown < 0.5 * GIB, f"the Workhorse grew {grown / GIB:.2f} GiB with its snapshots (one copy: 1.5 GiB)"
     assert await critic.kept_snapshot(directories[0]) is None

@@ -4,8 +4,9 @@ After every step (`trainer.memory_snapshots`; else at checkpoints only) the algo
 `FlashCheckpoints.take` (a synchronous run's driver; an asynchronous run's trainer actor, whose
 calls it orders): each trained WholeModel's Workhorses copy their state into host memory
 (`TrainWorkhorse.snapshot`, the only time training stops), then hand it over as a call's answer
-owned by their WholeModel actor (`WholeModel.hand_snapshot`), which the object store keeps after
-the Workhorse and the caller die, the Workhorse keeping no copy of its own; on a
+owned by their WholeModel actor (`WholeModel.hand_snapshot`: issued by the actor right behind the
+copy, the model's next call waiting for it), which the object store keeps after the Workhorse and
+the caller die, the Workhorse keeping no copy of its own; on a
 cluster of several nodes, a `SnapshotHolder` on another node keeps a replica of each shard's
 answer (`xray/run/snapshot_holder.py`), which `held_for` reads in place of a shard lost with its
 node, and a node's loss loses none of it. `take` only submits the
@@ -125,7 +126,8 @@ class FlashCheckpoints:
         models = self.models
         key = f"{directory}@{uuid.uuid4().hex[:12]}"  # this take's: another caller may snapshot `directory` too
         copies = [m.snapshot(str(directory / role), f"{role}:{key}") for role, m in models.items()]  # in order, now
-        snapshots = asyncio.ensure_future(self._copied(step, directory, models, copies, trainer_state, persist, key))
+        handed = [m.hand_snapshot(str(directory / role), f"{role}:{key}", copy) for (role, m), copy in zip(models.items(), copies)]
+        snapshots = asyncio.ensure_future(self._copied(step, directory, models, copies, handed, trainer_state, persist, key))
         snapshots.add_done_callback(lambda f: f.cancelled() or f.exception())  # a loss: recovery's to handle
         self._taking = [f for f in self._taking if not f.done()] + [snapshots]
         if persist:
@@ -137,15 +139,15 @@ class FlashCheckpoints:
             self._watcher = asyncio.ensure_future(self._watch())
         return snapshots
 
-    async def _copied(self, step: int, directory: Path, models: dict[str, Any], copies: list,
+    async def _copied(self, step: int, directory: Path, models: dict[str, Any], copies: list, handed: list,
                       trainer_state: dict[str, Any], persist: bool, key: str) -> float:
-        """Once every Workhorse's copy is done, have them hand it over (to the WholeModel actors,
-        which own the answers) and, with `persist`, write it from there; once every answer is in
-        (and replicated), the snapshot is complete."""
+        """Once every Workhorse's copy is done and handed over (`handed`: to the WholeModel actors,
+        which own the answers), with `persist`, have them write it from there; once every answer is
+        in (and replicated), the snapshot is complete."""
         self.stall_s = max(await asyncio.gather(*copies))
-        handed = await asyncio.gather(*[m.hand_snapshot(str(directory / role), f"{role}:{key}")
-                                        for role, m in models.items()])
-        roles = {role: (m.parallel, refs) for (role, m), refs in zip(models.items(), handed)}
+        await asyncio.gather(*handed)  # every hand is done (an outcome each: handed_snapshot's)
+        refs = await asyncio.gather(*[m.handed_snapshot(f"{role}:{key}") for role, m in models.items()])
+        roles = {role: (m.parallel, r) for (role, m), r in zip(models.items(), refs)}
         if persist:
             for role, m in models.items():
                 m.persist_snapshot(f"{role}:{key}", roles[role][1])

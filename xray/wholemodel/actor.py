@@ -238,23 +238,41 @@ class WholeModelActor:
         """The Workhorse Ray actors, in rank order: what callers submit shard tasks to."""
         return list(self.shards)
 
-    async def hand_snapshot(self, directory: str, key: str | None = None, keep: int = 2,
-                            deadline_s: float = 600.0) -> list:
-        """Have every shard hand over its snapshot of `directory` (`TrainWorkhorse.hand_snapshot`:
-        its files as the call's answer, the shard's own copy then freed) with this actor as the
-        answers' owner: they outlive the Workhorses, and the caller too (an asynchronous run's
-        trainer actor, whose successor reads them: `kept_snapshot`). Returns every rank's
-        reference once all are in (not fetched); the newest `keep` are kept here. `key`: the
-        caller's name of the snapshot (`TrainWorkhorse.snapshot`; default `directory`)."""
-        refs = [s.call.remote("hand_snapshot", ((key or directory,), {})) for s in self.shards]
-        await self._gather("handed", [s.call.remote("handed", ((), {})) for s in self.shards], deadline_s)
-        kept = getattr(self, "_kept", {})
+    async def hand_snapshot(self, directory: str, key: str, after: list, keep: int = 2,
+                            deadline_s: float = 600.0) -> None:
+        """Have every shard hand over its snapshot of `directory` taken under `key`
+        (`TrainWorkhorse.hand_snapshot`: its files as the call's answer, the shard's own copy then
+        freed) with this actor as the answers' owner: they outlive the Workhorses, and the caller
+        too (an asynchronous run's trainer actor, whose successor reads them: `kept_snapshot`).
+        Each rank's hand starts after `after[rank]` (that rank's copy: the caller's `snapshot`
+        call). Returns None once every answer is in (not fetched), failed or not: the caller's next
+        call on the shards waits for this one (`WholeModel.hand_snapshot`), and the outcome is
+        `handed_snapshot(key)`'s. The newest `keep` are kept here."""
+        refs = [s.call.remote("hand_snapshot", ((key,), {}), *after[rank:rank + 1]) for rank, s in enumerate(self.shards)]
+        handing = self._handing = getattr(self, "_handing", {})
+        while len(handing) >= 8:  # outcomes no caller asked for (it died)
+            handing.pop(next(iter(handing)))
+        try:
+            await self._gather("handed", [s.call.remote("handed", ((), {})) for s in self.shards], deadline_s)
+        except Exception as exc:  # noqa: BLE001 - the caller's, through handed_snapshot
+            handing[key] = exc
+            return
+        handing[key] = refs
+        kept = self._kept = getattr(self, "_kept", {})
         kept.pop(directory, None)
         kept[directory] = (self.parallel, refs)
         while len(kept) > keep:
             kept.pop(next(iter(kept)))
-        self._kept = kept
-        return refs
+
+    def handed_snapshot(self, key: str) -> list:
+        """Every rank's reference to the snapshot handed under `key` (after `hand_snapshot`
+        returned), or its failure raised."""
+        outcome = getattr(self, "_handing", {}).pop(key, None)
+        if outcome is None:
+            raise RuntimeError(f"{self.role}: no snapshot was handed under {key!r}; await hand_snapshot first")
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
 
     def kept_snapshot(self, directory: str) -> tuple[ParallelDims, list] | None:
         """The layout the snapshot of `directory` was taken in and every rank's reference to it,

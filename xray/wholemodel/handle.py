@@ -217,6 +217,7 @@ class WholeModel:
         packed = self._dispatch(meta, args, kwargs)
         ranks = [0] if meta.execute == "first" else list(range(len(self.layout)))
         waits = [ref for p in after for ref in (p.refs if isinstance(p, Pending) else [p])]
+        waits += self.__dict__.pop("_barrier", [])  # a snapshot's hand, issued by the actor, goes first
         refs = [self.shards[r].call.remote(method, packed[i], *waits) for i, r in enumerate(ranks)]
         deadline = meta.deadline_s if deadline_s is None else deadline_s
         return Pending(self.role, method, meta, self.layout, refs, ranks, deadline)
@@ -335,12 +336,21 @@ class WholeModel:
         (`xray/wholemodel/standby.py`). Returns node id -> standbys held there."""
         return _unwrapped(self._actor.keep_standby.remote(per_node, list(nodes)), 60)
 
-    def hand_snapshot(self, directory: str, key: str | None = None, keep: int = 2):
-        """Have every shard hand over its snapshot of `directory` taken under `key`
-        (`TrainWorkhorse.snapshot`), the WholeModel actor owning the answers (they outlive the
-        caller and the Workhorses): an awaitable of every rank's reference, resolved once all are
-        in; the actor keeps the newest `keep` for `kept_snapshot`."""
-        return self._actor.hand_snapshot.remote(directory, key, keep)
+    def hand_snapshot(self, directory: str, key: str, after: Pending, keep: int = 2):
+        """Have every shard hand over its snapshot of `directory` taken under `key` by the call
+        `after` (`TrainWorkhorse.snapshot`), right behind it, the WholeModel actor owning the
+        answers (they outlive the caller and the Workhorses; the actor keeps the newest `keep` for
+        `kept_snapshot`). This handle's next call waits for the hand (as it would behind a hand of
+        its own). An awaitable resolved once the answers are in; `handed_snapshot(key)` then gives
+        their references."""
+        barrier = self._actor.hand_snapshot.remote(directory, key, list(after.refs), keep)
+        self.__dict__["_barrier"] = [barrier]
+        return barrier
+
+    def handed_snapshot(self, key: str):
+        """An awaitable of every rank's reference to the snapshot handed under `key` (once
+        `hand_snapshot`'s awaitable resolved), or of its failure."""
+        return self._actor.handed_snapshot.remote(key)
 
     def kept_snapshot(self, directory: str):
         """An awaitable of (the layout it was taken in, every rank's reference) for the snapshot of
