@@ -43,19 +43,20 @@ def writing(run) -> bool:
     return newest is not None and not (newest / "trainer_state.json").exists()
 
 
-async def kill_during(trainer, run, kills: list[tuple], done: list, quiet: bool = False) -> None:
+async def kill_during(trainer, run, kills: list[tuple], done: list, begun: list[int], quiet: bool = False) -> None:
     """SIGKILL each (step, role, pid, delay[, signal]) `delay` seconds after the step before it
-    ended (or send it `signal`). With
+    ended, or (`delay` None) once the step has begun, past its boundary's reading of drain notices
+    (or send it `signal`). With
     `quiet`, only once no checkpoint is being written: the asynchronous run goes back to the last
     one, not to one that a kill racing its write abandons (a tiny model's async step, ~0.17 s, is
     about as long as a write)."""
     for step, role, pid, delay, *sig in kills:
-        while trainer.state.step < step - 1 or (quiet and writing(run)):
+        while trainer.state.step < step - 1 or (quiet and writing(run)) or (delay is None and step not in begun):
             await asyncio.sleep(0.002)
-        await asyncio.sleep(delay)
+        await asyncio.sleep(delay or 0.0)
         sig = sig[0] if sig else signal.SIGKILL
         logging.getLogger(__name__).warning("sending %s to the %s Workhorse pid %d %.2f s after step %d ended "
-                                            "(checkpoint being written: %s)", sig.name, role, pid, delay, step - 1,
+                                            "(checkpoint being written: %s)", sig.name, role, pid, delay or 0.0, step - 1,
                                             writing(run))
         os.kill(pid, sig)
         done.append((role, trainer.state.step))
@@ -67,13 +68,21 @@ def train_with_kills(trainer, run, data, kills: list[tuple], quiet: bool = False
     from xray.run.loop import train
 
     killed: list[tuple[str, int]] = []
+    begun: list[int] = []
+    step = trainer.step
+
+    def counted(*args, **kwargs):  # the step's coroutine, created once the boundary before it is done
+        begun.append(trainer.state.step + 1)
+        return step(*args, **kwargs)
 
     async def main() -> float:
-        killer = asyncio.ensure_future(kill_during(trainer, run, kills, killed, quiet))
+        trainer.step = counted
+        killer = asyncio.ensure_future(kill_during(trainer, run, kills, killed, begun, quiet))
         try:
             return await train(trainer, run, data, None)
         finally:
             killer.cancel()
+            del trainer.step
     return asyncio.run(main()), killed
 
 
@@ -143,9 +152,10 @@ def test_dead_workhorses_are_replaced(tmp_path, tiny_model, backend, trained, ca
         kills = [(5, trained, pid[trained], delay)]
         if trained == "actor":  # the rollout lost in step 8; the critic told to drain during step 9
             kills += [(8, "rollout", pid["rollout"], 0.0), (9, "critic", pid["critic"], 0.3, signal.SIGTERM)]
-        if aborting:  # at step 8's start: seen ~0.2 s in (the inbox is read every 0.2 s), the rest of a step
-            # (0.7-0.8 s on a fast host, 1.5 s on a slow one) outlasts half the 0.8 s grace, so the step is aborted
-            kills += [(8, "actor", pid["actor"], 0.0, signal.SIGTERM)]
+        if aborting:  # once step 8 has begun (past step 7's reading of notices): seen ~0.2 s in (the inbox is
+            # read every 0.2 s), the rest of a step (0.7-0.8 s on a fast host, 1.5 s on a slow one) outlasts half
+            # the 0.8 s grace, so the step is aborted
+            kills += [(8, "actor", pid["actor"], None, signal.SIGTERM)]
         _, killed = train_with_kills(trainer, run, data, kills)
         now = {role: {p["pid"] for p in getattr(trainer.models, role).ping().get()} for role in warm}
         model = getattr(trainer.models, trained)  # its rank 0 killed: rank 1 rebuilt in its own process
