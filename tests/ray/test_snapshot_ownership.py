@@ -75,3 +75,12 @@ async def _steps(critic, batch, tmp_path):
     assert await critic.load(directories[2], handed[2]) == "memory"
     got = (await critic.forward(batch))[C.VALUES]
     assert torch.equal(got, want)
+
+
+def test_one_node_starts_no_replica_holder(local_ray):
+    """A replica's holder is a process with torch imported: on one node there is nowhere else to
+    put a copy, and none is started (`Replicator.refresh`)."""
+    from xray.run.snapshot_holder import Replicator
+
+    replicas = Replicator()
+    assert replicas.refresh() == 1 and replicas.holders == {}

@@ -108,6 +108,7 @@ class FlashCheckpoints:
         """The `Replicator`: the holders of the replicas, one per node (`xray/run/snapshot_holder.py`)."""
         self._moved = True
         """Whether the trained shards' nodes must be looked up again."""
+        self._watching = asyncio.Lock()
 
     @property
     def models(self) -> dict[str, Any]:
@@ -181,9 +182,17 @@ class FlashCheckpoints:
         snapshot); with `models`, their shards' nodes looked up. The number of live nodes."""
         from xray.run.snapshot_holder import Replicator
 
-        if self._replicas is None:
-            self._replicas = await asyncio.to_thread(Replicator)
-        return await asyncio.to_thread(self._replicas.refresh, models)
+        async with self._watching:  # one look at a time: two would start two holders on a new node
+            if self._replicas is None:
+                self._replicas = await asyncio.to_thread(Replicator)
+            return await asyncio.to_thread(self._replicas.refresh, models)
+
+    def warm_replicas(self) -> None:
+        """Start the replicas' holders now, in the background (a run's start): the first snapshot's
+        copies then need not wait for a holder to start and import torch (~2 s, measured), during
+        which a lost node would take that snapshot's only copy with it."""
+        warming = asyncio.ensure_future(self.watch_nodes())
+        warming.add_done_callback(lambda f: f.cancelled() or f.exception())  # the next snapshot looks again
 
     async def adopt(self, step: int, trainer_state: dict[str, Any]) -> bool:
         """Take over the snapshot of `step` that the trained models' WholeModel actors still keep

@@ -150,6 +150,7 @@ async def guarded(cfg: RunConfig, run: RunDir, checkpoints: FlashCheckpoints, br
     under way and (`breakpoint`) write the newest snapshot in memory if newer (save at breakpoint);
     the last checkpoint finished on the way out. An RL run's steps and a supervised job's alike."""
     stop = GracefulStop(cfg.trainer.on_signal, cfg.trainer.exit_grace_s).install()
+    checkpoints.warm_replicas()
     try:
         await steps(stop)
         if stop.requested:

@@ -74,7 +74,8 @@ class Replicator:
         """The snapshots (keys, sortable by step) whose copies the holders keep."""
 
     def refresh(self, models: dict[str, Any] | None = None) -> int:
-        """Start holders on nodes that joined, forget those of nodes that left, and with `models`
+        """Start holders on nodes that joined (none while the cluster has one node: a holder is a
+        process with torch imported, ~0.3 GB), forget those of nodes that left, and with `models`
         (role -> WholeModel) look their shards' nodes up again; the number of live nodes."""
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -83,7 +84,7 @@ class Replicator:
 
         alive = self.alive()
         self.holders = {n: h for n, h in self.holders.items() if n in alive}
-        for node in sorted(alive - set(self.holders)):
+        for node in sorted(alive - set(self.holders)) if len(alive) > 1 else []:  # one node: no copy to make
             holder = self.holders[node] = ray.remote(num_cpus=0)(SnapshotHolder).options(
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
                 runtime_env={"env_vars": workhorse_env("CPU")}).remote()  # it computes nothing

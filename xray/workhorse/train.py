@@ -50,9 +50,8 @@ def choose_transport(transport: str, gpu: bool, same_node: bool, same_gpu: list[
 
 
 def _fetch(ref, copy: bool = True) -> dict:
-    """A snapshot's files behind `ref` (`hand_snapshot`'s answer; where its node was lost, Ray reads
-    the copy a replica holder pinned on another node); `copy=False`: tensors over the object
-    store's memory (read-only), to write to disk."""
+    """A snapshot's files behind `ref` (`hand_snapshot`'s answer, or the replica pinned on another
+    node when its node was lost); `copy=False`: over the object store's memory, read-only (to write)."""
     import ray
 
     from xray.backends.snapshot import from_wire
@@ -428,8 +427,9 @@ class TrainWorkhorse(Workhorse):
 
     @fanout(dispatch="all", collect=lambda layout, results: all(results))
     def handed(self) -> bool:
-        """True: called after `hand_snapshot`, its answer says that one is in the object store
-        without fetching it (a Workhorse runs a caller's calls in order)."""
+        """True, called after `hand_snapshot` (in order): it is in the object store, not fetched.
+        The copy's freed pages go back to the node (glibc keeps its small tensors' otherwise)."""
+        heap.give_back()
         return True
 
     @fanout(dispatch="all", collect=lambda layout, results: None)
