@@ -221,3 +221,20 @@ def test_an_elastic_rl_runs_warm_start_plans_at_the_groups_size():
         plan_run(cfg, "megatron-vllm", command_spec("sft"))
     plan = plan_run(warm_start_config(cfg), "megatron-vllm", command_spec("sft"))
     assert plan.role("actor").parallel.dp == 2 and not plan.elastic
+
+
+def test_an_elastic_group_waits_a_moment_for_devices_released_just_now():
+    """Ray shows devices freed a moment ago as free only later: the group waits (up to its settle
+    time) for its full size before starting smaller, and starts at once when they are there."""
+    import time
+
+    from xray.run.models import settled_free
+
+    answers = iter([0, 0, 1, 2, 2])
+    t0 = time.monotonic()
+    assert settled_free(lambda: next(answers), 2, settle_s=5.0) == 2  # the third look after the first
+    assert time.monotonic() - t0 < 2.0
+    t0 = time.monotonic()
+    assert settled_free(lambda: 1, 2, settle_s=0.5) == 1  # never more: what is there, after the wait
+    assert 0.5 <= time.monotonic() - t0 < 3.0
+    assert settled_free(lambda: 3, 2, settle_s=5.0) == 3

@@ -155,7 +155,8 @@ def reserve_elastic(cfg: RunConfig, plan: Plan) -> tuple[Plan, dict[str, Bundles
     for group, er in ranges.items():
         roles = [r for r in plan.roles if r.group == group]
         first = roles[0]
-        free = free_devices(first.device, cfg.threads_per_worker, first.resources)
+        free = settled_free(lambda: free_devices(first.device, cfg.threads_per_worker, first.resources),
+                            len(first.ranks))
         devices = er.fit(min(free, len(first.ranks)))
         if devices is None:
             raise PlacementError(f"elastic group {group!r} needs at least {er.smallest} devices and the cluster has "
@@ -169,6 +170,22 @@ def reserve_elastic(cfg: RunConfig, plan: Plan) -> tuple[Plan, dict[str, Bundles
                       resources=first.resources, packs=first.packs or None)
         bundles.update({r.role: new for r in roles})
     return plan, bundles
+
+
+ELASTIC_SETTLE_S = 5.0
+"""Seconds an elastic group waits for its full size before it starts smaller: devices released
+just now (a run, or a test, that ended a moment ago) take Ray a moment to show as free."""
+
+
+def settled_free(free: Callable[[], int], wanted: int, settle_s: float = ELASTIC_SETTLE_S) -> int:
+    """`free()` once it reaches `wanted`, or after `settle_s` seconds of asking (every 0.2 s)."""
+    deadline, have = time.monotonic() + settle_s, free()
+    if have < wanted:
+        log.info("elastic: %d of %d devices free; waiting up to %.0f s for more to show", have, wanted, settle_s)
+    while have < wanted and time.monotonic() < deadline:
+        time.sleep(0.2)
+        have = free()
+    return have
 
 
 def reference_forward(models: Models, batch):
