@@ -399,13 +399,6 @@ class TrainWorkhorse(Workhorse):
         self._snapshots = snapshots
         return time.perf_counter() - t0
 
-    def _snapshot_of(self, key: str, call: str):
-        snapshot = getattr(self, "_snapshots", {}).get(key) or getattr(self, "_handed", {}).get(key)
-        if snapshot is None:
-            raise RuntimeError(f"{call}: no snapshot {key} is held (the newest {KEPT_SNAPSHOTS} are); "
-                               "call snapshot(directory, key) first")
-        return snapshot
-
     @fanout(dispatch="all", collect=lambda layout, results: None)
     def hand_snapshot(self, key: str) -> dict:
         """The snapshot's files (path -> object) as this call's answer, after which this process
@@ -433,22 +426,22 @@ class TrainWorkhorse(Workhorse):
         return True
 
     @fanout(dispatch="all", collect=lambda layout, results: None)
-    def persist_snapshot(self, key: str, handed: list | None = None) -> None:
+    def persist_snapshot(self, key: str, handed: list) -> None:
         """Write snapshot `key` to disk from a background thread while training goes on (after the
-        previous write: one at a time): from `handed` (every rank's `hand_snapshot` answer, this
-        rank's read where it lies) when given, else from this process's copy."""
+        previous write: one at a time): from `handed`, every rank's `hand_snapshot` answer (this
+        rank's read where it lies), and what the hand kept here (the files written after them)."""
         import threading
 
         from xray.backends.snapshot import Snapshot
 
-        snapshot = self._snapshot_of(key, "persist_snapshot")
+        snapshot = getattr(self, "_handed", {}).get(key)
+        if snapshot is None:
+            raise RuntimeError(f"persist_snapshot: no snapshot {key} was handed here; hand it first")
         self.wait_persisted()
         self._persist_error: BaseException | None = None
 
         def write() -> None:  # a failure, reading the answer included, is persisted()'s to report
             try:
-                if handed is None:
-                    return snapshot()
                 files = _fetch(handed[self.rank], copy=False).items()  # a marker (str) is finish's to write
                 Snapshot([(path, v) for path, v in files if not isinstance(v, str)], snapshot.finish)()
             except BaseException as exc:  # noqa: BLE001 - reported by persisted()
