@@ -11,7 +11,8 @@ second node joins as step 3 begins and the run grows to dp=2 at a step boundary,
 from that step's snapshot in memory; the node is removed as step 6 begins and the run shrinks to
 dp=1 from the newest snapshot in memory (each shard's files, or their copy on the other node,
 resharded through DeepSpeed's universal checkpoint), redoing at most the step in flight; it joins
-again as step 8 begins and the run finishes at dp=2.
+again as step 8 begins and the run finishes at dp=2. The head's device stands throughout: its
+Workhorses keep their processes through every resize.
 """
 import asyncio
 import collections
@@ -85,6 +86,18 @@ async def change_nodes(trainer, cluster, events: list) -> None:
         events.append((change, trainer.state.step))
 
 
+def head_pids(models, head: str) -> dict[str, int]:
+    """role -> pid of the trained group's Workhorse on the head node."""
+    import ray
+
+    out = {}
+    for role in ("actor", "critic", "reference"):
+        shards = getattr(models, role).shard_handles()
+        nodes, pids = ray.get([s.node_id.remote() for s in shards]), ray.get([s.pid.remote() for s in shards])
+        out[role] = next(pid for node, pid in zip(nodes, pids) if node == head)
+    return out
+
+
 def test_a_run_starts_small_grows_shrinks_and_grows_again(tmp_path, tiny_model, head_only, caplog):
     from algorithms.rl import rl_trainer
     from xray.run.loop import train
@@ -100,6 +113,7 @@ def test_a_run_starts_small_grows_shrinks_and_grows_again(tmp_path, tiny_model, 
     events: list = []
     with rl_trainer(cfg, plan, run, head_only.address) as (trainer, data):
         assert trainer.models.actor.parallel.dp == 1  # started below its configured size
+        first = head_pids(trainer.models, head_only.head_node.node_id)
 
         async def main() -> float:
             mover = asyncio.ensure_future(change_nodes(trainer, head_only, events))
@@ -109,6 +123,8 @@ def test_a_run_starts_small_grows_shrinks_and_grows_again(tmp_path, tiny_model, 
                 mover.cancel()
         asyncio.run(main())
         assert trainer.models.actor.parallel.dp == 2, events
+        # the head's device stood through the three resizes: its Workhorses kept their processes
+        assert head_pids(trainer.models, head_only.head_node.node_id) == first, first
     assert [e for e, _ in events] == ["added", "removed", "added"] and trainer.state.step == 10, events
     rows = [json.loads(line) for line in (run.path / "metrics.jsonl").read_text().splitlines()]
     seen = [(r["step"], r["elastic/train_group_devices"], r["elastic/mini_batch_size"], r["actor/lr"]) for r in rows]
@@ -127,6 +143,8 @@ def test_a_run_starts_small_grows_shrinks_and_grows_again(tmp_path, tiny_model, 
     assert "sync/max_abs_logprob_diff" in rows[0] and "sync/max_abs_logprob_diff" in rows[-1]  # first, last
     assert "elastic: train_group starts on 1 of its 2 devices" in log, log[-3000:]
     assert log.count("train_group: 1 -> 2 devices (devices joined)") == 2, log[-3000:]
+    assert log.count("3 of 6 Workhorses kept their processes") == 2, log[-3000:]  # the grows: actor, critic, reference
+    assert "3 of 3 Workhorses kept their processes" in log, log[-3000:]  # the shrink: the head's stood
     assert "train_group: 2 -> 1 devices" in log, log[-3000:]
     assert log.count("into the new size from memory") == 2, log[-3000:]  # the grows: no disk
     assert re.search(r"back at step \d+, restored from the in-memory snapshot \(replicated\)", log), log[-3000:]

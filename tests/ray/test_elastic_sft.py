@@ -18,6 +18,7 @@ import asyncio
 import json
 import logging
 import queue
+import re
 import threading
 import time
 from unittest import mock
@@ -173,6 +174,10 @@ def test_a_device_lost_and_returned_changes_no_number(tmp_path, tiny_model, two_
     log = caplog.text
     assert events == ["removed", "added"], (events, log[-3000:])
     assert "train_group: 2 -> 1 devices" in log and "train_group: 1 -> 2 devices (devices joined)" in log, log[-3000:]
+    # the head's device stood: its Workhorse kept its process through both resizes (`Workhorse.rejoin`)
+    assert re.search(r"train_group: 2 -> 1 devices .*; 1 of 1 Workhorses kept their processes", log), log[-3000:]
+    assert "train_group: 1 -> 2 devices (devices joined); actor dp 2, mini-batch 8, actor micro-batch 4; 1 of 2 " \
+           "Workhorses kept their processes" in log, log[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "faulted/metrics.jsonl").read_text().splitlines()]
     sizes = [r["elastic/train_group_devices"] for r in rows]
     assert 1.0 in sizes and sizes[-1] == 2.0 and all(r["elastic/mini_batch_size"] == 8.0 for r in rows), rows

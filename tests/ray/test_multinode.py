@@ -111,7 +111,7 @@ def test_a_restart_keeps_the_live_shards_and_builds_the_others_in_standby_proces
 class _RejoinFails(EchoWorkhorse):
     """A survivor whose rebuild in its own process fails (as a library's teardown might)."""
 
-    def rejoin(self, master_addr: str, master_port: int):
+    def rejoin(self, master_addr: str, master_port: int, *layout):
         raise RuntimeError("this survivor cannot rejoin")
 
 
@@ -135,6 +135,46 @@ def test_a_survivor_that_fails_to_rejoin_gives_way_to_new_processes(two_nodes):
         assert took < 60, took
     finally:
         wm.shutdown()
+
+
+def test_a_resize_keeps_the_standing_devices_processes(two_nodes):
+    """An elastic resize (`Models.place`) on the standing devices: rank 1's device alone kept
+    (`standing`, `reserve(keep=...)`), the model restarts at dp=1 and rank 1's process becomes
+    rank 0 of a group of one (`Workhorse.relayout`: its rank, layout and seed); grown back to dp=2
+    on that device and a newly reserved one, it keeps its process again at rank 0 and the new rank
+    starts a process; the group all-reduces at each size."""
+    import ray
+
+    from xray.wholemodel.placement import Bundles, reserve, standing
+
+    full = reserve("resized", 2, "CPU", packs=((0,), (1,)))
+    wm = WholeModel(EchoWorkhorse, role="resized", parallel=ParallelDims(dp=2), bundles=full)
+    spare = None
+    try:
+        pids = [p["pid"] for p in wm.ping().get()]
+        kept = standing(full)
+        assert [pg.id for pg in kept] == [pg.id for pg in full.placement_groups()]
+        ray.util.remove_placement_group(full.groups[0])  # rank 0's device given back
+        assert [pg.id for pg in standing(full)] == [full.groups[1].id]
+        one = reserve("resized", 1, "CPU", keep=standing(full))
+        assert one.placement_group is full.groups[1]  # nothing new reserved
+        wm.restart(ParallelDims(dp=1), one)
+        assert wm.rejoined == [0] and [p["pid"] for p in wm.ping().get()] == [pids[1]]
+        info = wm.layout[0]
+        assert (info.rank, info.world_size, info.dp_size) == (0, 1, 1)
+        assert [r["sum"] for r in wm.all_reduce(4.0).get()] == [4.0]
+        two = reserve("resized", 2, "CPU", packs=((0,), (1,)), keep=[one.placement_group])
+        spare = two.groups[1]
+        assert two.groups[0] is one.placement_group and spare is not one.placement_group
+        wm.restart(ParallelDims(dp=2), two)
+        now = [p["pid"] for p in wm.ping().get()]
+        assert wm.rejoined == [0] and now[0] == pids[1] and now[1] not in pids
+        assert [r["sum"] for r in wm.all_reduce(5.0).get()] == [11.0, 11.0]
+    finally:
+        wm.shutdown()
+        for pg in (full.groups[1], spare):
+            if pg is not None:
+                ray.util.remove_placement_group(pg)
 
 
 def test_a_snapshot_replica_outlives_the_node_it_was_taken_on(two_nodes):

@@ -3,10 +3,11 @@
 Each role gets its section of the config and the bundles of its device group (roles of one group
 share devices). Models start concurrently: each WholeModel's Workhorses build while the others
 build, so a run's start-up costs about its slowest model, not the sum. `Models.replace` starts one
-role anew on its devices (a Workhorse died); `Models.release` and `place` start a device group's
-roles anew on another number of devices (elastic data parallelism, `xray/run/recovery/elastic.py`).
-Both keep each model's WholeModel actor and restart only its Workhorses (`WholeModel.restart`),
-unless that actor was lost with its node: then a new WholeModel starts.
+role anew on its devices (a Workhorse died); `Models.place` starts a device group's roles anew on
+another number of devices (elastic data parallelism, `xray/run/recovery/elastic.py`), keeping the
+devices that still stand. Both keep each model's WholeModel actor and restart only its Workhorses
+(`WholeModel.restart`; those whose devices stay keep their processes), unless that actor was lost
+with its node: then a new WholeModel starts.
 """
 from __future__ import annotations
 
@@ -72,24 +73,37 @@ class Models:
                     len(new.layout) - kept, kept)
         return new
 
-    def release(self, group: str) -> None:
-        """Stop the roles of device `group` and give its devices back to the cluster (elastic
-        resizing, `xray/run/recovery/elastic.py`; `place` starts them again)."""
-        roles = [r for r in self.plan.roles if r.group == group]
-        with ThreadPoolExecutor(max_workers=len(roles)) as pool:  # their WholeModel actors stay
-            list(pool.map(lambda r: _stop(getattr(self, r.role), r.role, keep_actor=True), roles))
-        self.bundles[roles[0].role].release()
+    def standing(self, group: str) -> int:
+        """The devices of `group`'s reservation that still stand (`standing`: their nodes alive and
+        not draining): what a resize keeps."""
+        from xray.wholemodel.placement import standing
+
+        bundles = self.bundles[next(r.role for r in self.plan.roles if r.group == group)]
+        return sum(pg.bundle_count for pg in standing(bundles, tuple(self.drained)))
 
     def place(self, group: str, devices: int, cfg: RunConfig, timeout_s: float = 30.0) -> None:
-        """Reserve `devices` devices for `group` (released) and start its roles there, data-parallel
-        over them (tp and pp kept). The new models hold the initial weights: the caller restores
-        their state. PlacementError if the cluster does not grant them in `timeout_s`."""
-        share = self.bundles[next(r.role for r in self.plan.roles if r.group == group)].share
-        self.plan = resized(self.plan, group, devices, cfg)
-        layouts = {r.role: r for r in self.plan.roles if r.group == group}
+        """Start device `group`'s roles on `devices` devices, data-parallel over them (tp and pp
+        kept; elastic resizing, `xray/run/recovery/elastic.py`). The placement groups of its
+        reservation that still stand serve again (`standing`), so the Workhorses in them keep their
+        processes and rejoin at their new rank (`WholeModel.restart`); the lost ones are given back
+        first, the rest of the new size is reserved, and standing ones it does not use are given
+        back after. The models hold the initial weights: the caller restores their state.
+        PlacementError if the cluster does not grant the rest in `timeout_s`."""
+        import ray
+
+        from xray.wholemodel.placement import standing
+
+        old = self.bundles[next(r.role for r in self.plan.roles if r.group == group)]
+        keep = standing(old, tuple(self.drained))
+        for pg in old.placement_groups():
+            if not any(pg is k for k in keep):  # on a lost or draining node: nothing of it serves again
+                ray.util.remove_placement_group(pg)
+        plan = resized(self.plan, group, devices, cfg)
+        layouts = {r.role: r for r in plan.roles if r.group == group}
         first = next(iter(layouts.values()))
-        new = reserve(group, devices, first.device, cfg.threads_per_worker, timeout_s, share, first.resources,
-                      first.packs)
+        new = reserve(group, devices, first.device, cfg.threads_per_worker, timeout_s, old.share, first.resources,
+                      first.packs, keep=keep)
+        self.plan = plan
         for role in layouts:
             self.bundles[role] = new
         with ThreadPoolExecutor(max_workers=len(layouts)) as pool:
@@ -97,6 +111,9 @@ class Models:
                                                  layouts.values())))
         for role, model in started.items():
             setattr(self, role, model)
+        for pg in keep:
+            if not any(pg is used for used in new.placement_groups()):  # the new size is smaller
+                ray.util.remove_placement_group(pg)
 
     def keep_standby(self, group: str | None = None, check: bool = False) -> bool:
         """Keep `standby` warm processes of each trained device group's models (all groups, or

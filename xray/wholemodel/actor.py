@@ -82,23 +82,23 @@ class WholeModelActor:
             self.shards.append(remote_cls.options(**options).remote(
                 role=self.role, rank=rank, parallel=parallel, **init_kwargs))
 
-    async def _survivors(self, parallel: ParallelDims, init_kwargs: dict, slots: list[tuple[Any, int]],
-                         wait_s: float = 5.0) -> dict[int, Any]:
-        """rank -> Workhorse for the shards a restart keeps (`Workhorse.rejoin`): the layout and
-        build arguments unchanged, the rank on the same device, and the process alive, free within
-        `wait_s` (one stuck in a collective with a lost peer is not) and able to rejoin
-        (`Workhorse.survives`)."""
-        if not getattr(self.cls, "REJOINS", False) or parallel != self.parallel or init_kwargs != self.init_kwargs:
+    async def _survivors(self, slots: list[tuple[Any, int]], wait_s: float = 5.0) -> dict[int, Any]:
+        """new rank -> Workhorse for the shards a restart keeps (`Workhorse.rejoin`): each on a slot
+        (placement group and bundle: its device) the new layout still holds, whatever rank that slot
+        now has, alive, free within `wait_s` (one stuck in a collective with a lost peer is not) and
+        able to rejoin (`Workhorse.survives`). An elastic resize keeps the standing slots, so the
+        survivors take their new rank, data-parallel size and build arguments in their process."""
+        if not getattr(self.cls, "REJOINS", False):
             return {}
-        same = [r for r, ((pg, b), (old_pg, old_b)) in enumerate(zip(slots, self.slots))
-                if r < len(self.shards) and b == old_b and pg.id == old_pg.id]
-        futures = {r: asyncio.ensure_future(_as_future(self.shards[r].survives.remote())) for r in same}
+        old = {(pg.id, b): rank for rank, (pg, b) in enumerate(self.slots) if rank < len(self.shards)}
+        moved = {new: old[(pg.id, b)] for new, (pg, b) in enumerate(slots) if (pg.id, b) in old}
+        futures = {r: asyncio.ensure_future(_as_future(self.shards[o].survives.remote())) for r, o in moved.items()}
         if not futures:
             return {}
         done, pending = await asyncio.wait(list(futures.values()), timeout=wait_s)
         for f in pending:
             f.cancel()
-        return {r: self.shards[r] for r, f in futures.items()
+        return {r: self.shards[moved[r]] for r, f in futures.items()
                 if f in done and f.exception() is None and f.result() is not None}
 
     def keep_standby(self, per_node: int, nodes: list[str]) -> dict[str, int]:
@@ -125,15 +125,16 @@ class WholeModelActor:
     async def restart(self, parallel: ParallelDims, init_kwargs: dict, slots: list[tuple[Any, int]],
                       timeout_s: float = 600.0) -> tuple[list[ShardInfo], list]:
         """Start this model anew on the given slots (`Bundles.slots()`), in a fresh process group: a
-        replacement without a new control plane. A shard whose process lives on and keeps its rank,
-        device and build arguments rejoins in its own process (`_survivors`, `Workhorse.rejoin`:
-        no process start, no imports); every other one (dead, stuck in a collective, draining, of
-        a class that cannot rejoin) is killed and a new one starts. Should a survivor fail to
-        rejoin, the group is not waited for: every rank then starts in a new process. All hold
-        the initial weights."""
-        kept = await self._survivors(parallel, init_kwargs, slots) if self.shards else {}
-        for rank, shard in enumerate(self.shards):
-            if rank not in kept:
+        replacement without a new control plane, or an elastic resize. A shard whose process lives
+        on and whose device the new slots still hold rejoins in its own process, at the rank and in
+        the layout it now has (`_survivors`, `Workhorse.rejoin`: no process start, no imports);
+        every other one (dead, stuck in a collective, draining, of a class that cannot rejoin) is
+        killed and a new one starts. Should a survivor fail to rejoin, the group is not waited for:
+        every rank then starts in a new process. All hold the initial weights."""
+        kept = await self._survivors(slots) if self.shards else {}
+        staying = {s._actor_id for s in kept.values()}
+        for shard in self.shards:
+            if shard._actor_id not in staying:
                 ray.kill(shard)
         await self.standby.prune()
         self._spawn(parallel, init_kwargs, slots, kept)
@@ -198,8 +199,8 @@ class WholeModelActor:
         (the others then wait in the rendezvous until its timeout)."""
         t0 = time.perf_counter()
         ((addr, port),) = await self._gather("address", [self.shards[0].address.remote()], timeout_s)
-        calls = [(s.rejoin if rank in self.rejoined else s.start).remote(addr, port)
-                 for rank, s in enumerate(self.shards)]
+        calls = [s.rejoin.remote(addr, port, rank, self.parallel, self.init_kwargs) if rank in self.rejoined
+                 else s.start.remote(addr, port) for rank, s in enumerate(self.shards)]
         self.layout = await self._gather("start", calls, timeout_s, fail_fast)
         check_layout(self.role, self.layout, self.parallel)
         log.info("%s: %d Workhorses ready in %.1f s", self.role, len(self.shards), time.perf_counter() - t0)

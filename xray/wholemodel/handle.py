@@ -288,9 +288,9 @@ class WholeModel:
                 init_kwargs: dict | None = None, timeout_s: float = 600.0) -> None:
         """Start the model anew in a fresh process group, on the same devices or on `bundles` with
         layout `parallel` (elastic resizing; `init_kwargs` replaces what the shards are built
-        with): a dead Workhorse is replaced by a new process; a live one that keeps its rank and
-        device rejoins in its own process when its class can (`Workhorse.rejoin`; training
-        Workhorses), else it is replaced too. The WholeModel actor stays; every shard holds the
+        with): a dead Workhorse is replaced by a new process; a live one whose device `bundles`
+        still hold rejoins in its own process, at the rank that device now has, when its class can
+        (`Workhorse.rejoin`; training Workhorses), else it is replaced too. The WholeModel actor stays; every shard holds the
         initial weights. Raises `ray.exceptions.RayActorError`
         when the WholeModel actor itself is gone (its node left): build a new WholeModel then."""
         parallel, bundles = parallel or self.parallel, bundles or self.bundles

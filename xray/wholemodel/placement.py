@@ -126,10 +126,29 @@ def pack_slots(count: int, packs: Packs) -> list[tuple[int, int]]:
     return [slots[r] for r in range(count)]
 
 
+def standing(bundles: Bundles, exclude: Sequence[str] = ()) -> list[Any]:
+    """The placement groups of `bundles` that still hold all their devices: created, every bundle on
+    an alive node outside `exclude` (draining ones). An elastic resize keeps them, and the
+    Workhorses in them keep their processes (`xray/run/models.py`)."""
+    import ray
+    from ray.util import placement_group_table
+
+    alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]} - set(exclude)
+    out = []
+    for pg in bundles.placement_groups():
+        table = placement_group_table(pg)
+        nodes = set(table.get("bundles_to_node_id", {}).values())
+        if table.get("state") == "CREATED" and nodes and nodes <= alive:
+            out.append(pg)
+    return out
+
+
 def reserve(name: str, count: int, device: str, threads: int = 1, timeout_s: float = 120.0,
-            share: int = 1, resources: tuple = (), packs: Packs | None = None) -> Bundles:
+            share: int = 1, resources: tuple = (), packs: Packs | None = None, keep: Sequence[Any] = ()) -> Bundles:
     """`count` devices, one STRICT_PACK placement group per pack of `packs` (default: one per
-    device); waits until the cluster grants them all, or frees them and raises PlacementError."""
+    device); waits until the cluster grants them all, or frees them and raises PlacementError.
+    `keep`: placement groups reserved before (`standing`) that serve again, in order, for packs of
+    their size; only the others are reserved (and freed on failure)."""
     import ray
     from ray.util.placement_group import placement_group
 
@@ -137,11 +156,18 @@ def reserve(name: str, count: int, device: str, threads: int = 1, timeout_s: flo
     slots = pack_slots(count, packs)
     bundle = device_bundle(device, threads, resources)
     tag = uuid.uuid4().hex[:8]  # unique: runs and models coexist
-    pgs = [placement_group([dict(bundle) for _ in pack], strategy="STRICT_PACK", name=f"xray-{name}-{tag}-{n}")
-           for n, pack in enumerate(packs)]
-    ready, _ = ray.wait([pg.ready() for pg in pgs], num_returns=len(pgs), timeout=timeout_s)
-    if len(ready) < len(pgs):
-        for pg in pgs:
+    spare = list(keep)
+    pgs = []
+    for n, pack in enumerate(packs):
+        old = next((pg for pg in spare if pg.bundle_count == len(pack)), None)
+        if old is not None:
+            spare.remove(old)
+        pgs.append(old or placement_group([dict(bundle) for _ in pack], strategy="STRICT_PACK",
+                                          name=f"xray-{name}-{tag}-{n}"))
+    new = [pg for pg in pgs if not any(pg is k for k in keep)]
+    ready, _ = ray.wait([pg.ready() for pg in new], num_returns=len(new), timeout=timeout_s) if new else ([], [])
+    if len(ready) < len(new):
+        for pg in new:
             ray.util.remove_placement_group(pg)
         have = ray.cluster_resources()
         raise PlacementError(

@@ -122,6 +122,8 @@ class Workhorse(BusyRecorder):
         if cpu_devices is not None and not standby:
             pin_to_cpu_device(cpu_devices[rank], threads)
         self.config = config
+        self.base_seed = seed
+        """The run's seed, the same on every rank (`seed` is this shard's, `shard_seed`)."""
         self.seed = shard_seed(seed, role, rank)
         self.log = logging.LoggerAdapter(log, {"role": role, "rank": rank})
         self._init_busy()
@@ -204,20 +206,45 @@ class Workhorse(BusyRecorder):
 
         return None if not self.REJOINS or self.standby or draining() else os.getpid()
 
-    def rejoin(self, master_addr: str, master_port: int) -> ShardInfo:
+    def rejoin(self, master_addr: str, master_port: int, rank: int | None = None,
+               parallel: ParallelDims | None = None, init_kwargs: dict | None = None) -> ShardInfo:
         """A survivor's `start`: release the shard it holds and its model's old process groups
-        (`teardown`; the old group may have lost a peer mid-collective), reseed as a new process
-        would be, then join the new group and build again (`start`). The caller restores the
-        state (a snapshot every shard can read)."""
+        (`teardown`; the old group may have lost a peer mid-collective), take its place in the new
+        layout when given (`relayout`: an elastic resize may renumber it, change the data-parallel
+        size and the build arguments), reseed as a new process would be, then join the new group
+        and build again (`start`). The caller restores the state (a snapshot every shard can read)."""
         import torch.distributed as dist
 
         with portable_errors():
             self.teardown()
             if dist.is_initialized():
                 dist.destroy_process_group()
+            if rank is not None:
+                self.relayout(rank, parallel or self.parallel, init_kwargs)
             self._seed_all()
             self.log.info("%s rank %d rejoins its model in process %d", self.role, self.rank, os.getpid())
         return self.start(master_addr, master_port)
+
+    def relayout(self, rank: int, parallel: ParallelDims, init_kwargs: dict | None = None) -> None:
+        """Become shard `rank` of layout `parallel`, built with `init_kwargs` (as the constructor
+        takes them), in this process: its rank, layout, seed, build arguments and drain notice
+        change; its CPU pinning does not (it stays on its device, the bundle it kept)."""
+        kwargs = dict(init_kwargs if init_kwargs is not None else dict(self.config, seed=self.base_seed))
+        seed = kwargs.pop("seed", self.base_seed)
+        self.device = str(kwargs.pop("device", self.device)).lower()
+        self.threads = kwargs.pop("threads", self.threads)
+        kwargs.pop("standby", None)
+        kwargs.pop("cpu_devices", None)
+        self.rank, self.parallel, self.config, self.base_seed = rank, parallel, kwargs, seed
+        self.seed = shard_seed(seed, self.role, rank)
+        self.log = logging.LoggerAdapter(log, {"role": self.role, "rank": rank})
+        torch.set_num_threads(self.threads)
+        try:
+            from xray.workhorse.drain import listen
+
+            listen(self.role, rank)  # a notice names the new rank
+        except Exception as exc:  # noqa: BLE001 - outside Ray: SIGTERM as before
+            self.log.debug("no drain listener: %s", exc)
 
     def teardown(self) -> None:
         """Free what `setup` built and leave the process groups it made (subclasses that rejoin)."""

@@ -85,7 +85,6 @@ class TrainWorkhorse(Workhorse):
 
     def __init__(self, role: str, rank: int, parallel, seed: int = 0, **kwargs: Any):
         super().__init__(role, rank, parallel, seed=seed, **kwargs)
-        self.run_seed = seed  # the same on every rank: model init must agree across shards
         self._groups: dict[tuple, Any] = {}  # sync groups with rollout shards (`xray/transport/pg.py`)
         self._places: dict[tuple, tuple] = {}  # a set of rollout shards: all on this node? which on this GPU?
         self._rings: dict[tuple, shm.SendRing] = {}  # shared-memory slots per set of rollout shards
@@ -105,7 +104,7 @@ class TrainWorkhorse(Workhorse):
         optim = cfg.pop("optim", None) or OptimConfig()
         engine_role = cfg.pop("engine_role", self.role)
         factory = load_backend(backend).build_engine
-        self.engine = factory(model_dir, self.parallel, engine_role, optim=optim, seed=self.run_seed,
+        self.engine = factory(model_dir, self.parallel, engine_role, optim=optim, seed=self.base_seed,
                               device="cuda" if self.device == "gpu" else "cpu", **cfg)
         self.log.info("%s shard built on %s", backend, self.device)
 

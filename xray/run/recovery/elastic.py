@@ -4,16 +4,18 @@ A device group whose trained roles set `elasticity` (`xray/config/batches.py`) m
 sizes its bounds allow. Two events move it:
 - **shrink**: one of its Workhorses died with its node (the group's reservation lost a device;
   a killed process alone is replaced in place, as in any group). Recovery
-  (`xray.run.recovery.recover`) asks `Elastic.shrink`: the group's models are stopped and its
-  devices given back, and it is placed again on as many devices as the cluster now grants (the
-  largest allowed size). Its models then restore the newest complete snapshot in memory (or, where
-  none can be read, the latest checkpoint on disk), resharded to the new layout, and the steps since
-  run again: at most the step in flight.
+  (`xray.run.recovery.recover`) asks `Elastic.shrink`: the group is placed again on as many
+  devices as the cluster now grants (the largest allowed size), keeping the devices that still
+  stand, whose Workhorses keep their processes and rejoin at their new rank (`Models.place`:
+  no process start and no imports for them). Its models then restore the newest complete
+  snapshot in memory (or, where none can be read, the latest checkpoint on disk), resharded to
+  the new layout, and the steps since run again: at most the step in flight.
 - **grow**: at a step boundary, a group below its largest size sees free devices that fit it (a
   node joined), has kept its size for `elasticity.min_time` minutes, and (with
-  `trainer.standby_workhorses`) its models' standby processes on the joined node are warm. The group is placed on the
-  larger size and its models restore the snapshot in memory of the step just finished (resharded
-  by the engines; from disk only where it cannot be read): no step is lost.
+  `trainer.standby_workhorses`) its models' standby processes on the joined node are warm. The
+  group is placed on the larger size (its Workhorses keep their processes; the joined devices
+  start new ones) and its models restore the snapshot in memory of the step just finished
+  (resharded by the engines; from disk only where it cannot be read): no step is lost.
 - **drain**: a Workhorse of the group got SIGTERM (a preemption notice, `xray/workhorse/drain.py`)
   on a node other than the head: Ray is told the node drains, so nothing new is placed there, and
   at the step boundary the group shrinks onto the devices left (as above, from the snapshot in
@@ -56,15 +58,10 @@ class Elastic:
 
     def lost_devices(self, group: str) -> bool:
         """Whether `group`'s reservation lost a device (its node left); a killed process loses none."""
-        import ray
-        from ray.util import placement_group_table
+        from xray.wholemodel.placement import standing
 
-        alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
-        for pg in self.trainer.models.bundles[self.ranges[group].roles[0]].placement_groups():  # one per node pack
-            table = placement_group_table(pg)
-            if table.get("state") != "CREATED" or not set(table.get("bundles_to_node_id", {}).values()) <= alive:
-                return True
-        return False
+        bundles = self.trainer.models.bundles[self.ranges[group].roles[0]]
+        return len(standing(bundles)) < len(bundles.placement_groups())
 
     def _free(self, group: str) -> int:
         first = next(r for r in self.trainer.models.plan.roles if r.group == group)
@@ -89,17 +86,21 @@ class Elastic:
             self.resizes += n != before
             self.sized_at[group] = time.monotonic() if n != before else self.sized_at[group]
             b = self.trainer.batches()
-            log.warning("elastic: %s: %d -> %d devices (%s); actor dp %d, mini-batch %d, actor micro-batch %d",
-                        group, before, n, why, models.actor.parallel.dp, b.mini_batch_size, b.micro_of("actor"))
+            shards = [getattr(models, r.role) for r in models.plan.roles if r.group == group]
+            log.warning("elastic: %s: %d -> %d devices (%s); actor dp %d, mini-batch %d, actor micro-batch %d; "
+                        "%d of %d Workhorses kept their processes", group, before, n, why, models.actor.parallel.dp,
+                        b.mini_batch_size, b.micro_of("actor"), sum(len(m.rejoined) for m in shards),
+                        sum(len(m.layout) for m in shards))
             return n
         raise ElasticError(f"elastic group {group!r} needs at least {self.ranges[group].smallest} devices and the "
                            "cluster grants fewer; add nodes, or lower min_gpus in its roles' elasticity")
 
     async def shrink(self, group: str, why: str = "a Workhorse or its node was lost") -> int:
-        """A Workhorse of `group` died: release it and place it on what the cluster grants now."""
-        await asyncio.to_thread(self.trainer.models.release, group)
-        await asyncio.sleep(0.5)  # let the cluster count the released devices
-        return await self._place(group, await asyncio.to_thread(self._free, group), why)
+        """A Workhorse of `group` died with its node (or its node drains): place the group on what
+        the cluster grants now, its devices that still stand kept (`Models.place`)."""
+        models = self.trainer.models
+        largest = await asyncio.to_thread(models.standing, group) + await asyncio.to_thread(self._free, group)
+        return await self._place(group, largest, why)
 
     async def drain(self, role: str, rank: int) -> str | None:
         """Workhorse `rank` of `role` got SIGTERM (its node drains): when `role` is in an elastic
@@ -156,8 +157,7 @@ class Elastic:
                 await save()
             await checkpoints.finish()
         await checkpoints.watch_nodes()  # the new node's replica holder warms while the Workhorses start
-        for group, n in targets.items():
-            await asyncio.to_thread(self.trainer.models.release, group)
+        for group, n in targets.items():  # its Workhorses keep their processes: only the joined devices start new ones
             await self._place(group, n, "devices joined")
         if held is not None and held.step == step:
             source = await resume(held.directory, held.trainer_state)
