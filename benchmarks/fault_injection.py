@@ -19,8 +19,9 @@ critic's rank-0 Workhorse SIGTERMed as a preemption notice would be, with `--gra
 (`trainer.drain_grace_s`) shorter than a step (the step is then aborted and run again, as a
 preemption that will not wait for it), and SIGKILLed once the grace is over, as a step of its
 40%-50% begins; the second node removed as a step of its 55%-75% begins (the group shrinks to
-dp=1 on the head's cores alone, `xray/run/recovery/elastic.py`) and added back 10 steps later (it
-grows to dp=2 at the next step boundary). Every time is taken in the driver. Figures:
+dp=1 on the head's cores alone, `xray/run/recovery/elastic.py`) and added back 10 steps later,
+while the run goes on (it grows to dp=2 at the first step boundary after its processes for the
+grow are warm, `Models.warm_joined`). Every time is taken in the driver. Figures:
 - goodput = wall seconds of the uninterrupted run / of the faulted one (first step's end to the
   last step's end);
 - seconds_per_fault = (wall of the faulted run - wall of the uninterrupted one) / faults;
@@ -124,14 +125,16 @@ async def steps_with_fault(trainer, data, run: RunDir, cluster, faults: dict | N
             elif kind == "remove":
                 hit()
                 await asyncio.to_thread(cluster.remove_node, next(iter(cluster.worker_nodes)))
-            else:  # the node back, blocking the run's loop, as a node that joins between steps
-                on_cores(WORKER_CORES, lambda: cluster.add_node(**WORKER))
+            else:  # the node back while the run goes on (a joining node costs a running job nothing)
+                await asyncio.to_thread(add_worker, cluster)
 
     trainer.state.eval_before = await trainer.evaluate(data.eval_rows)
     task = asyncio.ensure_future(injector()) if faults else None
     await sync_steps(trainer, run, data, checkpoints, GracefulStop(), on_step)
     await checkpoints.finish()
     if task is not None:
+        if task.done() and task.exception() is not None:  # a fault not injected: the figures would flatter
+            raise RuntimeError("the fault injector failed") from task.exception()
         task.cancel()
     out = {"ends": list(ends), "faults": times, "eval": await trainer.evaluate(data.eval_rows),
            "dp": trainer.models.actor.parallel.dp}
@@ -176,6 +179,17 @@ def on_cores(cores: set[int], start):
         return start()
     finally:
         os.sched_setaffinity(0, before)
+
+
+def add_worker(cluster) -> None:
+    """The worker node (again), on its cores, from a thread other than the main one: Ray registers a
+    new node's exit hooks (a SIGTERM handler) only from the main thread, so this node's are left to
+    `cluster.shutdown()`, which the benchmark always reaches."""
+    cluster._shutdown_at_exit = False
+    try:
+        on_cores(WORKER_CORES, lambda: cluster.add_node(**WORKER))
+    finally:
+        cluster._shutdown_at_exit = True
 
 
 def two_nodes():
@@ -253,6 +267,10 @@ def main() -> None:
         ray.shutdown()
         cluster.shutdown()
     clean, faulted = runs["clean"], runs["faulted"]
+    expected = sum(kind != "add" for kind, _, _ in events)
+    if len(faulted["faults"]) != expected:
+        raise SystemExit(f"{len(faulted['faults'])} of the {expected} faults hit the run (it ended first?); "
+                         "no figures")
     f = figures(clean, faulted)
     if args.timeline:
         import json

@@ -76,11 +76,16 @@ def elastic_config(tmp_path, model_dir, backend="deepspeed-dsinfer", steps=10):
 
 async def change_nodes(trainer, cluster, events: list) -> None:
     """Add the worker node as step 3 begins, remove it as step 6 begins, add it again as step 8 begins."""
+    import time
+
     for after, change in ((2, "added"), (5, "removed"), (7, "added")):
         while trainer.state.step < after:
             await asyncio.sleep(0.005)
-        if change == "added":
-            cluster.add_node(**WORKER)  # blocking the run's loop: the node is in before the step ends
+        if change == "added":  # blocking the run's loop: the node is in, and the processes the group
+            cluster.add_node(**WORKER)  # grows into are warm there (`Models.warm_joined`), before the step ends
+            deadline = time.monotonic() + 120
+            while not trainer.models.warm_joined("train_group") and time.monotonic() < deadline:
+                time.sleep(0.05)
         else:
             await asyncio.to_thread(cluster.remove_node, next(iter(cluster.worker_nodes)))
         events.append((change, trainer.state.step))

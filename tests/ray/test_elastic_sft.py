@@ -159,10 +159,15 @@ def test_a_device_lost_and_returned_changes_no_number(tmp_path, tiny_model, two_
     mover.start()
     step = SupervisedTrainer.step
 
-    async def paced(self, n: int) -> dict:  # step 5 waits for the node to be back (Ray takes seconds to add it)
-        while n == 5 and len(events) < 2 and not stop.is_set():
+    async def paced(self, n: int) -> dict:  # step 5 waits for the node to be back (Ray takes seconds to add it),
+        while n == 5 and len(events) < 2 and not stop.is_set():  # and ends once the processes for the grow
+            await asyncio.sleep(0.05)  # are warm there (`Models.warm_joined`): the run grows for step 6
+        metrics = await step(self, n)
+        deadline = time.monotonic() + 120
+        while n == 5 and not stop.is_set() and time.monotonic() < deadline and not await asyncio.to_thread(
+                self.models.warm_joined, "train_group"):
             await asyncio.sleep(0.05)
-        return await step(self, n)
+        return metrics
     try:
         with mock.patch.object(SupervisedTrainer, "step", paced):
             faulted = sft_command(cfg, plan, tmp_path / "faulted", cluster.address)

@@ -101,12 +101,15 @@ def test_the_seeds_elasticity_block_runs_as_written_and_each_key_means_something
     with pytest.raises(ConfigError, match="elasticity.version=0.3"):
         elastic_cfg(dict(SEED_BLOCK, version=0.3))
     # min_time: a group grows only once it has kept its size that long (a lost device shrinks it at once)
+    warm = [False]  # the processes for the grow on the joined node (`Models.warm_joined`)
     trainer = types.SimpleNamespace(cfg=cfg, models=types.SimpleNamespace(standby=0, plan=types.SimpleNamespace(roles=[
-        types.SimpleNamespace(role="actor", group="train_group", num_workhorses=1)])))
+        types.SimpleNamespace(role="actor", group="train_group", num_workhorses=1)]), warm_joined=lambda g: warm[0]))
     elastic = Elastic(trainer)
     elastic._free = lambda group: 1  # a node joined: one more device
     assert elastic.growth() == {}  # kept its size for less than 20 minutes
     elastic.sized_at["train_group"] -= 20 * 60
+    assert elastic.growth() == {}  # its processes on the joined node still import: the run goes on at its size
+    warm[0] = True
     assert elastic.growth() == {"train_group": 2}
 
 

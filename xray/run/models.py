@@ -137,6 +137,30 @@ class Models:
                 ready = ready and (not check or model.standby_ready())
         return ready
 
+    def warm_joined(self, group: str) -> bool:
+        """Without standby processes (`trainer.standby_workhorses: 0`): whether every model of
+        `group` holds a warm process on each node with devices free for it (a joined node), one
+        started there now for the grow alone (no refill; `drop_joined` stops what the grow left),
+        so that an elastic grow waits for no process start and the run goes on meanwhile."""
+        from xray.wholemodel.placement import free_per_node
+
+        roles = [r for r in self.plan.roles if r.group == group]
+        nodes = tuple(sorted(free_per_node(roles[0].device, self.threads, roles[0].resources, tuple(self.drained))))
+        ready = True
+        for r in roles:
+            model = getattr(self, r.role)
+            if self._standby_asked.get(r.role) != (id(model), nodes):
+                model.keep_standby(1, list(nodes), refill=False)
+                self._standby_asked[r.role] = (id(model), nodes)
+            ready = ready and model.standby_ready()
+        return ready
+
+    def drop_joined(self, group: str) -> None:
+        """Stop the processes `warm_joined` started for `group` that its grow did not take."""
+        for r in [r for r in self.plan.roles if r.group == group]:
+            if self._standby_asked.pop(r.role, None) is not None:
+                getattr(self, r.role).keep_standby(0, [])
+
     def all(self) -> list[WholeModel]:
         return [m for m in (self.actor, self.critic, self.reference, self.rollout, self.reward, self.teacher)
                 if m is not None]

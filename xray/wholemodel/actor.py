@@ -101,15 +101,15 @@ class WholeModelActor:
         return {r: self.shards[moved[r]] for r, f in futures.items()
                 if f in done and f.exception() is None and f.result() is not None}
 
-    def keep_standby(self, per_node: int, nodes: list[str]) -> dict[str, int]:
+    def keep_standby(self, per_node: int, nodes: list[str], refill: bool = True) -> dict[str, int]:
         """Keep `per_node` warm standby Workhorses on each of `nodes` (`xray/wholemodel/standby.py`);
-        0 stops them. Returns node id -> standbys now held there."""
+        0 stops them; `refill`: replace those a restart takes. Returns node id -> standbys now held there."""
         if per_node and self.resources.get("num_gpus"):
             log.warning("%s: GPU Workhorses keep no standby process (Ray assigns a GPU when a process "
                         "starts); replacements start cold", self.role)
             per_node = 0
         if per_node:
-            self.standby.keep(per_node, nodes, self.parallel, self.init_kwargs)
+            self.standby.keep(per_node, nodes, self.parallel, self.init_kwargs, refill)
         else:
             self.standby.clear()
         return self.standby.counts()
@@ -123,14 +123,15 @@ class WholeModelActor:
         return await self.standby.pids()
 
     async def restart(self, parallel: ParallelDims, init_kwargs: dict, slots: list[tuple[Any, int]],
-                      timeout_s: float = 600.0) -> tuple[list[ShardInfo], list]:
+                      timeout_s: float = 600.0) -> tuple[list[ShardInfo], list, list[int]]:
         """Start this model anew on the given slots (`Bundles.slots()`), in a fresh process group: a
         replacement without a new control plane, or an elastic resize. A shard whose process lives
         on and whose device the new slots still hold rejoins in its own process, at the rank and in
         the layout it now has (`_survivors`, `Workhorse.rejoin`: no process start, no imports);
         every other one (dead, stuck in a collective, draining, of a class that cannot rejoin) is
         killed and a new one starts. Should a survivor fail to rejoin, the group is not waited for:
-        every rank then starts in a new process. All hold the initial weights."""
+        every rank then starts in a new process. All hold the initial weights. Returns the shard
+        infos, the Workhorse handles and the ranks that kept their process."""
         kept = await self._survivors(slots) if self.shards else {}
         staying = {s._actor_id for s in kept.values()}
         for shard in self.shards:
@@ -154,10 +155,10 @@ class WholeModelActor:
             self._spawn(parallel, init_kwargs, slots)
             self.rejoined = []
             started = await self.start(timeout_s)
-        if self.standby.per_node:
+        if self.standby.per_node and self.standby.refills:
             log.info("%s: ranks %s took standby processes; refilling the standbys", self.role, self.from_standby)
             self.standby.refill(parallel, init_kwargs)
-        return started
+        return (*started, list(self.rejoined))
 
     async def restart_replica(self, dp_rank: int, init_kwargs: dict, slots: list[tuple[Any, int]],
                               timeout_s: float = 600.0) -> tuple[list[ShardInfo], list]:

@@ -300,8 +300,7 @@ class WholeModel:
             self.init_kwargs = dict(init_kwargs)
         kwargs = dict(seed=self._seed, device=self.device.lower(), threads=self._threads, **self.init_kwargs)
         ref = self._actor.restart.remote(parallel, kwargs, bundles.slots(), timeout_s)
-        self.layout, self.shards = _unwrapped(ref, timeout_s + 30)
-        self.rejoined = _unwrapped(self._actor.last_rejoined.remote(), 30)
+        self.layout, self.shards, self.rejoined = _unwrapped(ref, timeout_s + 30)
         self.parallel, self.bundles = parallel, bundles
         log.info("%s restarted: %d Workhorses (ranks %s in their own processes), tp=%d pp=%d dp=%d", self.role,
                  len(self.layout), self.rejoined, parallel.tp, parallel.pp, parallel.dp)
@@ -329,12 +328,13 @@ class WholeModel:
         starts new ones)."""
         _unwrapped(self._actor.shutdown.remote(grace_s, True), grace_s + 20)
 
-    def keep_standby(self, per_node: int, nodes: list[str]) -> dict[str, int]:
+    def keep_standby(self, per_node: int, nodes: list[str], refill: bool = True) -> dict[str, int]:
         """Keep `per_node` warm standby processes of this model's Workhorse class on each of `nodes`
         (Ray node ids; 0 stops them): a restart (`restart`, `Models.replace`, an elastic resize)
-        then builds its shards on those nodes in them instead of cold processes
-        (`xray/wholemodel/standby.py`). Returns node id -> standbys held there."""
-        return _unwrapped(self._actor.keep_standby.remote(per_node, list(nodes)), 60)
+        then builds its shards on those nodes in them instead of cold processes, and starts new
+        standbys in their place unless `refill` is False (`xray/wholemodel/standby.py`). Returns
+        node id -> standbys held there."""
+        return _unwrapped(self._actor.keep_standby.remote(per_node, list(nodes), refill), 60)
 
     def hand_snapshot(self, directory: str, key: str, after: Pending, keep: int = 2):
         """Have every shard hand over its snapshot of `directory` taken under `key` by the call

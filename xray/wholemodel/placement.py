@@ -71,14 +71,20 @@ def device_bundle(device: str, threads: int = 1, resources: tuple = ()) -> dict[
     return {**({"GPU": 1} if device.upper() == "GPU" else {"CPU": threads}), **dict(resources)}
 
 
-def free_devices(device: str, threads: int = 1, resources: tuple = (), exclude: Sequence[str] = ()) -> int:
-    """How many more such devices the cluster has unreserved now, node by node, leaving out the
-    nodes in `exclude` (draining ones): an estimate that a reservation confirms."""
+def free_per_node(device: str, threads: int = 1, resources: tuple = (), exclude: Sequence[str] = ()) -> dict[str, int]:
+    """Node id -> how many more such devices it has unreserved now, for the nodes that have some,
+    leaving out the nodes in `exclude` (draining ones): an estimate that a reservation confirms."""
     from ray._private.state import available_resources_per_node  # Ray's own per-node view
 
     need = device_bundle(device, threads, resources)
-    return sum(int(min(have.get(k, 0.0) // v for k, v in need.items()))
-               for node, have in available_resources_per_node().items() if node not in exclude)
+    counts = {node: int(min(have.get(k, 0.0) // v for k, v in need.items()))
+              for node, have in available_resources_per_node().items() if node not in exclude}
+    return {node: n for node, n in counts.items() if n > 0}
+
+
+def free_devices(device: str, threads: int = 1, resources: tuple = (), exclude: Sequence[str] = ()) -> int:
+    """How many more such devices the cluster has unreserved now (`free_per_node`, summed)."""
+    return sum(free_per_node(device, threads, resources, exclude).values())
 
 
 def hosting_nodes(device: str, threads: int = 1, resources: tuple = ()) -> tuple[str, ...]:

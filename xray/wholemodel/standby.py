@@ -35,10 +35,13 @@ class Standby:
         """node id -> [(standby actor, its `warm` answer)], oldest first."""
         self.per_node = 0
         self.nodes: list[str] = []
+        self.refills = True
+        """Whether a standby taken is replaced (False: the pool serves one resize and is dropped)."""
 
-    def keep(self, per_node: int, nodes: list[str], parallel: Any, init_kwargs: dict) -> None:
-        """Keep `per_node` standbys on each of `nodes` (those elsewhere are stopped)."""
-        self.per_node, self.nodes = per_node, list(nodes)
+    def keep(self, per_node: int, nodes: list[str], parallel: Any, init_kwargs: dict, refill: bool = True) -> None:
+        """Keep `per_node` standbys on each of `nodes` (those elsewhere are stopped); `refill`:
+        replace those taken (`WholeModelActor.restart`)."""
+        self.per_node, self.nodes, self.refills = per_node, list(nodes), refill
         for node in [n for n in self.pool if n not in self.nodes]:
             for actor, _ in self.pool.pop(node):
                 ray.kill(actor)
@@ -101,7 +104,7 @@ class Standby:
         for have in self.pool.values():
             for actor, _ in have:
                 ray.kill(actor)
-        self.pool, self.per_node, self.nodes = {}, 0, []
+        self.pool, self.per_node, self.nodes, self.refills = {}, 0, [], True
 
 
 def slot_node(placement_group: Any, bundle: int) -> str | None:

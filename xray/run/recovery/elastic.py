@@ -11,10 +11,11 @@ sizes its bounds allow. Two events move it:
   snapshot in memory (or, where none can be read, the latest checkpoint on disk), resharded to
   the new layout, and the steps since run again: at most the step in flight.
 - **grow**: at a step boundary, a group below its largest size sees free devices that fit it (a
-  node joined), has kept its size for `elasticity.min_time` minutes, and (with
-  `trainer.standby_workhorses`) its models' standby processes on the joined node are warm. The
-  group is placed on the larger size (its Workhorses keep their processes; the joined devices
-  start new ones) and its models restore the snapshot in memory of the step just finished
+  node joined), has kept its size for `elasticity.min_time` minutes, and its models' standby
+  processes on the joined node are warm (`trainer.standby_workhorses`; with none, one process per
+  model started on the joined node for the grow alone, `Models.warm_joined`: the run goes on at
+  its size while they import). The group is placed on the larger size (its Workhorses keep their
+  processes; the joined devices take the warm ones) and its models restore the snapshot in memory of the step just finished
   (resharded by the engines; from disk only where it cannot be read): no step is lost.
 - **drain**: a Workhorse of the group got SIGTERM (a preemption notice, `xray/workhorse/drain.py`)
   on a node other than the head: Ray is told the node drains, so nothing new is placed there, and
@@ -135,7 +136,7 @@ class Elastic:
                 continue  # elasticity.min_time: not yet
             if size < er.largest and (n := er.fit(size + self._free(group))) is not None and n > size:
                 models = self.trainer.models
-                if models.standby and not models.keep_standby(group, check=True):
+                if not (models.keep_standby(group, check=True) if models.standby else models.warm_joined(group)):
                     log.info("elastic: %s may grow to %d devices once its standby processes on the joined "
                              "node are warm", group, n)
                     continue
@@ -157,8 +158,10 @@ class Elastic:
                 await save()
             await checkpoints.finish()
         await checkpoints.watch_nodes()  # the new node's replica holder warms while the Workhorses start
-        for group, n in targets.items():  # its Workhorses keep their processes: only the joined devices start new ones
+        for group, n in targets.items():  # its Workhorses keep their processes; the joined devices take warm ones
             await self._place(group, n, "devices joined")
+            if not self.trainer.models.standby:
+                await asyncio.to_thread(self.trainer.models.drop_joined, group)
         if held is not None and held.step == step:
             source = await resume(held.directory, held.trainer_state)
         else:
