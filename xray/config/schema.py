@@ -391,12 +391,10 @@ class TrainerConfig:
     standby_workhorses: int = 0
     """Warm standby processes each trained model (and each model sharing its devices) keeps on every
     node that can host its device group (CPU Workhorses; GPU ones start cold): a replacement after a
-    loss, a drain or an elastic resize builds its shards in them instead of starting new processes
-    (no imports on the critical path; the pool is refilled in the background), and a group grows onto a
-    joined node once its standbys there are warm. Each costs a process with its libraries imported
-    (about 0.4 GB of host memory), and each refill the CPU of a start. 0: none (an elastic group that
-    may grow still starts one process per model on a joined node, for that grow alone, and grows
-    once they are warm)."""
+    loss, a drain or an elastic resize builds its shards in them instead of starting new processes (no
+    imports on the critical path; the pool is refilled in the background). Each costs a process with its
+    libraries imported (about 0.4 GB of host memory), and each refill the CPU of a start. 0: none. A group
+    grows onto a joined node once a process per model is warm there (its standbys, or one started for it)."""
     on_signal: Literal["finish", "abandon"] = "finish"
     """SIGTERM/SIGINT: `finish` the step under way (within `exit_grace_s`), checkpoint it and exit
     0; `abandon` it at once and exit 0 (the last complete checkpoint stands)."""

@@ -237,9 +237,9 @@ def reference_forward(models: Models, batch):
     return models.actor.forward(batch, adapters=False)
 
 
-def _stop(model: WholeModel, role: str, keep_actor: bool = False) -> None:
+def _stop(model: WholeModel, role: str) -> None:
     try:  # on a lost node its Workhorses are gone or hang: no grace
-        model.stop_workhorses() if keep_actor else model.shutdown(release=False, grace_s=0.0)
+        model.shutdown(release=False, grace_s=0.0)
     except Exception as exc:  # noqa: BLE001 - the model is going: report and go on
         log.warning("%s: stopping the model: %s", role, exc)
 
