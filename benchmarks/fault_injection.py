@@ -61,6 +61,10 @@ from algorithms.specs import default_config
 
 
 WORKER = {"num_cpus": 2, "resources": {"xray_trainer": 1}}
+RAY_CONFIG = {"enable_metrics_collection": False}
+"""As `xray.wholemodel.cluster.ensure_ray` starts a local cluster: without Ray's metrics, whose
+agent, after a node's death, took the head node's core for ~12 s (measured; one core here, one of
+many on a real head)."""
 
 
 def elastic_config(path: str, tmp: Path) -> str:
@@ -202,7 +206,7 @@ def two_nodes():
 
     bind_loopback()
     cluster = on_cores(HEAD_CORES, lambda: Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 6, "resources": {"xray_trainer": 1, "xray_head": 1}}))
+        "num_cpus": 6, "resources": {"xray_trainer": 1, "xray_head": 1}, "_system_config": RAY_CONFIG}))
     on_cores(WORKER_CORES, lambda: cluster.add_node(**WORKER))
     cluster.wait_for_nodes()
     ensure_ray(address=cluster.address)

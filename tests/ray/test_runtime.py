@@ -91,3 +91,23 @@ def test_killed_workhorse_fails_fast_naming_its_rank(echo4):
     assert time.perf_counter() - t0 < 10.0
     assert info.value.ranks == [1]
     assert "Workhorse echo rank 1 died" in str(info.value)
+
+
+def test_the_dead_are_found_without_waiting_for_the_busy(echo4):
+    """`dead_models` (every recovery's first step): rank 3 killed while rank 2 is busy for 20 s: the
+    dead rank is named once Ray reports it, the busy one counts as alive, and neither the busy call
+    nor the 30 s allowed are waited for. (Rank 1 may be dead already, killed by the test above.)"""
+    import ray
+    from types import SimpleNamespace
+
+    from xray.run.recovery.dead import dead_models
+
+    shards = echo4.shard_handles()
+    busy = shards[2].call.remote("sleep", ((20.0, [2]), {}))
+    os.kill(ray.get(shards[3].pid.remote()), signal.SIGKILL)
+    t0 = time.perf_counter()
+    found = dead_models(SimpleNamespace(actor=echo4), wait_s=30.0)
+    took = time.perf_counter() - t0
+    ray.cancel(busy)
+    assert set(found) == {"actor"} and set(found["actor"]) - {1} == {3}, found
+    assert took < 10.0, f"dead_models took {took:.1f} s: it waited for the busy rank or for wait_s"

@@ -2,7 +2,8 @@
 
 `--ray-address` (or `RAY_ADDRESS`) joins an existing cluster; otherwise a local one is started (a
 new one, even where another cluster runs on this machine), bound to 127.0.0.1, with the dashboard
-off unless asked for. On a CPU machine a "device" is one Workhorse process with a fixed number of
+and Ray's metrics off unless asked for (their agent, after a node's death, took a core for ~12 s:
+`benchmarks/fault_injection.py`). On a CPU machine a "device" is one Workhorse process with a fixed number of
 torch threads, so the local cluster offers at least `MIN_LOCAL_CPU_SLOTS` CPU slots: Ray counts
 slots, the OS shares the cores.
 
@@ -42,7 +43,7 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None, dashboar
     # an address, Ray joins any cluster whose GCS it finds running here)
     os.environ["PYTHONUNBUFFERED"] = "1"  # the cluster's processes inherit it (no runtime environment)
     ray.init(address="local", num_cpus=slots, include_dashboard=dashboard, log_to_driver=True,
-             configure_logging=False)
+             configure_logging=False, _system_config={"enable_metrics_collection": dashboard})
 
 
 def bind_loopback() -> None:

@@ -19,6 +19,7 @@ import os
 import pickle
 import random
 import socket
+import time
 import traceback
 import zlib
 from contextlib import contextmanager
@@ -216,13 +217,15 @@ class Workhorse(BusyRecorder):
         import torch.distributed as dist
 
         with portable_errors():
+            t0 = time.perf_counter()
             self.teardown()
             if dist.is_initialized():
                 dist.destroy_process_group()
             if rank is not None:
                 self.relayout(rank, parallel or self.parallel, init_kwargs)
             self._seed_all()
-            self.log.info("%s rank %d rejoins its model in process %d", self.role, self.rank, os.getpid())
+            self.log.info("%s rank %d rejoins its model in process %d (its shard released in %.2f s)", self.role,
+                          self.rank, os.getpid(), time.perf_counter() - t0)
         return self.start(master_addr, master_port)
 
     def relayout(self, rank: int, parallel: ParallelDims, init_kwargs: dict | None = None) -> None:

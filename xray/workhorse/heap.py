@@ -10,12 +10,19 @@ processes (the critic's step, vLLM, the reference) cannot have it: on a 24 GB ma
 memory monitor killed the run. `give_back` asks glibc to return every free page (`malloc_trim`,
 ~0.3 s after such a step, 1% of it; next to nothing where little was freed, as on a GPU). Used
 by `TrainWorkhorse` after each forward and train step; without glibc (macOS, musl) it does nothing.
+
+The Python heap: `freeze_imports` moves what a Workhorse's imports created (torch, Megatron or
+DeepSpeed, transformers: ~0.6 M objects) out of the garbage collector's reach before its first
+shard is built, so a full collection scans the shard's objects alone. A survivor's `teardown`
+collects once to free its engine; without the freeze that collection took ~0.3 s alone and 5-7 s in
+each of three survivors sharing one core (an elastic shrink, `benchmarks/fault_injection.py`).
 """
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
 import functools
+import gc
 import sys
 
 
@@ -53,3 +60,12 @@ def resident_anon_bytes() -> int | None:
     except OSError:
         return None
     return None
+
+
+def freeze_imports() -> None:
+    """Once per process: collect, then freeze every object alive now (the imported libraries), so
+    later collections skip them. Call it before building a shard, whose objects must stay
+    collectable (`TrainWorkhorse.teardown` frees an engine's reference cycles with `gc.collect`)."""
+    if not gc.get_freeze_count():
+        gc.collect()
+        gc.freeze()

@@ -104,6 +104,7 @@ class TrainWorkhorse(Workhorse):
         optim = cfg.pop("optim", None) or OptimConfig()
         engine_role = cfg.pop("engine_role", self.role)
         factory = load_backend(backend).build_engine
+        heap.freeze_imports()
         self.engine = factory(model_dir, self.parallel, engine_role, optim=optim, seed=self.base_seed,
                               device="cuda" if self.device == "gpu" else "cpu", **cfg)
         self.log.info("%s shard built on %s", backend, self.device)

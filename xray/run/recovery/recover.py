@@ -1,7 +1,7 @@
 """Lost Workhorses replaced: a PPO run goes on after a Workhorse's process dies.
 
 When a step fails with a WholeModel error, `recover` pings every model's Workhorses
-(`WholeModel.dead_ranks`; a call can fail on a live model because another died), replaces each
+(`xray.run.recovery.dead`; a call can fail on a live model because another died), replaces each
 model with a dead Workhorse on the same devices (`Models.replace`: a new process for each dead
 shard, and the model's surviving shards, alive and free, rebuild in their own processes: all form
 fresh process groups under the same WholeModel actor, `WholeModelActor.restart`; an
