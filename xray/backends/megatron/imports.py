@@ -13,7 +13,10 @@ def import_megatron() -> None:
     Megatron decorates dozens of fusions with `torch.compile` as its modules import, and each
     decoration sets up TorchDynamo and Inductor: about 1.4 s of every Workhorse's start (2.5 ->
     1.1 s for the import on this machine). The engine's config turns those fusions off, so none
-    is ever compiled; one that is called still compiles, at its first call."""
+    is ever compiled; one that is called still compiles, at its first call. Weights & Biases,
+    which megatron-core imports where it is installed (for its inference engine's and timers'
+    logging, which xray does not use: the driver logs), is hidden from this import (~0.5 s of it,
+    measured); a later `import wandb` in the process (a user's reward function) imports it."""
     import functools
     import importlib
     import sys
@@ -36,10 +39,13 @@ def import_megatron() -> None:
         return first_call
 
     torch.compile = deferred
+    hidden = sys.modules.setdefault("wandb", None) is None  # megatron's `import wandb` then fails, as if absent
     try:
         importlib.import_module("megatron.core.models.gpt")  # the package and its fusions
     finally:
         torch.compile = compile_now
+        if hidden:
+            del sys.modules["wandb"]
 
 
 def preload() -> None:
