@@ -264,21 +264,11 @@ class WholeModel:
         return view
 
     def dead_ranks(self, wait_s: float = 1.0) -> list[int]:
-        """The ranks whose Workhorse process is gone (a ping answered by Ray with the actor's death
-        within `wait_s`; a busy Workhorse answers later and counts as alive)."""
-        import ray
-        from ray.exceptions import RayActorError
+        """The ranks whose Workhorse process is gone (a ping answered by Ray with the actor's death;
+        a busy Workhorse answers later and counts as alive: `xray.wholemodel.liveness`)."""
+        from xray.wholemodel.liveness import dead_shards
 
-        refs = [s.pid.remote() for s in self.shards]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=wait_s, fetch_local=False)
-        dead = []
-        for rank, ref in enumerate(refs):
-            if ref in ready:
-                try:
-                    ray.get(ref)
-                except RayActorError:
-                    dead.append(rank)
-        return dead
+        return dead_shards({self.role: self}, wait_s).get(self.role, [])
 
     def shard_handles(self) -> list:
         """The Workhorse Ray actors in rank order (direct calls: weight sync, benchmarks)."""
