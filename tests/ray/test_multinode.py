@@ -204,7 +204,7 @@ def test_a_snapshot_replica_outlives_the_node_it_was_taken_on(two_nodes):
         [shard_node] = replicas.nodes["snapped"]
         assert shard_node == node.node_id and replicas.target(shard_node) == ray.get_runtime_context().get_node_id()
         answer = wm.wire_payload(8)  # 8 MB answered on node_c, kept in its object store
-        nodes, [replica] = asyncio.run(replicas.hold("step-1", "snapped", list(answer.refs)))
+        nodes, [replica] = asyncio.run(replicas.hold("step-1", {"snapped": list(answer.refs)}))["snapped"]
         assert nodes == [node.node_id] and replica != answer.refs[0]
         two_nodes.remove_node(node)
         ray.get(wm._actor.pid.remote())  # the control plane lives on

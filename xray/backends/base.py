@@ -137,6 +137,13 @@ class TrainEngine(ABC):
         layout reads; default every rank's."""
         return list(range(saved.world_size))
 
+    def as_rank(self, files: dict, directory: str, source: int, rank: int) -> dict:
+        """`files` (held files of rank `source` of checkpoint `directory`) as rank `rank`'s: for an
+        engine whose data-parallel replicas' files are alike (`Engine.replicas_identical`), a
+        restore reads a lost rank's file from a peer's."""
+        raise NotImplementedError(f"{type(self).__name__} keeps each data-parallel replica's own files; "
+                                  "restore every rank from its own (or its copy on another node)")
+
     @abstractmethod
     def load(self, directory: str, held: dict | None = None, complete: bool = False) -> None:
         """Load what `save` wrote, into a freshly built engine (of this layout or another: resharded);

@@ -15,6 +15,7 @@ keeps for the caller after the Workhorse dies (`xray/run/checkpoints.py`).
 from __future__ import annotations
 
 import copy
+import mmap
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -80,13 +81,43 @@ def read(path: str | os.PathLike, held: dict[str, Any] | None = None, **load_opt
     return torch.load(path, **load_options)
 
 
+BLOCK_ALIGN = 64
+"""Bytes each tensor's place in a `host_copy` block is aligned to (any dtype's view is valid)."""
+
+
 def host_copy(value: Any) -> Any:
-    """`value` with every tensor copied into fresh host memory (containers rebuilt, the rest deep-copied)."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True)
-    if isinstance(value, (dict, list)) or type(value) is tuple:
-        return _rebuilt(value, host_copy)
-    return copy.deepcopy(value)
+    """`value` with every tensor copied into fresh host memory, all of them into one block
+    (containers rebuilt, the rest deep-copied): one anonymous memory map of its own, not the
+    heap's, unmapped (back to the system) when the last of its tensors goes: no `malloc_trim`
+    needed after a snapshot is handed out (glibc kept freed copies in the heap, an 800 MB one
+    whole in a Ray worker, measured), and no call to run it."""
+    tensors: list[torch.Tensor] = []
+
+    def found(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            tensors.append(v)
+        elif isinstance(v, (dict, list)) or type(v) is tuple:
+            _rebuilt(v, found)
+        return v
+
+    found(value)
+    offsets, total = [], 0
+    for t in tensors:
+        offsets.append(total)  # the map is unmapped with its last tensor
+        total += -(-t.numel() * t.element_size() // BLOCK_ALIGN) * BLOCK_ALIGN
+    block = torch.frombuffer(mmap.mmap(-1, total), dtype=torch.uint8) if total else torch.empty(0, dtype=torch.uint8)
+    places = iter(zip(tensors, offsets))
+
+    def placed(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            t, offset = next(places)
+            out = block[offset:offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+            out.copy_(t.detach())
+            return out
+        if isinstance(v, (dict, list)) or type(v) is tuple:
+            return _rebuilt(v, placed)
+        return copy.deepcopy(v)
+    return placed(value)
 
 
 @dataclass(frozen=True)

@@ -62,6 +62,12 @@ class Engine:
     zero: bool = False
     """Shards parameters, gradients and optimizer state with DeepSpeed ZeRO: takes `zero_stage`
     (1, 2 or 3; 3 unless given)."""
+    replicas_identical: bool = False
+    """Its data-parallel replicas' checkpoint files hold the same weights and optimizer state
+    (gradients all-reduced, each replica stepping a whole optimizer), their random state aside,
+    when `ep` is 1: a replica's file restores another's rank (`TrainEngine.as_rank`), so an
+    in-memory snapshot whose replicas sit on other nodes needs no copy of its own there
+    (`xray/run/snapshot_holder.py`)."""
     checks_layout: bool = False
     """Its module has `check_layout(model_dir, parallel)`, run before any Workhorse starts."""
     load_balancing: tuple[str, ...] = ("none",)
@@ -121,7 +127,8 @@ _GENERATION = dict(kind="generation", workhorse="xray.workhorse.rollout:RolloutW
 ENGINES = (
     Engine(name="megatron", label="Megatron", module="xray.backends.megatron", **_TRAIN,
            options=("optim", "attention", *_BATCHING), tensor_parallel=True, pipeline_parallel=True,
-           expert_parallel=True, checks_layout=True, load_balancing=("none", "aux_loss", "seq_aux_loss")),
+           expert_parallel=True, replicas_identical=True, checks_layout=True,
+           load_balancing=("none", "aux_loss", "seq_aux_loss")),
     Engine(name="deepspeed", label="DeepSpeed", module="xray.backends.deepspeed", **_TRAIN,
            options=("optim", "zero_stage", *_BATCHING), zero=True, load_balancing=("none", "aux_loss")),
     Engine(name="vllm", label="vLLM", module="xray.backends.vllm", **_GENERATION,

@@ -9,7 +9,8 @@ copy, the model's next call waiting for it), which the object store keeps after 
 the caller die, the Workhorse keeping no copy of its own; on a
 cluster of several nodes, a `SnapshotHolder` on another node keeps a replica of each shard's
 answer (`xray/run/snapshot_holder.py`), which `held_for` reads in place of a shard lost with its
-node, and a node's loss loses none of it. `take` only submits the
+node, and a node's loss loses none of it; a model whose data-parallel replicas' files are alike
+(Megatron) and spread over nodes is its own replica: a lost rank's file is read from a peer's. `take` only submits the
 calls: the run goes on to its next step at once (generation needs no trained Workhorse), and Ray
 runs a caller's calls to a Workhorse in the order they were made, so the copy is of the state
 after this step, and the next step's first call to that Workhorse waits for it. The copy's
@@ -74,6 +75,8 @@ class Held:
     replicas: dict[str, tuple[list[str], list]] = field(default_factory=dict)
     """Role -> (every rank's node when it was taken, the reference to each rank's replica on
     another node, `SnapshotHolder`'s own object); empty on a single node."""
+    peers: frozenset[str] = frozenset()
+    """The roles whose replicas are their data-parallel peers' files (none copied: `peers_elsewhere`)."""
 
     @property
     def replicated(self) -> bool:
@@ -152,29 +155,43 @@ class FlashCheckpoints:
         if persist:
             for role, m in models.items():
                 m.persist_snapshot(f"{role}:{key}", roles[role][1])
-        replicas = await self._replicate(str(directory), models, roles)
-        held = self._held[directory] = Held(step, directory, roles, trainer_state, replicas)
+        replicas, peers = await self._replicate(str(directory), models, roles)
+        held = self._held[directory] = Held(step, directory, roles, trainer_state, replicas, peers)
         if self.in_memory is None or step >= self.in_memory.step:
             self.in_memory = held
         self._prune()
         return self.stall_s
 
     async def _replicate(self, key: str, models: dict[str, Any], roles: dict[str, tuple]
-                         ) -> dict[str, tuple[list[str], list]]:
+                         ) -> tuple[dict[str, tuple[list[str], list]], frozenset[str]]:
         """A replica of each shard's files on another node: role -> (each rank's node, each rank's
-        replica); none on a single node. A node that leaves while the copies are made takes its
-        holder's replicas with it (of shards on other nodes, which live on) and its shards, whose
-        replicas elsewhere are kept: the snapshot stays usable (CI saw three steps' snapshots
-        discarded when a new node's holder, still importing, was lost with its node)."""
+        replica), none on a single node; and the roles whose replicas are their data-parallel
+        peers on other nodes, of which no copy is made. A node that leaves while the copies are
+        made takes its holder's replicas with it (of shards on other nodes, which live on) and
+        its shards, whose replicas elsewhere are kept: the snapshot stays usable (CI saw three
+        steps' snapshots discarded when a new node's holder, still importing, was lost with its
+        node)."""
+        from xray.run.snapshot_holder import peers_elsewhere
+
         try:
-            if await self.watch_nodes(models if self._moved else None) < 2:
-                return {}
+            if self._moved or self._replicas is None:  # else the nodes of the last look: no call to Ray's GCS
+                await self.watch_nodes(models)
+                self._moved = False
         except Exception:  # noqa: BLE001 - a shard's node left while its node was looked up
             self._moved = True
-            return {}
-        self._moved = False
-        held = await asyncio.gather(*[self._replicas.hold(key, role, refs) for role, (_, refs) in roles.items()])
-        return dict(zip(roles, held))
+            return {}, frozenset()
+        if len(self._replicas.holders) < 2:
+            return {}, frozenset()
+        nodes = self._replicas.nodes
+        peers = frozenset(role for role, (parallel, _) in roles.items()
+                          if replicas_identical(models[role]) and peers_elsewhere(parallel, nodes[role]))
+        copied = {role: refs for role, (_, refs) in roles.items() if role not in peers}
+        held = await self._replicas.hold(key, copied) if copied else {}
+        if not copied:
+            self._replicas.release()
+        if any(copy is None for _, copies in held.values() for copy in copies):
+            self._moved = True  # a holder's node left: look again at the next snapshot
+        return {**held, **{role: (list(nodes[role]), [None] * len(nodes[role])) for role in peers}}, peers
 
     async def watch_nodes(self, models: dict[str, Any] | None = None) -> int:
         """Holders for the replicas on every live node (started as nodes join: an elastic grow calls
@@ -277,12 +294,21 @@ class FlashCheckpoints:
         held = self._held.get(Path(directory))
         if held is None or role not in held.roles:
             return None
+        from xray.run.snapshot_holder import live_peer
+
         parallel, refs = held.roles[role]
-        if role in held.replicas and self._replicas is not None:  # a rank whose node left: its replica
-            nodes, replicas = held.replicas[role]
-            alive = self._replicas.alive()
-            refs = [ref if node in alive or copy is None else copy for ref, node, copy in zip(refs, nodes, replicas)]
-        return {"held": refs, "saved": parallel}
+        if role not in held.replicas or self._replicas is None:
+            return {"held": refs, "saved": parallel}
+        nodes, replicas = held.replicas[role]  # a rank whose node left: its replica, or a live peer's file
+        alive, refs, peers = self._replicas.alive(), list(refs), {}
+        for rank, (node, copy) in enumerate(zip(nodes, replicas)):
+            if node in alive:
+                continue
+            if copy is not None:
+                refs[rank] = copy
+            elif role in held.peers and (peer := live_peer(parallel, nodes, alive, rank)) is not None:
+                peers[rank] = peer
+        return {"held": refs, "saved": parallel, **({"peers": peers} if peers else {})}
 
     def forget_after(self, step: int) -> None:
         """The run went back to `step`: the snapshots after it are of steps it will run again."""
@@ -317,3 +343,14 @@ class FlashCheckpoints:
         seconds = self.written_s = time.perf_counter() - w.started
         log.info("checkpoint complete: %s (written in %.1f s)", w.directory, seconds)
         return seconds
+
+
+def replicas_identical(model: Any) -> bool:
+    """Whether `model`'s (a WholeModel) data-parallel replicas' files are alike: its engine's
+    fact (`Engine.replicas_identical`), without expert parallelism."""
+    from xray.config.engines import EngineError, engine
+
+    try:
+        return engine(model.init_kwargs.get("backend", "")).replicas_identical and model.parallel.ep == 1
+    except EngineError:
+        return False

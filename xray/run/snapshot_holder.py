@@ -10,7 +10,10 @@ is lost, a restore reads that shard's replica (`FlashCheckpoints.held_for` picks
 the original while its node lives, else the replica), and losing any one node loses none of a
 snapshot. The replica is the holder's own object, not a second location of the driver's: reading
 it does not depend on Ray promoting a copy of a lost object. On a single node there is nowhere else to put them,
-and the driver's references are the only copy.
+and the driver's references are the only copy. A model whose data-parallel replicas' files are
+alike (Megatron: `Engine.replicas_identical`) and sit on several nodes needs no holder: each
+rank's peer on another node holds its snapshot (`peers_elsewhere`), and a restore reads a lost
+rank's file from a live peer (`live_peer`, `TrainEngine.as_rank`); no copy crosses a node.
 """
 from __future__ import annotations
 
@@ -20,23 +23,47 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 
+def dp_peers(parallel: Any, rank: int) -> list[int]:
+    """The ranks of layout `parallel` (ParallelDims) at `rank`'s tensor and pipeline position in
+    the other data-parallel replicas."""
+    c = parallel.coords(rank)
+    return [parallel.rank_of(c.tp_rank, c.pp_rank, d) for d in range(parallel.dp) if d != c.dp_rank]
+
+
+def peers_elsewhere(parallel: Any, nodes: list[str]) -> bool:
+    """Whether every rank (on `nodes[rank]`) has a data-parallel peer on another node: for a model
+    whose replicas' files are alike (`Engine.replicas_identical`), the snapshot is then on two
+    nodes already, and a holder's copy would be a third."""
+    return len(set(nodes)) > 1 and all(any(nodes[p] != nodes[r] for p in dp_peers(parallel, r))
+                                       for r in range(len(nodes)))
+
+
+def live_peer(parallel: Any, nodes: list[str], alive: set[str], rank: int) -> int | None:
+    """A data-parallel peer of `rank` on a live node (its file restores `rank`), or None."""
+    return next((p for p in dp_peers(parallel, rank) if nodes[p] in alive), None)
+
+
 class SnapshotHolder:
     """Ray actor (zero CPUs) that pins copies of snapshot files in its node's object store."""
 
     def __init__(self) -> None:
         self.kept: dict[str, list] = {}
 
-    def hold(self, key: str, refs: list) -> list:
-        """Read the objects behind `refs` (passed in a list: not resolved by Ray), put each into
-        this node's object store as this holder's own object, keep those under `key` and return
-        their references (in a list: handed back, not resolved)."""
+    def hold(self, items: dict[str, list], drop: list[str] = ()) -> dict[str, list]:
+        """Release the copies under `drop` first, then for each name of `items`, read the objects
+        behind its references (passed in a list: not resolved by Ray), put each into this node's
+        object store as this holder's own object and keep those under the name; their
+        references by name (in lists: handed back, not resolved)."""
         import ray
 
-        replicas = []
-        for ref in refs:  # one at a time: the read copy is freed before the next is read
-            replicas.append(ray.put(ray.get(ref)))
-        self.kept[key] = replicas
-        return replicas
+        self.drop(list(drop))
+        out = {}
+        for name, refs in items.items():
+            replicas = []
+            for ref in refs:  # one at a time: the read copy is freed before the next is read
+                replicas.append(ray.put(ray.get(ref)))
+            self.kept[name] = out[name] = replicas
+        return out
 
     def drop(self, keys: list[str]) -> None:
         """Release the copies under `keys`."""
@@ -72,6 +99,8 @@ class Replicator:
         self.driver = ray.get_runtime_context().get_node_id()
         self.held: set[str] = set()
         """The snapshots (keys, sortable by step) whose copies the holders keep."""
+        self.dropped: list[str] = []
+        """The copies the holders release at the next `hold`."""
 
     def refresh(self, models: dict[str, Any] | None = None) -> int:
         """Start holders on nodes that joined (none while the cluster has one node: a holder is a
@@ -99,28 +128,42 @@ class Replicator:
         return self.driver if self.driver != node and self.driver in self.holders else \
             next(n for n in sorted(self.holders) if n != node)
 
-    async def hold(self, key: str, role: str, refs: list) -> tuple[list[str], list]:
-        """Put a replica of each of `refs` (rank order) on a node other than its rank's, under
-        `key`; (each rank's node, each rank's replica reference, None where the holder was lost
-        with its node: the ranks it was to copy sit elsewhere and live on)."""
+    async def hold(self, key: str, roles: dict[str, list]) -> dict[str, tuple[list[str], list]]:
+        """Put a replica of each of the references of every role (rank order) on a node other than
+        its rank's, under `key`: one call per holder, which first releases the snapshots `keep`
+        let go; per role (each rank's node, each rank's replica reference, None where the holder
+        was lost with its node: the ranks it was to copy sit elsewhere and live on)."""
         import asyncio
 
-        nodes = list(self.nodes[role])
-        by_node: dict[str, list[int]] = {}
-        for rank, node in enumerate(nodes):
-            by_node.setdefault(self.target(node), []).append(rank)
+        by_node: dict[str, dict[str, list[int]]] = {}
+        for role in roles:
+            for rank, node in enumerate(self.nodes[role]):
+                by_node.setdefault(self.target(node), {}).setdefault(role, []).append(rank)
         self.held.add(key)
-        answers = await asyncio.gather(*[self.holders[n].hold.remote(f"{key}/{role}", [refs[r] for r in ranks])
-                                         for n, ranks in by_node.items()], return_exceptions=True)
-        replicas: list = [None] * len(refs)
-        for (node, ranks), copies in zip(by_node.items(), answers):
+        drop, self.dropped = self.dropped, []
+        for node, holder in self.holders.items():  # the holders with no copy to make this time
+            if drop and node not in by_node:
+                holder.drop.remote(drop)
+        answers = await asyncio.gather(*[
+            self.holders[n].hold.remote({f"{key}/{role}": [roles[role][r] for r in ranks] for role, ranks in picks.items()},
+                                        drop) for n, picks in by_node.items()], return_exceptions=True)
+        out = {role: (list(self.nodes[role]), [None] * len(refs)) for role, refs in roles.items()}
+        for (node, picks), copies in zip(by_node.items(), answers):
             if isinstance(copies, BaseException):  # that holder's node left: those ranks keep no replica
-                log.warning("in-memory snapshot %s: %s's ranks %s have no replica (the holder on node %s is "
-                            "lost: %s)", key, role, ranks, node[:8], str(copies).splitlines()[0][:200])
+                log.warning("in-memory snapshot %s: ranks %s have no replica (the holder on node %s is lost: %s)",
+                            key, picks, node[:8], str(copies).splitlines()[0][:200])
                 continue
-            for rank, copy in zip(ranks, copies):
-                replicas[rank] = copy
-        return nodes, replicas
+            for role, ranks in picks.items():
+                for rank, copy in zip(ranks, copies[f"{key}/{role}"]):
+                    out[role][1][rank] = copy
+        return out
+
+    def release(self) -> None:
+        """Send the holders the releases `keep` left for the next `hold`, when no `hold` follows
+        (every role's copies are its peers)."""
+        drop, self.dropped = self.dropped, []
+        for holder in self.holders.values() if drop else ():
+            holder.drop.remote(drop)
 
     @staticmethod
     def alive() -> set[str]:
@@ -130,12 +173,9 @@ class Replicator:
         return {n["NodeID"] for n in ray.nodes() if n["Alive"]}
 
     def keep(self, keys: list[str]) -> None:
-        """Every holder releases the copies of the snapshots older than the newest of `keys` that
-        are not among them (a newer one being copied stays)."""
+        """The holders release the copies of the snapshots older than the newest of `keys` that are
+        not among them (a newer one being copied stays), at their next `hold`: no call of its own."""
         newest = max(keys, default="")
         dropped = sorted(k for k in self.held if k < newest and k not in keys)
         self.held -= set(dropped)
-        names = [f"{key}/{role}" for key in dropped for role in self.nodes]
-        for holder in self.holders.values():
-            if names:
-                holder.drop.remote(names)
+        self.dropped += [f"{key}/{role}" for key in dropped for role in self.nodes]

@@ -241,40 +241,30 @@ class WholeModelActor:
         return list(self.shards)
 
     async def hand_snapshot(self, directory: str, key: str, after: list, keep: int = 2,
-                            deadline_s: float = 600.0) -> None:
+                            deadline_s: float = 600.0) -> tuple[None, Any]:
         """Have every shard hand over its snapshot of `directory` taken under `key`
-        (`TrainWorkhorse.hand_snapshot`: its files as the call's answer, the shard's own copy then
-        freed) with this actor as the answers' owner: they outlive the Workhorses, and the caller
-        too (an asynchronous run's trainer actor, whose successor reads them: `kept_snapshot`).
-        Each rank's hand starts after `after[rank]` (that rank's copy: the caller's `snapshot`
-        call). Returns None once every answer is in (not fetched), failed or not: the caller's next
-        call on the shards waits for this one (`WholeModel.hand_snapshot`), and the outcome is
-        `handed_snapshot(key)`'s. The newest `keep` are kept here."""
-        refs = [s.call.remote("hand_snapshot", ((key,), {}), *after[rank:rank + 1]) for rank, s in enumerate(self.shards)]
-        handing = self._handing = getattr(self, "_handing", {})
-        while len(handing) >= 8:  # outcomes no caller asked for (it died)
-            handing.pop(next(iter(handing)))
+        (`TrainWorkhorse.hand_snapshot`: its files as the call's first answer, the shard's own copy
+        then freed) with this actor as the answers' owner: they outlive the Workhorses, and the
+        caller too (an asynchronous run's trainer actor, whose successor reads them:
+        `kept_snapshot`). Each rank's hand starts after `after[rank]` (that rank's copy: the
+        caller's `snapshot` call). Called with two returns (`WholeModel.hand_snapshot`): None,
+        once every answer is in (not fetched: each hand's second answer says so), failed or not,
+        which the caller's next call on the shards waits for; and the outcome: every rank's
+        reference to its files, or the failure (returned, not raised: the first answer must not
+        fail the calls that wait for it). The newest `keep` are kept here."""
+        calls = [s.call.options(num_returns=2).remote("hand_snapshot", ((key,), {}), *after[rank:rank + 1])
+                 for rank, s in enumerate(self.shards)]
         try:
-            await self._gather("handed", [s.call.remote("handed", ((), {})) for s in self.shards], deadline_s)
-        except Exception as exc:  # noqa: BLE001 - the caller's, through handed_snapshot
-            handing[key] = exc
-            return
-        handing[key] = refs
+            await self._gather("hand_snapshot", [ok for _, ok in calls], deadline_s)
+        except Exception as exc:  # noqa: BLE001 - the caller's, through the second answer
+            return None, exc
+        refs = [files for files, _ in calls]
         kept = self._kept = getattr(self, "_kept", {})
         kept.pop(directory, None)
         kept[directory] = (self.parallel, refs)
         while len(kept) > keep:
             kept.pop(next(iter(kept)))
-
-    def handed_snapshot(self, key: str) -> list:
-        """Every rank's reference to the snapshot handed under `key` (after `hand_snapshot`
-        returned), or its failure raised."""
-        outcome = getattr(self, "_handing", {}).pop(key, None)
-        if outcome is None:
-            raise RuntimeError(f"{self.role}: no snapshot was handed under {key!r}; await hand_snapshot first")
-        if isinstance(outcome, BaseException):
-            raise outcome
-        return outcome
+        return None, refs
 
     def kept_snapshot(self, directory: str) -> tuple[ParallelDims, list] | None:
         """The layout the snapshot of `directory` was taken in and every rank's reference to it,

@@ -333,14 +333,22 @@ class WholeModel:
         `kept_snapshot`). This handle's next call waits for the hand (as it would behind a hand of
         its own). An awaitable resolved once the answers are in; `handed_snapshot(key)` then gives
         their references."""
-        barrier = self._actor.hand_snapshot.remote(directory, key, list(after.refs), keep)
+        barrier, outcome = self._actor.hand_snapshot.options(num_returns=2).remote(
+            directory, key, list(after.refs), keep)
         self.__dict__["_barrier"] = [barrier]
+        handed = self.__dict__.setdefault("_handed", {})
+        while len(handed) >= 8:  # outcomes no one asked for
+            handed.pop(next(iter(handed)))
+        handed[key] = outcome
         return barrier
 
     def handed_snapshot(self, key: str):
-        """An awaitable of every rank's reference to the snapshot handed under `key` (once
-        `hand_snapshot`'s awaitable resolved), or of its failure."""
-        return self._actor.handed_snapshot.remote(key)
+        """An awaitable of every rank's reference to the snapshot handed under `key` by this
+        handle's `hand_snapshot`, or of its failure (raised)."""
+        outcome = self.__dict__.get("_handed", {}).pop(key, None)
+        if outcome is None:
+            raise RuntimeError(f"{self.role}: no snapshot was handed under {key!r}; call hand_snapshot first")
+        return _handed_refs(outcome)
 
     def kept_snapshot(self, directory: str):
         """An awaitable of (the layout it was taken in, every rank's reference) for the snapshot of
@@ -449,3 +457,11 @@ def _by_reference(args: tuple, kwargs: dict, replicas: int, columns, split: bool
     split_kwargs = {k: pieces(v, f"argument {k!r}") for k, v in kwargs.items()}
     return [(tuple(s[d] for s in split_args), {k: s[d] for k, s in split_kwargs.items()})
             for d in range(replicas)]
+
+
+async def _handed_refs(outcome) -> list:
+    """The references a hand's outcome holds, or its failure raised."""
+    refs = await outcome
+    if isinstance(refs, BaseException):
+        raise refs
+    return refs

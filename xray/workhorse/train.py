@@ -400,13 +400,16 @@ class TrainWorkhorse(Workhorse):
         return time.perf_counter() - t0
 
     @fanout(dispatch="all", collect=lambda layout, results: None)
-    def hand_snapshot(self, key: str) -> dict:
-        """The snapshot's files (path -> object) as this call's answer, after which this process
-        keeps no copy of them (only what `persist_snapshot` runs after writing them: DeepSpeed's
-        `latest` and recovery scripts): the object store keeps the answer for its owner (the
-        WholeModel actor, `WholeModelActor.hand_snapshot`) after this process dies, a replacement
-        reads it in `load`, a disk write reads it in place. Tensors travel as numpy arrays
-        (`to_wire`): no copy beyond the object store's, and a reader on this node maps them."""
+    def hand_snapshot(self, key: str) -> tuple[dict, bool]:
+        """The snapshot's files (path -> object) and True, this call's two answers (the WholeModel
+        actor calls it with two returns, `WholeModelActor.hand_snapshot`: it keeps the files' and
+        awaits the flag's, which says the files are in the object store without fetching them),
+        after which this process keeps no copy of them (only what `persist_snapshot` runs after
+        writing them: DeepSpeed's `latest` and recovery scripts): the object store keeps the files
+        for their owner (the WholeModel actor) after this process dies, a replacement reads them in
+        `load`, a disk write reads them in place. Tensors travel as numpy arrays (`to_wire`): no
+        copy beyond the object store's, and a reader on this node maps them. The copy is one block
+        (`host_copy`), freed as a whole once the object store has it."""
         from xray.backends.snapshot import Snapshot, to_wire
 
         snapshot = getattr(self, "_snapshots", {}).pop(key, None)
@@ -416,14 +419,7 @@ class TrainWorkhorse(Workhorse):
         handed[key] = Snapshot([], snapshot.finish, snapshot.markers)
         while len(handed) > 2 * KEPT_SNAPSHOTS:
             handed.pop(next(iter(handed)))
-        return to_wire(snapshot.held())
-
-    @fanout(dispatch="all", collect=lambda layout, results: all(results))
-    def handed(self) -> bool:
-        """True, called after `hand_snapshot` (in order): it is in the object store, not fetched.
-        The copy's freed pages go back to the node (glibc keeps its small tensors' otherwise)."""
-        heap.give_back()
-        return True
+        return to_wire(snapshot.held()), True
 
     @fanout(dispatch="all", collect=lambda layout, results: None)
     def persist_snapshot(self, key: str, handed: list) -> None:
@@ -471,10 +467,11 @@ class TrainWorkhorse(Workhorse):
         self.engine.save(directory)
 
     @fanout(dispatch="all", collect=lambda layout, results: "memory" if set(results) == {"memory"} else "disk")
-    def load(self, directory: str, held: list | None = None, saved=None) -> str:
+    def load(self, directory: str, held: list | None = None, saved=None, peers: dict | None = None) -> str:
         """Restore the checkpoint in `directory`. `held`: the references of every rank's
         `hand_snapshot` answer for it, taken in layout `saved` (None: this one); where a rank's
-        node was lost, Ray reads the copy pinned on another node (`xray/run/snapshot_holder.py`).
+        node was lost, Ray reads the copy pinned on another node (`xray/run/snapshot_holder.py`),
+        or `peers` names the data-parallel peer whose file stands in for it (`TrainEngine.as_rank`).
         In this layout this rank's and rank 0's files are read from memory; in another, the
         files resharding needs (Megatron: the first replica's; DeepSpeed: every rank's). Whatever
         cannot be fetched is read from the disk. Returns where the files came from ("memory" only
@@ -483,7 +480,12 @@ class TrainWorkhorse(Workhorse):
         if held is not None:
             wanted = set(self.engine.restore_ranks(saved)) if complete else {0, self.rank}
             try:
-                files = {k: v for r in sorted(wanted) for k, v in _fetch(held[r]).items()}
+                fetched: dict = {}
+                for r in sorted(wanted):
+                    source = (peers or {}).get(r, r)
+                    got = _fetch(held[source])
+                    fetched.update(got if source == r else self.engine.as_rank(got, directory, source, r))
+                files = fetched  # all of them, or none: the disk then has them all
             except Exception as exc:  # noqa: BLE001 - lost with its node: the disk has it
                 self.log.warning("the in-memory snapshot is gone (%s); loading %s from disk",
                                  str(exc).splitlines()[0], directory)

@@ -39,7 +39,7 @@ from xray.backends.megatron.spec import ModelSpec, check_layout
 from xray.backends.optim import (ABORT, SKIPPED, build_optimizer, build_scheduler, follow_configured_lr, frozen_lr,
                                  skips_update)
 from xray.backends.optim import state_bytes as optim_state_bytes
-from xray.backends.snapshot import Snapshot, host_copy
+from xray.backends.snapshot import Snapshot, file_key, host_copy
 from xray.config.lora import LoraConfig
 from xray.config.moe import MoeConfig
 from xray.config.parallel import LayoutError, ParallelDims
@@ -323,12 +323,21 @@ class MegatronEngine(TrainEngine):
         dist.barrier()
 
     def snapshot(self, directory: str) -> Snapshot:
-        state = {"model": {k: v.detach().to("cpu", copy=True) for k, v in self._checkpointed().items()},
-                 "step": self.step, "rng": checkpoint.rng_state(self.device)}
+        state = {"model": self._checkpointed(), "step": self.step}
         if self.optimizer is not None:
-            state["optimizer"] = host_copy(self.optimizer.state_dict())
-            state["scheduler"] = host_copy(self.scheduler.state_dict())
+            state["optimizer"] = self.optimizer.state_dict()
+            state["scheduler"] = self.scheduler.state_dict()
+        state = {**host_copy(state), "rng": checkpoint.rng_state(self.device)}  # one block: freed at once
         return Snapshot([(str(checkpoint.shard_path(directory, self.rank)), {"header": self._header(), **state})])
+
+    def as_rank(self, files: dict, directory: str, source: int, rank: int) -> dict:
+        """Rank `source`'s file as rank `rank`'s: data-parallel peers hold the same weights and
+        AdamW state (their random state aside, which `rank` then takes from `source`)."""
+        if self.parallel.ep > 1:
+            raise NotImplementedError("with expert parallelism the data-parallel replicas hold different experts; "
+                                      "restore every rank from its own file")
+        moved = {file_key(checkpoint.shard_path(directory, source)): file_key(checkpoint.shard_path(directory, rank))}
+        return {moved.get(k, k): v for k, v in files.items()}
 
     def restore_ranks(self, saved: ParallelDims) -> list[int]:
         return reshard.needed_ranks(saved)  # the first data-parallel replica's
