@@ -15,8 +15,8 @@ import threading
 import pytest
 import torch
 
-from tests.dist_harness import free_port
 from xray.transport import faults, ipc, pg, shm, wire
+from xray.transport.rendezvous import open_point
 from xray.transport.errors import WeightSyncError
 from xray.transport.wire import PW64, XXH3, changed_in_transit, pack_bucket, unpack_bucket
 
@@ -49,9 +49,9 @@ def through_object_store(wire_form):
 
 def over_gloo(device: str, send, receive, timeout_s: float = 30.0):
     """Rank 0 runs `send(group) -> (layout, size)` and rank 1 `receive(group, layout, size)` in a
-    real gloo group of 2 (two threads of this process, `pg.join`); the receiver's answer, or the
-    exception either rank raised."""
-    port, ahead, answers = free_port(), queue.Queue(), queue.Queue()
+    real gloo group of 2 (two threads of this process, `pg.join`, at a point this process opened
+    as the sender's would); the receiver's answer, or the exception either rank raised."""
+    (_, port), ahead, answers = open_point("127.0.0.1"), queue.Queue(), queue.Queue()
 
     def rank(r: int) -> None:
         try:

@@ -141,9 +141,7 @@ class Replicator:
                 by_node.setdefault(self.target(node), {}).setdefault(role, []).append(rank)
         self.held.add(key)
         drop, self.dropped = self.dropped, []
-        for node, holder in self.holders.items():  # the holders with no copy to make this time
-            if drop and node not in by_node:
-                holder.drop.remote(drop)
+        self._drop(drop, skip=set(by_node))  # the holders with no copy to make this time
         answers = await asyncio.gather(*[
             self.holders[n].hold.remote({f"{key}/{role}": [roles[role][r] for r in ranks] for role, ranks in picks.items()},
                                         drop) for n, picks in by_node.items()], return_exceptions=True)
@@ -162,8 +160,14 @@ class Replicator:
         """Send the holders the releases `keep` left for the next `hold`, when no `hold` follows
         (every role's copies are its peers)."""
         drop, self.dropped = self.dropped, []
-        for holder in self.holders.values() if drop else ():
-            holder.drop.remote(drop)
+        self._drop(drop)
+
+    def _drop(self, drop: list[str], skip: set[str] = frozenset()) -> None:
+        """Have every holder but those on the nodes in `skip` (their `hold` carries it) release
+        the copies named in `drop`."""
+        for node, holder in self.holders.items() if drop else ():
+            if node not in skip:
+                holder.drop.remote(drop)
 
     @staticmethod
     def alive() -> set[str]:

@@ -38,9 +38,12 @@ from xray.transport.wire import FlatLayout, family_for, layout_size, pack_into, 
 
 def join(addr: str, port: int, rank: int, world: int, device: str, timeout_s: float = 120.0):
     """This process's member of a sync group of `world` ranks whose store rank 0 serves at
-    addr:port (rank 0 creates it); gloo on "cpu", NCCL on "cuda"."""
+    addr:port (rank 0 opened that point: `xray/transport/rendezvous.py`); gloo on "cpu", NCCL
+    on "cuda"."""
+    from xray.transport.rendezvous import store_at
+
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.PrefixStore("xray-sync", dist.TCPStore(addr, port, world, rank == 0, timeout=timeout))
+    store = dist.PrefixStore("xray-sync", store_at(addr, port, world, timeout_s))
     if device == "cuda":
         return dist.ProcessGroupNCCL(store, rank, world)
     return dist.ProcessGroupGloo(store, rank, world, timeout)

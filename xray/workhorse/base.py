@@ -18,7 +18,6 @@ import logging
 import os
 import pickle
 import random
-import socket
 import time
 import traceback
 import zlib
@@ -166,25 +165,27 @@ class Workhorse(BusyRecorder):
 
     # -- life cycle, called by the WholeModel in this order ------------------------------------
     def address(self) -> tuple[str, int]:
-        """Rendezvous address of this shard's node and a free port on it (asked of rank 0)."""
-        ip = node_ip()
-        with socket.socket() as s:
-            s.bind((ip, 0))
-            return ip, s.getsockname()[1]
+        """A rendezvous point of this shard's node, served by this process (asked of rank 0):
+        its address and port, bound before they are told (`xray/transport/rendezvous.py`)."""
+        from xray.transport.rendezvous import open_point
+
+        return open_point(node_ip())
 
     def init_dist(self, master_addr: str, master_port: int, timeout_s: float = 300.0) -> None:
         """Join this model's process group: NCCL on GPU, gloo on CPU."""
         import torch.distributed as dist
 
+        from xray.transport.rendezvous import store_at
+
+        world = self.parallel.world_size
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(self.rank),
-                          WORLD_SIZE=str(self.parallel.world_size), LOCAL_RANK="0")
+                          WORLD_SIZE=str(world), LOCAL_RANK="0")
         backend = "nccl" if self.device == "gpu" else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(0)  # Ray exposes this Workhorse's GPU as device 0
         if not dist.is_initialized():
-            dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}",
-                                    rank=self.rank, world_size=self.parallel.world_size,
-                                    timeout=timedelta(seconds=timeout_s))
+            dist.init_process_group(backend, store=store_at(master_addr, master_port, world, timeout_s),
+                                    rank=self.rank, world_size=world, timeout=timedelta(seconds=timeout_s))
         self.log.info("%s joined %s group of %d at %s:%d", self.role, backend,
                       self.parallel.world_size, master_addr, master_port)
 

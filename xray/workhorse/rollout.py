@@ -68,6 +68,8 @@ class RolloutWorkhorse(Workhorse):
 
         import torch.distributed as dist
 
+        from xray.transport.rendezvous import store_at
+
         c = self.parallel.coords(self.rank)
         points: list = [None] * self.parallel.world_size
         dist.all_gather_object(points, self.address() if c.tp_rank == 0 else None)
@@ -76,7 +78,7 @@ class RolloutWorkhorse(Workhorse):
         dist.destroy_process_group()
         os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port), RANK=str(c.tp_rank),
                           WORLD_SIZE=str(self.parallel.tp), LOCAL_RANK="0")
-        dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=c.tp_rank,
+        dist.init_process_group(backend, store=store_at(addr, port, self.parallel.tp, timeout_s), rank=c.tp_rank,
                                 world_size=self.parallel.tp, timeout=timedelta(seconds=timeout_s))
         self.log.info("replica %d: its own group of %d at %s:%d", c.dp_rank, self.parallel.tp, addr, port)
 
@@ -94,10 +96,13 @@ class RolloutWorkhorse(Workhorse):
 
         import torch.distributed as dist
 
+        from xray.transport.rendezvous import store_at
+
         c = self.parallel.coords(self.rank)
         os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port), RANK=str(c.tp_rank),
                           WORLD_SIZE=str(self.parallel.tp), LOCAL_RANK="0")
-        dist.init_process_group("nccl" if self.device == "gpu" else "gloo", init_method=f"tcp://{addr}:{port}",
+        dist.init_process_group("nccl" if self.device == "gpu" else "gloo",
+                                store=store_at(addr, port, self.parallel.tp, timeout_s),
                                 rank=c.tp_rank, world_size=self.parallel.tp, timeout=timedelta(seconds=timeout_s))
         self.log.info("replica %d restarted alone: its own group of %d at %s:%d", c.dp_rank, self.parallel.tp,
                       addr, port)
