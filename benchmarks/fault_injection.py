@@ -92,7 +92,7 @@ async def steps_with_fault(trainer, data, run: RunDir, cluster, faults: dict | N
     each step's end time (every run of it), the faults (time, step in flight), the stall figures."""
     from xray.run.loop import save_checkpoint
 
-    checkpoints = FlashCheckpoints(run, trainer.models)
+    checkpoints = FlashCheckpoints(run, trainer.models, keep_on_peers=True)  # as `xray.run.loop` for a synchronous run
     ends: list[tuple[int, float]] = []
     times: list[tuple[float, int]] = []
     alternate = [False]

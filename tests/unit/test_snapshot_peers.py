@@ -5,7 +5,9 @@
 another node (`peers_elsewhere`); `held_for` then names, for each rank whose node is gone, a
 peer on a live node (`live_peer`), where a copy would have been read before. DeepSpeed's
 replicas differ (ZeRO partitions), and a DeepSpeed rank without its copy gets no peer: it is read
-from the disk.
+from the disk. Of such a model only one rank per place hands its file out (`handers`, off the
+driver's node); a lost keeper reads the hander's file, and when the hander's node is gone the
+keeper hands its own (`materialize`), which then restores the hander's rank.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 
 from xray.config.parallel import ParallelDims
-from xray.run.snapshot_holder import dp_peers, live_peer, peers_elsewhere
+from xray.run.snapshot_holder import dp_peers, handers, live_peer, peers_elsewhere
 
 pytestmark = pytest.mark.unit
 
@@ -66,3 +68,47 @@ def test_a_rank_lost_with_its_node_is_read_from_a_live_peer_where_replicas_are_a
     assert checkpoints.held_for(d, "actor") == {"held": ["own0", "own1"], "saved": parallel, "peers": {1: 0}}
     checkpoints, d, parallel = _checkpoints(tmp_path, frozenset())  # DeepSpeed: no peer stands in
     assert checkpoints.held_for(d, "actor") == {"held": ["own0", "own1"], "saved": parallel}
+
+
+def test_one_rank_per_place_hands_its_file_out_off_the_drivers_node():
+    p = ParallelDims(tp=2, dp=2)
+    assert handers(p, ["head", "head", "worker", "worker"], "head") == [2, 3]
+    assert handers(p, ["worker", "worker", "head", "head"], "head") == [0, 1]
+    assert handers(p, ["a", "a", "b", "b"], "head") == [0, 1]  # the driver elsewhere: the first replica
+    assert handers(ParallelDims(dp=3), ["head", "head", "w"], "head") == [2]
+    assert live_peer(p, ["head", "head", "worker", "worker"], {"head", "worker"}, 0, usable={2, 3}) == 2
+    assert live_peer(p, ["head", "head", "worker", "worker"], {"head"}, 0, usable={2, 3}) is None
+
+
+def test_a_kept_file_is_read_from_the_hander_until_its_node_goes_then_from_its_keeper(tmp_path):
+    """Rank 0 (driver's node) kept its file in its process, rank 1 handed its own. Rank 0's process
+    lost: rank 1's file restores it. The worker node lost: no file can be read until `materialize`
+    has the keeper hand its own, which then restores rank 1 too."""
+    import asyncio
+
+    from xray.run.checkpoints import FlashCheckpoints, Held
+    from xray.run.outputs import RunDir
+
+    asked = []
+
+    async def hand_kept(key):
+        asked.append(key)
+        return {0: "kept0"}
+
+    run = RunDir(tmp_path / "run", loggers=("jsonl",))
+    checkpoints = FlashCheckpoints(run, models=SimpleNamespace(actor=SimpleNamespace(hand_kept=hand_kept)),
+                                   roles=("actor",), keep_on_peers=True)
+    d, parallel = run.checkpoint_dir(3), ParallelDims(dp=2)
+    checkpoints._held[d] = Held(3, d, {"actor": (parallel, [None, "own1"])}, {"step": 3},
+                                {"actor": (["head", "worker"], [None, None])}, frozenset({"actor"}),
+                                {"actor": "actor:k"})
+    alive = {"head", "worker"}
+    checkpoints._replicas = SimpleNamespace(alive=lambda: set(alive))
+    assert checkpoints.held_for(d, "actor") == {"held": [None, "own1"], "saved": parallel, "peers": {0: 1}}
+    alive.discard("worker")
+    assert checkpoints.held_for(d, "actor") == {"held": [None, "own1"], "saved": parallel}
+    asyncio.run(checkpoints.materialize(d))
+    assert asked == ["actor:k"]
+    assert checkpoints.held_for(d, "actor") == {"held": ["kept0", "own1"], "saved": parallel, "peers": {1: 0}}
+    asyncio.run(checkpoints.materialize(d))  # nothing kept is missing any more: no call
+    assert asked == ["actor:k"]

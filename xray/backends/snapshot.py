@@ -38,6 +38,8 @@ class Snapshot:
     """Run once every file is written (DeepSpeed's `latest` marker)."""
     markers: Optional[dict[str, Any]] = None
     """Path -> content of what `finish` writes, for `held` (a load from memory reads them there)."""
+    taken_as: Optional[int] = None
+    """The rank of the shard that took it (`TrainWorkhorse.snapshot`: a survivor's may change after)."""
 
     def __call__(self) -> None:
         for path, state in self.files:

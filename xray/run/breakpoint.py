@@ -67,6 +67,7 @@ async def save_at_breakpoint(checkpoints: FlashCheckpoints, run: RunDir) -> Path
     if not newer_than_disk(held, run):
         return None
     try:
+        await checkpoints.materialize(held.directory)  # files some ranks kept in their process
         await write_snapshot(held)
         run.write_trainer_state(held.directory, held.trainer_state)
     except Exception as exc:  # noqa: BLE001 - the run's own error is the one to report

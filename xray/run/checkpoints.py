@@ -10,7 +10,9 @@ the caller die, the Workhorse keeping no copy of its own; on a
 cluster of several nodes, a `SnapshotHolder` on another node keeps a replica of each shard's
 answer (`xray/run/snapshot_holder.py`), which `held_for` reads in place of a shard lost with its
 node, and a node's loss loses none of it; a model whose data-parallel replicas' files are alike
-(Megatron) and spread over nodes is its own replica: a lost rank's file is read from a peer's. `take` only submits the
+(Megatron) and spread over nodes is its own replica: a lost rank's file is read from a peer's, and
+in a synchronous run (`keep_on_peers`) only one rank of each position hands its files out, the
+others keeping theirs in their process until a restore asks (`materialize`). `take` only submits the
 calls: the run goes on to its next step at once (generation needs no trained Workhorse), and Ray
 runs a caller's calls to a Workhorse in the order they were made, so the copy is of the state
 after this step, and the next step's first call to that Workhorse waits for it. The copy's
@@ -77,6 +79,9 @@ class Held:
     another node, `SnapshotHolder`'s own object); empty on a single node."""
     peers: frozenset[str] = frozenset()
     """The roles whose replicas are their data-parallel peers' files (none copied: `peers_elsewhere`)."""
+    kept: dict[str, str] = field(default_factory=dict)
+    """Role -> the key its ranks that did not hand their files (reference None) keep them under
+    in their process (`handers`), until `materialize` asks for them."""
 
     @property
     def replicated(self) -> bool:
@@ -88,8 +93,9 @@ class Held:
 class FlashCheckpoints:
     """Takes the in-memory snapshots and the flash checkpoints of one run's trained WholeModels."""
 
-    def __init__(self, run: RunDir, models: Any, roles: tuple[str, ...] = ("actor", "critic")):
-        self.run, self._models, self.roles = run, models, roles
+    def __init__(self, run: RunDir, models: Any, roles: tuple[str, ...] = ("actor", "critic"),
+                 keep_on_peers: bool = False):
+        self.run, self._models, self.roles, self.keep_on_peers = run, models, roles, keep_on_peers
         """`models` holds the WholeModels as attributes named by `roles` (read at each use: a
         replaced model is snapshotted, not the one it replaced)."""
         self.writing: _Writing | None = None
@@ -111,6 +117,8 @@ class FlashCheckpoints:
         """The `Replicator`: the holders of the replicas, one per node (`xray/run/snapshot_holder.py`)."""
         self._moved = True
         """Whether the trained shards' nodes must be looked up again."""
+        self._peer_roles: frozenset[str] = frozenset()
+        """The roles whose replicas were each other's copies at the last snapshot."""
         self._watching = asyncio.Lock()
 
     @property
@@ -130,8 +138,12 @@ class FlashCheckpoints:
         models = self.models
         key = f"{directory}@{uuid.uuid4().hex[:12]}"  # this take's: another caller may snapshot `directory` too
         copies = [m.snapshot(str(directory / role), f"{role}:{key}") for role, m in models.items()]  # in order, now
-        handed = [m.hand_snapshot(str(directory / role), f"{role}:{key}", copy) for (role, m), copy in zip(models.items(), copies)]
-        snapshots = asyncio.ensure_future(self._copied(step, directory, models, copies, handed, trainer_state, persist, key))
+        ranks = {role: None if persist else self._handers(role, m) for role, m in models.items()}
+        handed = [m.hand_snapshot(str(directory / role), f"{role}:{key}", copy, ranks=ranks[role])
+                  for (role, m), copy in zip(models.items(), copies)]
+        kept = {role: f"{role}:{key}" for role, r in ranks.items() if r is not None}
+        snapshots = asyncio.ensure_future(self._copied(step, directory, models, copies, handed, trainer_state, persist,
+                                                       key, kept))
         snapshots.add_done_callback(lambda f: f.cancelled() or f.exception())  # a loss: recovery's to handle
         self._taking = [f for f in self._taking if not f.done()] + [snapshots]
         if persist:
@@ -143,8 +155,20 @@ class FlashCheckpoints:
             self._watcher = asyncio.ensure_future(self._watch())
         return snapshots
 
+    def _handers(self, role: str, model: Any) -> list[int] | None:
+        """The ranks of `role` that hand this snapshot out (`handers`), the others keeping theirs,
+        when `keep_on_peers` and its replicas were each other's copies at the last snapshot, on the
+        nodes they still sit on; else None: every rank hands."""
+        from xray.run.snapshot_holder import handers
+
+        nodes = self._replicas.nodes.get(role) if self._replicas is not None else None
+        if not self.keep_on_peers or self._moved or role not in self._peer_roles or \
+                nodes is None or len(nodes) != model.parallel.world_size:
+            return None
+        return handers(model.parallel, nodes, self._replicas.driver)
+
     async def _copied(self, step: int, directory: Path, models: dict[str, Any], copies: list, handed: list,
-                      trainer_state: dict[str, Any], persist: bool, key: str) -> float:
+                      trainer_state: dict[str, Any], persist: bool, key: str, kept: dict[str, str]) -> float:
         """Once every Workhorse's copy is done and handed over (`handed`: to the WholeModel actors,
         which own the answers), with `persist`, have them write it from there; once every answer is
         in (and replicated), the snapshot is complete."""
@@ -155,14 +179,14 @@ class FlashCheckpoints:
         if persist:
             for role, m in models.items():
                 m.persist_snapshot(f"{role}:{key}", roles[role][1])
-        replicas, peers = await self._replicate(str(directory), models, roles)
-        held = self._held[directory] = Held(step, directory, roles, trainer_state, replicas, peers)
+        replicas, peers = await self._replicate(str(directory), models, roles, set(kept))
+        held = self._held[directory] = Held(step, directory, roles, trainer_state, replicas, peers, kept)
         if self.in_memory is None or step >= self.in_memory.step:
             self.in_memory = held
         self._prune()
         return self.stall_s
 
-    async def _replicate(self, key: str, models: dict[str, Any], roles: dict[str, tuple]
+    async def _replicate(self, key: str, models: dict[str, Any], roles: dict[str, tuple], kept: set[str]
                          ) -> tuple[dict[str, tuple[list[str], list]], frozenset[str]]:
         """A replica of each shard's files on another node: role -> (each rank's node, each rank's
         replica), none on a single node; and the roles whose replicas are their data-parallel
@@ -170,7 +194,7 @@ class FlashCheckpoints:
         made takes its holder's replicas with it (of shards on other nodes, which live on) and
         its shards, whose replicas elsewhere are kept: the snapshot stays usable (CI saw three
         steps' snapshots discarded when a new node's holder, still importing, was lost with its
-        node)."""
+        node). The `kept` roles (some ranks kept their files) count as such roles."""
         from xray.run.snapshot_holder import peers_elsewhere
 
         try:
@@ -183,8 +207,9 @@ class FlashCheckpoints:
         if len(self._replicas.holders) < 2:
             return {}, frozenset()
         nodes = self._replicas.nodes
-        peers = frozenset(role for role, (parallel, _) in roles.items()
-                          if replicas_identical(models[role]) and peers_elsewhere(parallel, nodes[role]))
+        peers = self._peer_roles = frozenset(role for role, (parallel, _) in roles.items()
+                                             if replicas_identical(models[role]) and peers_elsewhere(parallel, nodes[role]))
+        peers |= kept
         copied = {role: refs for role, (_, refs) in roles.items() if role not in peers}
         held = await self._replicas.hold(key, copied) if copied else {}
         if not copied:
@@ -299,16 +324,36 @@ class FlashCheckpoints:
         parallel, refs = held.roles[role]
         if role not in held.replicas or self._replicas is None:
             return {"held": refs, "saved": parallel}
-        nodes, replicas = held.replicas[role]  # a rank whose node left: its replica, or a live peer's file
+        nodes, replicas = held.replicas[role]  # a rank whose node left, or that kept its file: its replica, or a live peer's file
         alive, refs, peers = self._replicas.alive(), list(refs), {}
-        for rank, (node, copy) in enumerate(zip(nodes, replicas)):
-            if node in alive:
+        usable = {rank for rank, ref in enumerate(refs) if ref is not None and nodes[rank] in alive}
+        for rank, copy in enumerate(replicas):
+            if rank in usable:
                 continue
             if copy is not None:
                 refs[rank] = copy
-            elif role in held.peers and (peer := live_peer(parallel, nodes, alive, rank)) is not None:
+            elif role in held.peers and (peer := live_peer(parallel, nodes, alive, rank, usable)) is not None:
                 peers[rank] = peer
         return {"held": refs, "saved": parallel, **({"peers": peers} if peers else {})}
+
+    async def materialize(self, directory: Path) -> None:
+        """Have the ranks that kept their files of the snapshot of `directory` in their process
+        (`Held.kept`) hand them now, where they live (a restore: the handed files of their
+        position may have been lost with their node); a rank lost since adds nothing (its
+        position's handed file stands in for it, `held_for`)."""
+        held = self._held.get(Path(directory))
+        for role, key in (held.kept if held is not None else {}).items():
+            refs = held.roles[role][1]
+            if all(ref is not None for ref in refs):
+                continue
+            try:
+                got = await self.models[role].hand_kept(key)
+            except Exception as exc:  # noqa: BLE001 - the handed files, or the disk, stand in
+                log.warning("%s: its kept snapshot files could not be handed (%s)", role, str(exc).splitlines()[0])
+                continue
+            for rank, ref in got.items():
+                if 0 <= rank < len(refs) and refs[rank] is None:
+                    refs[rank] = ref
 
     def forget_after(self, step: int) -> None:
         """The run went back to `step`: the snapshots after it are of steps it will run again."""

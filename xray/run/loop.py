@@ -129,7 +129,7 @@ async def train(trainer: RLTrainer, run: RunDir, data: RunData, resume: str | No
         if trainer.episodes is not None:
             details["episodes_before"] = dict(trainer.episodes.metrics)
     log.info("eval before training: %.3f", trainer.state.eval_before)
-    checkpoints = FlashCheckpoints(run, trainer.models, trainer.trained)
+    checkpoints = FlashCheckpoints(run, trainer.models, trainer.trained, keep_on_peers=detached is None)
     await guarded(cfg, run, checkpoints, detached is None,
                   lambda stop: train_steps(trainer, run, data, detached, checkpoints, stop, evaluations, rollouts))
     details["metrics_after"] = await evaluations(trainer.state.step)

@@ -46,6 +46,8 @@ async def resume_from(trainer: RLTrainer, directory: Path, data: RunData, detach
     snapshot that never reached the disk); returns where the models' files came from."""
     state = state if state is not None else read_trainer_state(directory)
     models = trainer.models
+    if checkpoints is not None:
+        await checkpoints.materialize(directory)  # files some ranks kept in their process, handed now
     held = {role: checkpoints.held_for(directory, role) if checkpoints else None for role in trainer.trained}
     sources = await asyncio.gather(*[getattr(models, role).load(str(directory / role), **(held[role] or {}))
                                      for role in trainer.trained])

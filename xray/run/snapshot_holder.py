@@ -13,7 +13,11 @@ it does not depend on Ray promoting a copy of a lost object. On a single node th
 and the driver's references are the only copy. A model whose data-parallel replicas' files are
 alike (Megatron: `Engine.replicas_identical`) and sit on several nodes needs no holder: each
 rank's peer on another node holds its snapshot (`peers_elsewhere`), and a restore reads a lost
-rank's file from a live peer (`live_peer`, `TrainEngine.as_rank`); no copy crosses a node.
+rank's file from a live peer (`live_peer`, `TrainEngine.as_rank`); no copy crosses a node. Of such
+a model, in a synchronous run, only one rank per position hands its file out (`handers`, off the
+driver's node): the others keep theirs in their process and hand it only to a restore whose
+handed files were lost with their node (`FlashCheckpoints.materialize`); a lost keeper reads the
+hander's file.
 """
 from __future__ import annotations
 
@@ -38,9 +42,24 @@ def peers_elsewhere(parallel: Any, nodes: list[str]) -> bool:
                                        for r in range(len(nodes)))
 
 
-def live_peer(parallel: Any, nodes: list[str], alive: set[str], rank: int) -> int | None:
-    """A data-parallel peer of `rank` on a live node (its file restores `rank`), or None."""
-    return next((p for p in dp_peers(parallel, rank) if nodes[p] in alive), None)
+def live_peer(parallel: Any, nodes: list[str], alive: set[str], rank: int,
+              usable: set[int] | None = None) -> int | None:
+    """A data-parallel peer of `rank` on a live node (its file restores `rank`), among the ranks
+    `usable` (None: any) whose file is there to read, or None."""
+    return next((p for p in dp_peers(parallel, rank) if nodes[p] in alive and (usable is None or p in usable)), None)
+
+
+def handers(parallel: Any, nodes: list[str], driver: str) -> list[int]:
+    """The ranks that hand their snapshot to the object store when the data-parallel replicas are
+    each other's copies: one per tensor and pipeline position, off the driver's node where one is
+    (`driver`: the node whose cores the driver, the WholeModel actors and the rollout share); the
+    others keep theirs in their process until a restore needs it (`FlashCheckpoints.materialize`)."""
+    out = []
+    for rank in range(len(nodes)):
+        if parallel.coords(rank).dp_rank == 0:
+            place = [rank, *dp_peers(parallel, rank)]
+            out.append(next((r for r in place if nodes[r] != driver), rank))
+    return sorted(out)
 
 
 class SnapshotHolder:

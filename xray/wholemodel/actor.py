@@ -241,7 +241,7 @@ class WholeModelActor:
         return list(self.shards)
 
     async def hand_snapshot(self, directory: str, key: str, after: list, keep: int = 2,
-                            deadline_s: float = 600.0) -> tuple[None, Any]:
+                            deadline_s: float = 600.0, ranks: list[int] | None = None) -> tuple[None, Any]:
         """Have every shard hand over its snapshot of `directory` taken under `key`
         (`TrainWorkhorse.hand_snapshot`: its files as the call's first answer, the shard's own copy
         then freed) with this actor as the answers' owner: they outlive the Workhorses, and the
@@ -251,9 +251,11 @@ class WholeModelActor:
         once every answer is in (not fetched: each hand's second answer says so), failed or not,
         which the caller's next call on the shards waits for; and the outcome: every rank's
         reference to its files, or the failure (returned, not raised: the first answer must not
-        fail the calls that wait for it). The newest `keep` are kept here."""
+        fail the calls that wait for it). The newest `keep` are kept here. `ranks`: only those hand
+        theirs (None: all); the others keep theirs in their process, their references None, until
+        `hand_kept` asks for them."""
         calls = [s.call.options(num_returns=2).remote("hand_snapshot", ((key,), {}), *after[rank:rank + 1])
-                 for rank, s in enumerate(self.shards)]
+                 if ranks is None or rank in ranks else (None, asyncio.sleep(0)) for rank, s in enumerate(self.shards)]
         try:
             await self._gather("hand_snapshot", [ok for _, ok in calls], deadline_s)
         except Exception as exc:  # noqa: BLE001 - the caller's, through the second answer
@@ -265,6 +267,16 @@ class WholeModelActor:
         while len(kept) > keep:
             kept.pop(next(iter(kept)))
         return None, refs
+
+    async def hand_kept(self, key: str) -> dict[int, Any]:
+        """Every shard still keeping its snapshot taken under `key` (`hand_snapshot` left it in its
+        process) hands it now, this actor owning the answers: the rank each was taken as -> its
+        reference (a restore whose handed copies were lost with their node). A shard that keeps
+        none, or fails, adds nothing."""
+        calls = [s.call.options(num_returns=2).remote("hand_snapshot", ((key,), {"missing_ok": True}))
+                 for s in self.shards]
+        taken = await asyncio.gather(*[_as_future(rank) for _, rank in calls], return_exceptions=True)
+        return {rank: files for (files, _), rank in zip(calls, taken) if isinstance(rank, int)}
 
     def kept_snapshot(self, directory: str) -> tuple[ParallelDims, list] | None:
         """The layout the snapshot of `directory` was taken in and every rank's reference to it,

@@ -326,15 +326,15 @@ class WholeModel:
         node id -> standbys held there."""
         return _unwrapped(self._actor.keep_standby.remote(per_node, list(nodes), refill), 60)
 
-    def hand_snapshot(self, directory: str, key: str, after: Pending, keep: int = 2):
+    def hand_snapshot(self, directory: str, key: str, after: Pending, keep: int = 2, ranks: list[int] | None = None):
         """Have every shard hand over its snapshot of `directory` taken under `key` by the call
         `after` (`TrainWorkhorse.snapshot`), right behind it, the WholeModel actor owning the
         answers (they outlive the caller and the Workhorses; the actor keeps the newest `keep` for
         `kept_snapshot`). This handle's next call waits for the hand (as it would behind a hand of
         its own). An awaitable resolved once the answers are in; `handed_snapshot(key)` then gives
-        their references."""
+        their references. `ranks`: only those hand theirs, the others keep it (`hand_kept`)."""
         barrier, outcome = self._actor.hand_snapshot.options(num_returns=2).remote(
-            directory, key, list(after.refs), keep)
+            directory, key, list(after.refs), keep, ranks=ranks)
         self.__dict__["_barrier"] = [barrier]
         handed = self.__dict__.setdefault("_handed", {})
         while len(handed) >= 8:  # outcomes no one asked for
@@ -349,6 +349,11 @@ class WholeModel:
         if outcome is None:
             raise RuntimeError(f"{self.role}: no snapshot was handed under {key!r}; call hand_snapshot first")
         return _handed_refs(outcome)
+
+    def hand_kept(self, key: str):
+        """An awaitable of {rank it was taken as: reference} for the shards that kept their snapshot
+        taken under `key` in their process (`hand_snapshot(ranks=)`), each handed now."""
+        return self._actor.hand_kept.remote(key)
 
     def kept_snapshot(self, directory: str):
         """An awaitable of (the layout it was taken in, every rank's reference) for the snapshot of

@@ -396,14 +396,17 @@ class TrainWorkhorse(Workhorse):
         while len(snapshots) >= KEPT_SNAPSHOTS:  # freed before the copy: never one more in memory
             snapshots.pop(next(iter(snapshots)))
         snapshots[key] = self.engine.snapshot(directory)
+        snapshots[key].taken_as = self.rank  # a survivor's rank may change before a restore asks for it
         self._snapshots = snapshots
         return time.perf_counter() - t0
 
     @fanout(dispatch="all", collect=lambda layout, results: None)
-    def hand_snapshot(self, key: str) -> tuple[dict, bool]:
-        """The snapshot's files (path -> object) and True, this call's two answers (the WholeModel
-        actor calls it with two returns, `WholeModelActor.hand_snapshot`: it keeps the files' and
-        awaits the flag's, which says the files are in the object store without fetching them),
+    def hand_snapshot(self, key: str, missing_ok: bool = False) -> tuple[dict | None, int | None]:
+        """The snapshot's files (path -> object) and the rank it was taken as, this call's two
+        answers (the WholeModel actor calls it with two returns, `WholeModelActor.hand_snapshot`: it
+        keeps the files' and awaits the rank's, which says the files are in the object store
+        without fetching them; `missing_ok`: (None, None) when it holds no such snapshot, as
+        `WholeModelActor.hand_kept` asks of every rank),
         after which this process keeps no copy of them (only what `persist_snapshot` runs after
         writing them: DeepSpeed's `latest` and recovery scripts): the object store keeps the files
         for their owner (the WholeModel actor) after this process dies, a replacement reads them in
@@ -413,13 +416,15 @@ class TrainWorkhorse(Workhorse):
         from xray.backends.snapshot import Snapshot, to_wire
 
         snapshot = getattr(self, "_snapshots", {}).pop(key, None)
+        if snapshot is None and missing_ok:
+            return None, None
         if snapshot is None:
             raise RuntimeError(f"hand_snapshot: no snapshot {key} waits to be handed; take it first")
         handed = self._handed = getattr(self, "_handed", {})
         handed[key] = Snapshot([], snapshot.finish, snapshot.markers)
         while len(handed) > 2 * KEPT_SNAPSHOTS:
             handed.pop(next(iter(handed)))
-        return to_wire(snapshot.held()), True
+        return to_wire(snapshot.held()), snapshot.taken_as
 
     @fanout(dispatch="all", collect=lambda layout, results: None)
     def persist_snapshot(self, key: str, handed: list) -> None:
