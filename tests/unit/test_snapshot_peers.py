@@ -112,3 +112,22 @@ def test_a_kept_file_is_read_from_the_hander_until_its_node_goes_then_from_its_k
     assert checkpoints.held_for(d, "actor") == {"held": ["kept0", "own1"], "saved": parallel, "peers": {1: 0}}
     asyncio.run(checkpoints.materialize(d))  # nothing kept is missing any more: no call
     assert asked == ["actor:k"]
+
+
+def test_ranks_keep_their_files_only_when_a_peer_on_another_node_hands_its_own(tmp_path):
+    from xray.run.checkpoints import FlashCheckpoints
+    from xray.run.outputs import RunDir
+
+    model = SimpleNamespace(parallel=ParallelDims(dp=2))
+    checkpoints = FlashCheckpoints(RunDir(tmp_path / "run", loggers=("jsonl",)), models=None, roles=("actor",),
+                                   keep_on_peers=True)
+    checkpoints._replicas = SimpleNamespace(nodes={"actor": ["head", "worker"]}, driver="head")
+    checkpoints._moved, checkpoints._peer_roles = False, frozenset({"actor"})
+    assert checkpoints._handers("actor", model) == [1]
+    checkpoints._replicas.nodes["actor"] = ["head", "head"]  # both replicas on one node: every rank hands
+    assert checkpoints._handers("actor", model) is None
+    checkpoints._replicas.nodes["actor"] = ["head", "worker"]
+    checkpoints._moved = True  # the nodes are to be looked up again
+    assert checkpoints._handers("actor", model) is None
+    checkpoints._moved, checkpoints.keep_on_peers = False, False  # an asynchronous run's trainer
+    assert checkpoints._handers("actor", model) is None

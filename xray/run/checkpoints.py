@@ -159,11 +159,11 @@ class FlashCheckpoints:
         """The ranks of `role` that hand this snapshot out (`handers`), the others keeping theirs,
         when `keep_on_peers` and its replicas were each other's copies at the last snapshot, on the
         nodes they still sit on; else None: every rank hands."""
-        from xray.run.snapshot_holder import handers
+        from xray.run.snapshot_holder import handers, peers_elsewhere
 
         nodes = self._replicas.nodes.get(role) if self._replicas is not None else None
-        if not self.keep_on_peers or self._moved or role not in self._peer_roles or \
-                nodes is None or len(nodes) != model.parallel.world_size:
+        if not self.keep_on_peers or self._moved or role not in self._peer_roles or nodes is None or \
+                len(nodes) != model.parallel.world_size or not peers_elsewhere(model.parallel, nodes):
             return None
         return handers(model.parallel, nodes, self._replicas.driver)
 
@@ -197,6 +197,7 @@ class FlashCheckpoints:
         node). The `kept` roles (some ranks kept their files) count as such roles."""
         from xray.run.snapshot_holder import peers_elsewhere
 
+        self._peer_roles = frozenset()  # until this look finds them
         try:
             if self._moved or self._replicas is None:  # else the nodes of the last look: no call to Ray's GCS
                 await self.watch_nodes(models)
