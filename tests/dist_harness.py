@@ -12,23 +12,19 @@ libraries once (`PRELOAD`: torch, transformers, megatron-core, DeepSpeed; about 
 rank when each rank imported them itself, spawned). Nothing runs in the server but those imports:
 each rank starts from the state of a fresh import, makes its own process group and engine, and
 exits. A rank's environment is the test's at the call (`os.environ` is handed over and replaces
-the server's).
+the server's). The ranks join at a rendezvous point this process serves for the call
+(`xray/transport/rendezvous.py`: bound before the ranks hear of its port), as Workhorses do.
 """
 from __future__ import annotations
 
 import os
 import queue as queue_module
-import socket
 import time
 import traceback
 
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from xray.transport.rendezvous import open_point, store_at
 
 
 PRELOAD = ["torch", "torch.distributed", "transformers", "transformers.models.llama.modeling_llama",
@@ -50,16 +46,17 @@ def _entry(rank, world_size, port, fn, args, queue, backend="gloo", environ=None
     import torch
     import torch.distributed as dist
 
+    from xray.transport.rendezvous import join_world
+
     if environ is not None:
         os.environ.clear()
         os.environ.update(environ)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     try:
         if backend == "nccl":  # one GPU per rank
             torch.cuda.set_device(rank)
-        dist.init_process_group(backend, rank=rank, world_size=world_size)
+        join_world(backend, "127.0.0.1", port, rank, world_size, 300.0)  # a client of the parent's point
+        os.environ["LOCAL_RANK"] = str(rank)  # DeepSpeed picks its device by it
         result = fn(rank, world_size, *args)
         queue.put((rank, True, result))
     except BaseException:  # noqa: BLE001 - reported to the parent with its traceback
@@ -74,7 +71,8 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 600.0, backend:
     "nccl": rank r on GPU r); their answers in rank order."""
     ctx = _context(backend)
     queue = ctx.Queue()
-    port = free_port()
+    _, port = open_point("127.0.0.1")  # served by this process, bound before the ranks hear of it
+    point = store_at("127.0.0.1", port, world_size, timeout)  # kept alive until the ranks are done
     environ = dict(os.environ)
     procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue, backend, environ), daemon=False)
              for r in range(world_size)]
@@ -101,6 +99,7 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 600.0, backend:
             p.join(timeout=5 if errors else 60)
             if p.is_alive():
                 p.kill()
+        del point
     if errors:
         rank = min(errors)
         raise RuntimeError(f"rank {rank} failed:\n{errors[rank]}")

@@ -1,6 +1,7 @@
 """Rendezvous points of the process groups Workhorses form: a model's world (`Workhorse.address`
 and `init_dist`), a rollout replica's own world (`RolloutWorkhorse.replica_world`,
-`alone_world`) and a weight-sync group (`xray/transport/pg.py`).
+`alone_world`), all three joined through `join_world`, and a weight-sync group
+(`xray/transport/pg.py`).
 
 A point is a `TCPStore` served by one member of the group: the member that opens it
 (`open_point`) binds its store to a port the kernel picks, then tells the others the port, and
@@ -14,6 +15,7 @@ of its own: all must join the same way.
 from __future__ import annotations
 
 import datetime
+import os
 from collections import OrderedDict
 
 from torch.distributed import Store, TCPStore
@@ -45,6 +47,18 @@ def store_at(addr: str, port: int, world: int, timeout_s: float) -> Store:
         store.set_timeout(timeout)
         return store
     return TCPStore(addr, port, world, False, timeout=timeout)
+
+
+def join_world(backend: str, addr: str, port: int, rank: int, world: int, timeout_s: float) -> None:
+    """Make this process's default group: rank `rank` of `world` at point addr:port (`store_at`),
+    with the MASTER_*/RANK/WORLD_SIZE variables set as a launcher would for the libraries that read
+    them (Megatron, vLLM's `external_launcher`)."""
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK="0")
+    dist.init_process_group(backend, store=store_at(addr, port, world, timeout_s), rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def serving() -> list[tuple[str, int]]:

@@ -22,7 +22,6 @@ import time
 import traceback
 import zlib
 from contextlib import contextmanager
-from datetime import timedelta
 from typing import Any, Iterator
 
 import torch
@@ -175,17 +174,13 @@ class Workhorse(BusyRecorder):
         """Join this model's process group: NCCL on GPU, gloo on CPU."""
         import torch.distributed as dist
 
-        from xray.transport.rendezvous import store_at
+        from xray.transport.rendezvous import join_world
 
-        world = self.parallel.world_size
-        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(self.rank),
-                          WORLD_SIZE=str(world), LOCAL_RANK="0")
         backend = "nccl" if self.device == "gpu" else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(0)  # Ray exposes this Workhorse's GPU as device 0
         if not dist.is_initialized():
-            dist.init_process_group(backend, store=store_at(master_addr, master_port, world, timeout_s),
-                                    rank=self.rank, world_size=world, timeout=timedelta(seconds=timeout_s))
+            join_world(backend, master_addr, master_port, self.rank, self.parallel.world_size, timeout_s)
         self.log.info("%s joined %s group of %d at %s:%d", self.role, backend,
                       self.parallel.world_size, master_addr, master_port)
 

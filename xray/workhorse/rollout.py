@@ -63,12 +63,9 @@ class RolloutWorkhorse(Workhorse):
         replica needs a world of its own tp processes: the model's group of all shards only carries
         each replica's rendezvous point (its tp rank 0's address) to the replica's shards, then
         gives way to the replica's own group."""
-        import os
-        from datetime import timedelta
-
         import torch.distributed as dist
 
-        from xray.transport.rendezvous import store_at
+        from xray.transport.rendezvous import join_world
 
         c = self.parallel.coords(self.rank)
         points: list = [None] * self.parallel.world_size
@@ -76,10 +73,7 @@ class RolloutWorkhorse(Workhorse):
         addr, port = points[self.parallel.rank_of(0, 0, c.dp_rank)]
         backend = dist.get_backend()
         dist.destroy_process_group()
-        os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port), RANK=str(c.tp_rank),
-                          WORLD_SIZE=str(self.parallel.tp), LOCAL_RANK="0")
-        dist.init_process_group(backend, store=store_at(addr, port, self.parallel.tp, timeout_s), rank=c.tp_rank,
-                                world_size=self.parallel.tp, timeout=timedelta(seconds=timeout_s))
+        join_world(backend, addr, port, c.tp_rank, self.parallel.tp, timeout_s)
         self.log.info("replica %d: its own group of %d at %s:%d", c.dp_rank, self.parallel.tp, addr, port)
 
     def start_alone(self, master_addr: str, master_port: int) -> ShardInfo:
@@ -91,19 +85,10 @@ class RolloutWorkhorse(Workhorse):
 
     def alone_world(self, addr: str, port: int, timeout_s: float) -> None:
         """The default group of a replica restarted alone: its tp shards, ranked by tp rank."""
-        import os
-        from datetime import timedelta
-
-        import torch.distributed as dist
-
-        from xray.transport.rendezvous import store_at
+        from xray.transport.rendezvous import join_world
 
         c = self.parallel.coords(self.rank)
-        os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port), RANK=str(c.tp_rank),
-                          WORLD_SIZE=str(self.parallel.tp), LOCAL_RANK="0")
-        dist.init_process_group("nccl" if self.device == "gpu" else "gloo",
-                                store=store_at(addr, port, self.parallel.tp, timeout_s),
-                                rank=c.tp_rank, world_size=self.parallel.tp, timeout=timedelta(seconds=timeout_s))
+        join_world("nccl" if self.device == "gpu" else "gloo", addr, port, c.tp_rank, self.parallel.tp, timeout_s)
         self.log.info("replica %d restarted alone: its own group of %d at %s:%d", c.dp_rank, self.parallel.tp,
                       addr, port)
 
