@@ -169,12 +169,50 @@ async def sigterm_during(trainer, step: int, role: str, node: str, sent: list) -
     sent.append((rank, pid, trainer.state.step))
 
 
-def test_a_workhorse_sigterm_shrinks_the_run_from_memory(tmp_path, tiny_model, head_only, caplog):
-    """Both nodes from the start (dp=2, megatron-vllm); the actor's Workhorse on the second node gets
-    SIGTERM during step 3: Ray is told that node drains, and at the next step boundary the train
-    group shrinks to dp=1 on the head, restored from that step's snapshot in memory (no disk, no
-    step run again); the drained node's device is not counted free, so the group does not grow back
-    onto it."""
+def kill_before_snapshot(monkeypatch, step: int, role: str, node: str, killed: list, weights: dict) -> None:
+    """SIGKILL `role`'s Workhorse on node `node` as the snapshot of `step` is taken (after the step,
+    before its copy is asked for): the rank that hands that snapshot out, its peer on the head
+    keeping its own copy (`handers`). `weights`: the model's full weights just before ("taken") and
+    just after the first restore of the run ("restored")."""
+    import time
+
+    from xray.run import resume
+    from xray.run.checkpoints import FlashCheckpoints
+
+    take, resume_from = FlashCheckpoints.take, resume.resume_from
+
+    async def take_after_a_kill(self, at: int, *args, **kwargs):
+        if at == step and not killed:
+            model = getattr(self._models, role)
+            weights["taken"] = await model.state_dict()
+            nodes = [await h.node_id.remote() for h in model.shard_handles()]
+            pid = await model.shard_handles()[nodes.index(node)].pid.remote()
+            os.kill(pid, signal.SIGKILL)
+            while os.path.exists(f"/proc/{pid}") and "zombie" not in open(f"/proc/{pid}/status").read():
+                time.sleep(0.01)
+            killed.append((nodes.index(node), pid))
+        return await take(self, at, *args, **kwargs)
+
+    async def resume_and_read(trainer, *args, **kwargs):
+        source = await resume_from(trainer, *args, **kwargs)
+        if "restored" not in weights:
+            weights["restored"] = await getattr(trainer.models, role).state_dict()
+        return source
+    monkeypatch.setattr(FlashCheckpoints, "take", take_after_a_kill)
+    monkeypatch.setattr(resume, "resume_from", resume_and_read)
+
+
+def test_a_workhorse_sigterm_shrinks_the_run_from_memory(tmp_path, tiny_model, head_only, caplog, monkeypatch):
+    """Both nodes from the start (dp=2, megatron-vllm). The actor's Workhorse on the second node is
+    killed as step 3's snapshot is taken: it is the rank that hands that snapshot out, so the
+    snapshot stands on the copy its peer on the head keeps (`FlashCheckpoints._salvage`), the
+    replacement restores step 3 from it, the same weights bit for bit, and nothing runs again (one
+    step would with that snapshot lost; step 3 is no checkpoint step, at which every rank hands). Then the actor's Workhorse on the second node gets SIGTERM during step 5: Ray is told that
+    node drains, and at the next step boundary the train group shrinks to dp=1 on the head,
+    restored from that step's snapshot in memory (no disk, no step run again); the drained node's
+    device is not counted free, so the group does not grow back onto it."""
+    import torch
+
     from algorithms.rl import rl_trainer
     from xray.run.loop import train
     from xray.run.outputs import RunDir
@@ -182,31 +220,40 @@ def test_a_workhorse_sigterm_shrinks_the_run_from_memory(tmp_path, tiny_model, h
 
     worker = head_only.add_node(**WORKER)
     head_only.wait_for_nodes()
-    path = elastic_config(tmp_path, tiny_model, "megatron-vllm", steps=6)
+    path = elastic_config(tmp_path, tiny_model, "megatron-vllm", steps=7)
     _, cfg, plan, _, _ = resolve(["ppo", "--backend", "megatron-vllm", "--config", str(path),
                                   "--ray-address", head_only.address])
     run = RunDir(tmp_path / "run")
     caplog.set_level(logging.WARNING)
     sent: list = []
+    killed: list = []
+    weights: dict = {}
+    kill_before_snapshot(monkeypatch, 3, "actor", worker.node_id, killed, weights)
     with rl_trainer(cfg, plan, run, head_only.address) as (trainer, data):
         assert trainer.models.actor.parallel.dp == 2
 
         async def main() -> float:
-            term = asyncio.ensure_future(sigterm_during(trainer, 3, "actor", worker.node_id, sent))
+            term = asyncio.ensure_future(sigterm_during(trainer, 5, "actor", worker.node_id, sent))
             try:
                 return await train(trainer, run, data, None)
             finally:
                 term.cancel()
         asyncio.run(main())
-        assert trainer.models.actor.parallel.dp == 1 and trainer.state.step == 6, sent
+        assert trainer.models.actor.parallel.dp == 1 and trainer.state.step == 7, sent
     log = caplog.text
+    (killed_rank, _), = killed
+    assert re.search(rf"snapshot of step 3: actor's copy or hand failed on ranks \[{killed_rank}\] .*; the copies "
+                     rf"ranks \[{1 - killed_rank}\] keep in their processes stand in", log), log[-3000:]
+    assert re.search(r"actor replaced; back at step 3, restored from the in-memory snapshot", log), log[-3000:]
+    taken, restored = weights["taken"], weights["restored"]  # the kept copy restored step 3's weights, bit for bit
+    assert sorted(taken) == sorted(restored) and all(torch.equal(taken[k], restored[k]) for k in taken)
     (rank, pid, sent_at), = sent
     after = re.search(rf"drain notice \(SIGTERM\) from actor rank {rank} \(pid {pid}\); replacing actor after step (\d+)", log)
     assert after and int(after.group(1)) in (sent_at, sent_at + 1), (sent, log[-3000:])  # the step boundary after it
     k = int(after.group(1))
     rows = [json.loads(line) for line in (run.path / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(1, 7)), [r["step"] for r in rows]  # nothing ran again
-    assert [r["elastic/train_group_devices"] for r in rows] == [2.0] * k + [1.0] * (6 - k), rows
+    assert [r["step"] for r in rows] == list(range(1, 8)), [r["step"] for r in rows]  # nothing ran again
+    assert [r["elastic/train_group_devices"] for r in rows] == [2.0] * k + [1.0] * (7 - k), rows
     assert f"train_group: 2 -> 1 devices (actor rank {rank} got SIGTERM: its node {worker.node_id[:8]} drains)" in log
     assert re.search(rf"actor shrank \(train_group\) after a drain notice in [\d.]+ s; at step {k}, restored from "
                      r"the in-memory snapshot", log), log[-3000:]

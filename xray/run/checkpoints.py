@@ -12,7 +12,9 @@ answer (`xray/run/snapshot_holder.py`), which `held_for` reads in place of a sha
 node, and a node's loss loses none of it; a model whose data-parallel replicas' files are alike
 (Megatron) and spread over nodes is its own replica: a lost rank's file is read from a peer's, and
 in a synchronous run (`keep_on_peers`) only one rank of each position hands its files out, the
-others keeping theirs in their process until a restore asks (`materialize`). `take` only submits the
+others keeping theirs in their process until a restore asks (`materialize`); a hander lost while
+the snapshot is taken (its node gone mid-hand) then costs nothing: its keepers' copies stand in
+(`_salvage`), and the restore reads them. `take` only submits the
 calls: the run goes on to its next step at once (generation needs no trained Workhorse), and Ray
 runs a caller's calls to a Workhorse in the order they were made, so the copy is of the state
 after this step, and the next step's first call to that Workhorse waits for it. The copy's
@@ -143,7 +145,7 @@ class FlashCheckpoints:
                   for (role, m), copy in zip(models.items(), copies)]
         kept = {role: f"{role}:{key}" for role, r in ranks.items() if r is not None}
         snapshots = asyncio.ensure_future(self._copied(step, directory, models, copies, handed, trainer_state, persist,
-                                                       key, kept))
+                                                       key, kept, ranks))
         snapshots.add_done_callback(lambda f: f.cancelled() or f.exception())  # a loss: recovery's to handle
         self._taking = [f for f in self._taking if not f.done()] + [snapshots]
         if persist:
@@ -168,13 +170,21 @@ class FlashCheckpoints:
         return handers(model.parallel, nodes, self._replicas.driver)
 
     async def _copied(self, step: int, directory: Path, models: dict[str, Any], copies: list, handed: list,
-                      trainer_state: dict[str, Any], persist: bool, key: str, kept: dict[str, str]) -> float:
+                      trainer_state: dict[str, Any], persist: bool, key: str, kept: dict[str, str],
+                      handing: dict[str, list[int] | None]) -> float:
         """Once every Workhorse's copy is done and handed over (`handed`: to the WholeModel actors,
         which own the answers), with `persist`, have them write it from there; once every answer is
-        in (and replicated), the snapshot is complete."""
-        self.stall_s = max(await asyncio.gather(*copies))
+        in (and replicated), the snapshot is complete. A role whose copy or hand failed on some
+        rank is complete all the same when its keepers' copies cover every position (`_salvage`)."""
+        copied = await asyncio.gather(*copies, return_exceptions=True)
         await asyncio.gather(*handed)  # every hand is done (an outcome each: handed_snapshot's)
-        refs = await asyncio.gather(*[m.handed_snapshot(f"{role}:{key}") for role, m in models.items()])
+        refs = await asyncio.gather(*[m.handed_snapshot(f"{role}:{key}") for role, m in models.items()],
+                                    return_exceptions=True)
+        seconds = [c for c in copied if not isinstance(c, BaseException)]
+        if len(seconds) < len(copied) or any(isinstance(r, BaseException) for r in refs):
+            refs, salvaged = await self._salvage(step, models, copies, copied, refs, handing)
+            seconds += salvaged
+        self.stall_s = max(seconds)
         roles = {role: (m.parallel, r) for (role, m), r in zip(models.items(), refs)}
         if persist:
             for role, m in models.items():
@@ -185,6 +195,39 @@ class FlashCheckpoints:
             self.in_memory = held
         self._prune()
         return self.stall_s
+
+    async def _salvage(self, step: int, models: dict[str, Any], copies: list, copied: list, refs: list,
+                       handing: dict[str, list[int] | None]) -> tuple[list, list[float]]:
+        """A snapshot whose copy or hand failed on some ranks (their process, or their node, died
+        while it was taken): a role whose ranks did not all hand (`handers`: the others keep their
+        copies in their process) stands when, at every tensor and pipeline position, a keeper's
+        copy is done: its references are then all None, the keepers hand theirs at a restore
+        (`materialize`) and they restore the lost ranks too (`held_for`: a live peer). Any other
+        failure is raised, as before (the snapshot is not complete). Returns every role's
+        references and the salvaged copies' seconds."""
+        from xray.run.snapshot_holder import dp_peers
+
+        out, seconds = list(refs), []
+        for i, (role, model) in enumerate(models.items()):
+            cause = next((o for o in (copied[i], refs[i]) if isinstance(o, BaseException)), None)
+            if cause is None:
+                continue
+            if handing.get(role) is None:  # every rank handed: a lost rank's files are gone
+                raise cause
+            outcomes = await asyncio.gather(*copies[i].refs, return_exceptions=True)
+            done = {rank: o for rank, o in zip(copies[i].ranks, outcomes) if not isinstance(o, BaseException)}
+            keepers = set(done) - set(handing[role])
+            parallel = model.parallel
+            if not all(keepers & {rank, *dp_peers(parallel, rank)} for rank in range(parallel.world_size)):
+                raise cause
+            out[i] = [None] * parallel.world_size
+            seconds += [done[rank] for rank in keepers]
+            failures = getattr(cause, "failures", None)  # a WholeModelError's, by rank
+            why = failures[0].message if failures else str(cause)
+            log.warning("snapshot of step %d: %s's copy or hand failed on ranks %s (%s); the copies ranks %s keep in "
+                        "their processes stand in", step, role, [f.rank for f in failures] if failures else "?",
+                        why.splitlines()[0][:160] if why else type(cause).__name__, sorted(keepers))
+        return out, seconds
 
     async def _replicate(self, key: str, models: dict[str, Any], roles: dict[str, tuple], kept: set[str]
                          ) -> tuple[dict[str, tuple[list[str], list]], frozenset[str]]:
