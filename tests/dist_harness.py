@@ -55,8 +55,8 @@ def _entry(rank, world_size, port, fn, args, queue, backend="gloo", environ=None
     try:
         if backend == "nccl":  # one GPU per rank
             torch.cuda.set_device(rank)
-        join_world(backend, "127.0.0.1", port, rank, world_size, 300.0)  # a client of the parent's point
-        os.environ["LOCAL_RANK"] = str(rank)  # DeepSpeed picks its device by it
+        # a client of the parent's point; LOCAL_RANK the rank: DeepSpeed picks its device by it
+        join_world(backend, "127.0.0.1", port, rank, world_size, 300.0, local_rank=rank)
         result = fn(rank, world_size, *args)
         queue.put((rank, True, result))
     except BaseException:  # noqa: BLE001 - reported to the parent with its traceback

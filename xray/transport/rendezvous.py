@@ -49,14 +49,17 @@ def store_at(addr: str, port: int, world: int, timeout_s: float) -> Store:
     return TCPStore(addr, port, world, False, timeout=timeout)
 
 
-def join_world(backend: str, addr: str, port: int, rank: int, world: int, timeout_s: float) -> None:
+def join_world(backend: str, addr: str, port: int, rank: int, world: int, timeout_s: float,
+               local_rank: int = 0) -> None:
     """Make this process's default group: rank `rank` of `world` at point addr:port (`store_at`),
-    with the MASTER_*/RANK/WORLD_SIZE variables set as a launcher would for the libraries that read
-    them (Megatron, vLLM's `external_launcher`)."""
+    with the MASTER_*/RANK/WORLD_SIZE/LOCAL_RANK variables set as a launcher would for the libraries
+    that read them (Megatron, vLLM's `external_launcher`, DeepSpeed's device choice). `local_rank`:
+    0 for a Workhorse, which sees its one device only; the rank's device index where a process
+    sees them all (the test harness's ranks)."""
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK="0")
+                      LOCAL_RANK=str(local_rank))
     dist.init_process_group(backend, store=store_at(addr, port, world, timeout_s), rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=timeout_s))
 
