@@ -62,18 +62,24 @@ async def kill_during(trainer, run, kills: list[tuple], done: list, begun: list[
         done.append((role, trainer.state.step))
 
 
-def train_with_kills(trainer, run, data, kills: list[tuple], quiet: bool = False
+def train_with_kills(trainer, run, data, kills: list[tuple], quiet: bool = False, pad_s: float = 0.0
                      ) -> tuple[float, list[tuple[str, int]]]:
-    """The run's `train` with `kill_during` beside it: (eval after, [(role killed, steps finished then)])."""
+    """The run's `train` with `kill_during` beside it: (eval after, [(role killed, steps finished then)]).
+    `pad_s`: every step lasts that much longer after its work (as a step with more to do would)."""
     from xray.run.loop import train
 
     killed: list[tuple[str, int]] = []
     begun: list[int] = []
     step = trainer.step
 
+    async def padded(*args, **kwargs):
+        metrics = await step(*args, **kwargs)
+        await asyncio.sleep(pad_s)
+        return metrics
+
     def counted(*args, **kwargs):  # the step's coroutine, created once the boundary before it is done
         begun.append(trainer.state.step + 1)
-        return step(*args, **kwargs)
+        return padded(*args, **kwargs) if pad_s else step(*args, **kwargs)
 
     async def main() -> float:
         trainer.step = counted
@@ -152,11 +158,11 @@ def test_dead_workhorses_are_replaced(tmp_path, tiny_model, backend, trained, ca
         kills = [(5, trained, pid[trained], delay)]
         if trained == "actor":  # the rollout lost in step 8; the critic told to drain during step 9
             kills += [(8, "rollout", pid["rollout"], 0.0), (9, "critic", pid["critic"], 0.3, signal.SIGTERM)]
-        if aborting:  # once step 8 has begun (past step 7's reading of notices): seen ~0.2 s in (the inbox is
-            # read every 0.2 s), the rest of a step (0.7-0.8 s on a fast host, 1.5 s on a slow one) outlasts half
-            # the 0.8 s grace, so the step is aborted
+        if aborting:  # once step 8 has begun (past step 7's reading of notices): seen 0.2-0.4 s in (the inbox is
+            # read every 0.2 s), the rest of a step padded by 0.5 s (1.1 s on a fast host, 2 s on a slow one) outlasts
+            # half the 0.8 s grace on any host, so the step is aborted (unpadded, a fast CI host's 0.6 s step was not)
             kills += [(8, "actor", pid["actor"], None, signal.SIGTERM)]
-        _, killed = train_with_kills(trainer, run, data, kills)
+        _, killed = train_with_kills(trainer, run, data, kills, pad_s=0.5 if aborting else 0.0)
         now = {role: {p["pid"] for p in getattr(trainer.models, role).ping().get()} for role in warm}
         model = getattr(trainer.models, trained)  # its rank 0 killed: rank 1 rebuilt in its own process
         assert ray.get(model.shard_handles()[1].pid.remote()) == survivor
